@@ -1,0 +1,286 @@
+"""DraftModel vs Hugging Face transformers (float32, eager attention) on tiny random models."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vllm_ouroboros.draft import DraftModel  # noqa: E402
+from vllm_ouroboros.draft.attention import build_attention_metadata  # noqa: E402
+
+ATOL = 1e-4
+VOCAB = 300
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF init leaves biases at 0 and norms at 1, which would hide bias / norm bugs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
+
+
+def _make_hf(family: str, tie: bool, rope_parameters=None):
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=tie,
+                  max_position_embeddings=256)
+    if rope_parameters is not None:
+        common["rope_parameters"] = rope_parameters
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = (transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM)(cfg)
+    _randomize(model, seed=1 if family == "llama" else 2)
+    return model.float().eval()
+
+
+# llama: rope_theta 5e5, untied LM head. qwen2: q/k/v biases, tied LM head.
+FAMILIES = {
+    "llama": dict(tie=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "qwen2": dict(tie=True, rope_parameters=None),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request, tmp_path_factory):
+    """(hf_model, path): a tiny random HF model saved with safetensors."""
+    family = request.param
+    hf = _make_hf(family, **FAMILIES[family])
+    path = tmp_path_factory.mktemp(family)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf, str(path)
+
+
+def _load(path, num_slots=4, max_len=64) -> DraftModel:
+    m = DraftModel.from_pretrained(path, dtype=torch.float32, device="cpu")
+    m.allocate_cache(num_slots, max_len)
+    return m
+
+
+@torch.no_grad()
+def _hf_hidden(hf, ids) -> torch.Tensor:
+    """Final-normed hidden states of a plain causal sequence. Shape: ids [T] -> [T, H]."""
+    return hf.model(input_ids=torch.as_tensor(ids)[None]).last_hidden_state[0]
+
+
+def _causal(B, Q):
+    return torch.ones(Q, Q, dtype=torch.bool).tril().expand(B, Q, Q)
+
+
+def test_config_and_loading(pair):
+    hf, path = pair
+    m = _load(path)
+    assert (m.vocab_size, m.num_layers, m.num_kv_heads, m.head_dim, m.hidden_size) == (VOCAB, 2, 2, 32, 64)
+    assert m.k_cache.shape == (2, 4, 2, 64, 32)
+    assert (m.lm_head is None) == hf.config.tie_word_embeddings
+    assert all(not p.requires_grad for p in m.parameters())
+
+
+def test_ragged_prefill_then_decode_matches_hf_greedy(pair):
+    hf, path = pair
+    m = _load(path)
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 9, 3]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+    slots = torch.tensor([2, 0, 3])  # not 0..B-1: slot indexing must follow `slots`
+    B, Q = len(lens), max(lens)
+    ids = torch.zeros(B, Q, dtype=torch.long)  # padded with token 0 after each prompt
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    positions = torch.arange(Q).expand(B, Q)
+    h = m(ids, positions, slots, torch.zeros(B, dtype=torch.long), _causal(B, Q))
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(h[b, :len(p)], _hf_hidden(hf, p), atol=ATOL, rtol=0)
+    lg = m.logits(h)
+    assert lg.dtype == torch.float32 and lg.shape == (B, Q, VOCAB)
+    with torch.no_grad():
+        hf_lg = hf(input_ids=prompts[1][None]).logits[0]
+    torch.testing.assert_close(lg[1], hf_lg, atol=ATOL, rtol=0)
+
+    # Incremental decode, committing exactly the real tokens (padding scratch is simply overwritten).
+    cache_lens = torch.tensor(lens)
+    last = h[torch.arange(B), cache_lens - 1]  # [B, H]
+    tok = m.greedy_tokens(last)  # [B]
+    generated = [[] for _ in range(B)]
+    steps = 6
+    for _ in range(steps):
+        for b in range(B):
+            generated[b].append(int(tok[b]))
+        h = m(tok[:, None], cache_lens[:, None], slots, cache_lens, _causal(B, 1),
+              max_cache_len=int(cache_lens.max()))
+        for b in range(B):
+            ref = _hf_hidden(hf, torch.cat([prompts[b], torch.tensor(generated[b])]))[-1]
+            torch.testing.assert_close(h[b, 0], ref, atol=ATOL, rtol=0)
+        cache_lens = cache_lens + 1
+        tok = m.greedy_tokens(h[:, 0])
+    for b in range(B):
+        generated[b].append(int(tok[b]))
+        out = hf.generate(prompts[b][None], max_new_tokens=steps + 1, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+        assert out[0, lens[b]:].tolist() == generated[b]
+
+
+def test_chunked_prefill_mixed_with_decode(pair):
+    """Ragged Q within one forward: row 0 continues its prompt (3 tokens), row 1 decodes 1 token (padded)."""
+    hf, path = pair
+    m = _load(path)
+    g = torch.Generator().manual_seed(4)
+    seq0, seq1 = torch.randint(0, VOCAB, (7,), generator=g), torch.randint(0, VOCAB, (5,), generator=g)
+    slots = torch.tensor([1, 3])
+    # step 1: row 0 prefills 4 tokens, row 1 prefills 4 tokens
+    m(torch.stack([seq0[:4], seq1[:4]]), torch.arange(4).expand(2, 4), slots,
+      torch.zeros(2, dtype=torch.long), _causal(2, 4))
+    # step 2: row 0 gets seq0[4:7] at positions 4..6; row 1 gets seq1[4] + 2 pads
+    ids = torch.stack([seq0[4:7], torch.tensor([int(seq1[4]), 0, 0])])
+    pos = torch.tensor([[4, 5, 6], [4, 5, 6]])
+    h = m(ids, pos, slots, torch.tensor([4, 4]), _causal(2, 3))
+    torch.testing.assert_close(h[0], _hf_hidden(hf, seq0)[4:7], atol=ATOL, rtol=0)
+    torch.testing.assert_close(h[1, 0], _hf_hidden(hf, seq1)[4], atol=ATOL, rtol=0)
+
+
+def _tree_inputs():
+    """Two rows with different prefixes and interleaved branches sharing positions.
+
+    Row 0: prefix of 6; branch A = 3 tokens at positions 6,7,8, branch B = 2 tokens at 6,7, laid out
+    interleaved [a0, b0, a1, b1, a2]. Row 1: prefix of 4; branch C = 5 tokens at 4..8 (a chain).
+    A cache-index RoPE (instead of `positions`) or a causal mask gets both rows wrong.
+    """
+    g = torch.Generator().manual_seed(5)
+    prefix = [torch.randint(0, VOCAB, (6,), generator=g), torch.randint(0, VOCAB, (4,), generator=g)]
+    A, Bb = torch.randint(0, VOCAB, (3,), generator=g), torch.randint(0, VOCAB, (2,), generator=g)
+    C = torch.randint(0, VOCAB, (5,), generator=g)
+    ids = torch.stack([torch.stack([A[0], Bb[0], A[1], Bb[1], A[2]]), C])
+    pos = torch.tensor([[6, 6, 7, 7, 8], [4, 5, 6, 7, 8]])
+    branch = torch.tensor([0, 1, 0, 1, 0])
+    order = torch.arange(5)
+    m0 = (branch[:, None] == branch[None, :]) & (order[None, :] <= order[:, None])
+    mask = torch.stack([m0, torch.ones(5, 5, dtype=torch.bool).tril()])
+    return prefix, (A, Bb, C), ids, pos, mask
+
+
+def _prefill_prefixes(m, prefix, slots):
+    Q = max(len(p) for p in prefix)
+    ids = torch.zeros(len(prefix), Q, dtype=torch.long)
+    for b, p in enumerate(prefix):
+        ids[b, :len(p)] = p
+    m(ids, torch.arange(Q).expand(len(prefix), Q), slots, torch.zeros(len(prefix), dtype=torch.long),
+      _causal(len(prefix), Q))
+    return torch.tensor([len(p) for p in prefix])
+
+
+def test_tree_mask_matches_hf_branches(pair):
+    hf, path = pair
+    m = _load(path)
+    prefix, (A, Bb, C), ids, pos, mask = _tree_inputs()
+    slots = torch.tensor([3, 1])
+    cache_lens = _prefill_prefixes(m, prefix, slots)
+    h = m(ids, pos, slots, cache_lens, mask)
+    ref_a = _hf_hidden(hf, torch.cat([prefix[0], A]))[6:]
+    ref_b = _hf_hidden(hf, torch.cat([prefix[0], Bb]))[6:]
+    ref_c = _hf_hidden(hf, torch.cat([prefix[1], C]))[4:]
+    torch.testing.assert_close(h[0, [0, 2, 4]], ref_a, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h[0, [1, 3]], ref_b, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h[1], ref_c, atol=ATOL, rtol=0)
+    # greedy over a [B, Q] block equals per-token argmax of the logits
+    assert torch.equal(m.greedy_tokens(h), m.logits(h).argmax(-1))
+
+
+def test_rollback_and_partial_commit(pair):
+    """Scratch K/V are invisible until committed by advancing cache_lens; committing a prefix of them works."""
+    hf, path = pair
+    m = _load(path)
+    prefix, (A, Bb, C), ids, pos, mask = _tree_inputs()
+    slots = torch.tensor([3, 1])
+    cache_lens = _prefill_prefixes(m, prefix, slots)
+    x = torch.tensor([[7], [11]])
+    fresh = m(x, cache_lens[:, None], slots, cache_lens, _causal(2, 1))  # before any scratch
+    m(ids, pos, slots, cache_lens, mask)  # scratch: tree tokens written after each prefix
+    again = m(x, cache_lens[:, None], slots, cache_lens, _causal(2, 1))  # rolled back: old cache_lens
+    torch.testing.assert_close(again, fresh, atol=0, rtol=0)
+    torch.testing.assert_close(again[0, 0], _hf_hidden(hf, torch.cat([prefix[0], x[0]]))[-1],
+                               atol=ATOL, rtol=0)
+
+    # Commit row 0's a0 (cache index 6) and row 1's C[0:3] (indices 4..6), then continue.
+    m(ids, pos, slots, cache_lens, mask)
+    committed = cache_lens + torch.tensor([1, 3])
+    y = torch.tensor([[5], [9]])
+    h = m(y, committed[:, None], slots, committed, _causal(2, 1))
+    torch.testing.assert_close(h[0, 0], _hf_hidden(hf, torch.cat([prefix[0], A[:1], y[0]]))[-1],
+                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(h[1, 0], _hf_hidden(hf, torch.cat([prefix[1], C[:3], y[1]]))[-1],
+                               atol=ATOL, rtol=0)
+
+
+def test_ensure_capacity_preserves_cache(pair):
+    hf, path = pair
+    m = _load(path, num_slots=2, max_len=12)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (8,), generator=g), torch.randint(0, VOCAB, (6,), generator=g)]
+    slots = torch.tensor([1, 0])
+    cache_lens = _prefill_prefixes(m, prompts, slots)
+    old_k, old_v = m.k_cache.clone(), m.v_cache.clone()
+    ptr = m.k_cache.data_ptr()
+    m.ensure_capacity(2, 10)  # already large enough: no-op
+    assert m.k_cache.data_ptr() == ptr
+    m.ensure_capacity(5, 40)
+    assert m.k_cache.shape == (2, 5, 2, 40, 32) and m.v_cache.shape == m.k_cache.shape
+    assert torch.equal(m.k_cache[:, :2, :, :12], old_k) and torch.equal(m.v_cache[:, :2, :, :12], old_v)
+    # continue both rows with 20 tokens each (past the old max_len), plus a new slot 4 from scratch
+    ext = torch.randint(0, VOCAB, (2, 20), generator=g)
+    h = m(ext, cache_lens[:, None] + torch.arange(20), slots, cache_lens, _causal(2, 20))
+    for b in range(2):
+        torch.testing.assert_close(h[b], _hf_hidden(hf, torch.cat([prompts[b], ext[b]]))[-20:],
+                                   atol=ATOL, rtol=0)
+    h4 = m(ext[:1], torch.arange(20)[None], torch.tensor([4]), torch.tensor([0]), _causal(1, 20))
+    torch.testing.assert_close(h4[0], _hf_hidden(hf, ext[0]), atol=ATOL, rtol=0)
+
+
+def test_greedy_tokens_chunked(pair):
+    _, path = pair
+    m = _load(path)
+    hidden = torch.randn(3, 7, m.hidden_size)
+    m.logits_chunk_elems = VOCAB * 4  # 4 rows per chunk: 21 rows -> 6 chunks, last one partial
+    assert torch.equal(m.greedy_tokens(hidden), m.logits(hidden).argmax(-1))
+
+
+def test_dense_mask_layout():
+    """Prefix columns visible, new tokens at cache_lens[b] + j' per new_mask, nothing past them."""
+    new_mask = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool)
+    meta = build_attention_metadata(torch.tensor([0, 1]), torch.tensor([3, 1]), new_mask)
+    assert meta.kv_len == 5
+    expect = torch.tensor([
+        [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],  # row 0: prefix 0..2, new tokens at 3, 4
+        [[1, 1, 0, 0, 0], [1, 0, 1, 0, 0]],  # row 1: prefix 0, new tokens at 1, 2 (no causal link)
+    ], dtype=torch.bool)
+    assert torch.equal(meta.dense_mask[:, 0], expect)
+
+
+def test_llama3_rope_scaling_and_sharded_checkpoint(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = _make_hf("llama", tie=True, rope_parameters=rope)
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    m = _load(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(7))
+    h = m(ids, torch.arange(100, 140)[None], torch.tensor([0]), torch.tensor([0]), _causal(1, 40))
+    with torch.no_grad():
+        ref = hf.model(input_ids=ids, position_ids=torch.arange(100, 140)[None]).last_hidden_state
+    torch.testing.assert_close(h, ref, atol=ATOL, rtol=0)
+
+
+def test_unsupported_configs_raise(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2"):
+        DraftModel.from_pretrained(str(tmp_path), torch.float32, "cpu")
+    cfg = dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+               num_attention_heads=1, rope_scaling={"type": "yarn", "factor": 4.0})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NotImplementedError, match="yarn"):
+        DraftModel.from_pretrained(str(tmp_path), torch.float32, "cpu")

@@ -1,0 +1,325 @@
+import random
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from vllm_ouroboros.pool import PhrasePool
+
+T = torch.tensor
+A, B, C, D, E = (1, 1), (2, 2), (3, 3), (4, 4), (5, 5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # these tensors are tiny: thread wake-ups would cost more than the work
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make(vocab=16, L=2, W=2, pages=None, shared=True):
+    pages = vocab if pages is None else pages
+    return PhrasePool(vocab, L, W, PhrasePool.budget_for(vocab, L, W, pages), shared=shared)
+
+
+def ins(pool, key, phrases, owner=0):
+    """Insert rows of one key, in order (later = newer)."""
+    n = len(phrases)
+    pool.insert(T([key] * n), T(phrases), T([owner] * n))
+
+
+def get(pool, key, slot=0, n=None):
+    """Visible phrases of `key` for request `slot`, best first."""
+    phrases, valid = pool.lookup(T([key]), T([slot]), n or pool.W)
+    return [tuple(p) for p, v in zip(phrases[0].tolist(), valid[0].tolist()) if v]
+
+
+def test_lru_within_key():
+    pool = make(W=2)
+    ins(pool, 7, [A])
+    ins(pool, 7, [B])
+    ins(pool, 7, [C])
+    assert get(pool, 7) == [C, B]
+    ins(pool, 7, [B])  # refreshes B to newest: C is now the oldest
+    ins(pool, 7, [D])
+    # tempting wrong answer: [D, C] -- evicting B because it was first inserted before C
+    assert get(pool, 7) == [D, B]
+
+
+def test_duplicates_in_one_batch_count_once_newest_wins():
+    pool = make(W=3)
+    pool.insert(T([5, 5, 5, 5]), T([A, B, A, C]), T([0, 1, 2, 3]),
+                valid=T([True, True, True, False]))
+    # tempting wrong answers: [A, B, A] (stored twice), or A ranked by its first occurrence
+    assert get(pool, 5, slot=9) == [A, B]
+    assert pool.num_phrases() == 2
+    assert get(pool, 5, slot=1) == [B, A]  # B is slot 1's own; the newest A belongs to slot 2
+    assert get(pool, 5, slot=2) == [A, B]
+
+
+def test_more_than_W_new_phrases_in_one_batch_keep_newest_W():
+    pool = make(W=2)
+    ins(pool, 3, [E])
+    ins(pool, 3, [A, B, C, D])
+    assert get(pool, 3) == [D, C]  # E and the two oldest incoming phrases are gone
+    ins(pool, 3, [A, B, A])        # with duplicates: two distinct phrases, A newest
+    assert get(pool, 3) == [A, B]
+
+
+def test_batched_lookup_with_unseen_key():
+    pool = make(vocab=16, L=2, W=3)
+    pool.insert(T([1, 2, 1, 4]), T([A, B, C, D]), T([0, 0, 0, 0]))
+    phrases, valid = pool.lookup(T([1, 9, 4, 2, -1]), T([0, 0, 0, 0, 0]), 2)
+    assert phrases.shape == (5, 2, 2) and valid.shape == (5, 2)
+    assert valid.tolist() == [[True, True], [False, False], [True, False], [True, False],
+                              [False, False]]
+    assert phrases[0].tolist() == [list(C), list(A)]
+    assert phrases[2, 0].tolist() == list(D) and phrases[3, 0].tolist() == list(B)
+    assert (phrases[~valid] == 0).all()  # padding is 0 tokens
+    s = pool.stats()
+    assert (s["lookups"], s["hits"], s["phrases_returned"]) == (5, 3, 4)
+
+
+def test_own_first_ranking_shared_and_invisibility_not_shared():
+    for shared in (True, False):
+        pool = make(W=4, shared=shared)
+        ins(pool, 8, [A], owner=0)
+        ins(pool, 8, [B], owner=1)
+        ins(pool, 8, [C], owner=0)
+        ins(pool, 8, [D], owner=-1)
+        if shared:
+            # tempting wrong answer: [D, C, B, A] -- pure recency, ignoring ownership
+            assert get(pool, 8, slot=0) == [C, A, D, B]
+            assert get(pool, 8, slot=1) == [B, D, C, A]
+            assert get(pool, 8, slot=2) == [D, C, B, A]
+        else:
+            assert get(pool, 8, slot=0) == [C, A]
+            assert get(pool, 8, slot=1) == [B]
+            assert get(pool, 8, slot=2) == []
+
+
+def test_release_shared_keeps_phrases_for_everyone():
+    pool = make(W=4, shared=True)
+    ins(pool, 8, [A], owner=0)
+    ins(pool, 8, [B], owner=1)
+    pool.release(T([0]))
+    assert pool.num_phrases() == 2
+    assert get(pool, 8, slot=1) == [B, A]
+    assert get(pool, 8, slot=0) == [B, A]  # a new request in slot 0 does not own A any more
+
+
+def test_release_not_shared_deletes_and_frees_pages():
+    pool = make(W=4, pages=2, shared=False)
+    ins(pool, 8, [A], owner=0)
+    ins(pool, 8, [B], owner=1)
+    ins(pool, 9, [C], owner=0)
+    pool.release(T([0, 5]))
+    assert get(pool, 8, slot=0) == [] and get(pool, 8, slot=1) == [B]
+    assert pool.num_phrases() == 1 and pool.num_keys() == 1
+    assert pool.key_to_page[9] == -1  # its page is free again, not waiting for LRU eviction
+    ins(pool, 10, [D], owner=2)
+    assert pool.key_to_page[8] >= 0 and get(pool, 10, slot=2) == [D]
+    assert pool.stats()["page_evictions"] == 0
+
+
+def test_page_eviction_lru_and_current_keys_survive():
+    pool = make(vocab=10, W=2, pages=3)
+    assert pool.num_pages == 3
+    for k in (1, 2, 3):
+        ins(pool, k, [A])
+    get(pool, 1)       # touches key 1's page
+    ins(pool, 4, [B])
+    mapped = lambda: [k for k in range(10) if pool.key_to_page[k] >= 0]
+    # tempting wrong answer: [2, 3, 4] -- evicting key 1 as the first inserted, ignoring the lookup
+    assert mapped() == [1, 3, 4]
+    # key 3 is now the LRU page, but it is written in this call, so key 1 goes instead
+    pool.insert(T([3, 5]), T([B, C]), T([0, 0]))
+    assert mapped() == [3, 4, 5]
+    assert get(pool, 3) == [B, A] and get(pool, 5) == [C]  # recycled page holds only new phrases
+    # more new keys than pages in one call: the newest keys win
+    pool.insert(T([6, 7, 8, 9]), T([A, B, C, D]), T([0, 0, 0, 0]))
+    assert mapped() == [7, 8, 9]
+    assert get(pool, 7) == [B] and get(pool, 9) == [D]
+    assert pool.stats()["page_evictions"] == 1 + 1 + 3
+    assert pool.memory_bytes() <= pool.budget_bytes
+
+
+def test_million_phrases_stay_within_budget():
+    V, L, W, budget = 151936, 4, 8, 8 << 20
+    pool = PhrasePool(V, L, W, budget)
+    assert pool.memory_bytes() <= budget
+    g = torch.Generator().manual_seed(0)
+    newest = {}
+    batches, rows = 100, 10000
+    for b in range(batches):
+        keys = torch.randint(0, V, (rows,), generator=g)
+        phrases = torch.randint(0, V, (rows, L), generator=g)
+        pool.insert(keys, phrases, torch.zeros(rows, dtype=torch.long))
+        if b >= batches - 2:  # 20k rows need ~20k pages; the pool has ~35k
+            newest.update(zip(keys.tolist(), map(tuple, phrases.tolist())))
+    assert pool.memory_bytes() <= budget and pool.num_pages < 40000
+    assert pool.stats()["page_evictions"] > 0
+    keys = T(list(newest))
+    phrases, valid = pool.lookup(keys, torch.zeros_like(keys), 1)
+    assert valid.all()
+    assert [tuple(p) for p in phrases[:, 0].tolist()] == list(newest.values())
+
+
+def test_replace_refines():
+    pool = make(W=3)
+    ins(pool, 2, [A, B])
+    pool.replace(T([2]), T([A]), T([C]), T([0]))
+    assert get(pool, 2) == [C, B]
+    pool = make(W=2)
+    ins(pool, 2, [A, B])
+    pool.replace(T([2]), T([B]), T([C]), T([0]))
+    # tempting wrong answer: [C] -- inserting first evicts A from the full key, then B is removed
+    assert get(pool, 2) == [C, A]
+    pool.replace(T([2, 2]), T([E, A]), T([D, B]), T([0, 0]), valid=T([True, False]))
+    assert get(pool, 2) == [D, C]  # E was absent: D is still inserted; the invalid row is ignored
+
+
+def test_remove():
+    pool = make(W=3)
+    ins(pool, 2, [A, B, C])
+    pool.remove(T([2, 2, 2, 5]), T([A, A, C, B]), valid=T([True, True, False, True]))
+    assert get(pool, 2) == [C, B]
+
+
+def test_save_load_round_trip_and_mismatch(tmp_path):
+    pool = make(vocab=32, L=3, W=4, shared=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        pool.insert(torch.randint(0, 32, (20,), generator=g),
+                    torch.randint(0, 5, (20, 3), generator=g),
+                    torch.randint(-1, 3, (20,), generator=g))
+    pool.save(tmp_path / "pool.pt")
+    loaded = PhrasePool.load(tmp_path / "pool.pt")
+    keys = torch.arange(32).repeat(4)
+    slots = torch.arange(-1, 3).repeat_interleave(32)
+    for a, b in zip(pool.lookup(keys, slots, 4), loaded.lookup(keys, slots, 4)):
+        assert torch.equal(a, b)
+    assert loaded.stats() == pool.stats()
+    for kw, name in ((dict(vocab=33, L=3, W=4), "vocab_size"),
+                     (dict(vocab=32, L=2, W=4), "phrase_len"),
+                     (dict(vocab=32, L=3, W=5), "phrases_per_key")):
+        with pytest.raises(ValueError, match=name):
+            make(**kw).load_state_dict(pool.state_dict())
+
+
+def test_load_into_smaller_budget_keeps_recent_pages():
+    pool = make(vocab=10, W=2, pages=4)
+    for k in (1, 2, 3, 4):
+        ins(pool, k, [A, B])
+    get(pool, 1)
+    small = make(vocab=10, W=2, pages=2)
+    small.load_state_dict(pool.state_dict())
+    mapped = lambda: [k for k in range(10) if small.key_to_page[k] >= 0]
+    assert mapped() == [1, 4]
+    ins(small, 5, [C])  # the loaded clock keeps LRU order consistent: key 4 is older than key 1
+    assert mapped() == [1, 5]
+    assert get(small, 1) == [B, A] and get(small, 5) == [C]
+
+
+def test_budget_too_small_raises():
+    need = PhrasePool.budget_for(151936, 4, 16, 1)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PhrasePool(151936, 4, 16, need - 1)
+    pool = PhrasePool(151936, 4, 16, need)
+    assert pool.num_pages == 1 and pool.memory_bytes() == need
+
+
+class RefPool:
+    """Pure-Python reference: key -> OrderedDict(phrase -> owner), oldest first, no page limit."""
+
+    def __init__(self, W, shared):
+        self.W, self.shared, self.d = W, shared, {}
+
+    def insert(self, keys, phrases, owners, valid):
+        for k, p, o, v in zip(keys, phrases, owners, valid):
+            if v:
+                od = self.d.setdefault(k, OrderedDict())
+                od.pop(p, None)
+                od[p] = o
+                if len(od) > self.W:
+                    od.popitem(last=False)
+
+    def remove(self, keys, phrases, valid):
+        for k, p, v in zip(keys, phrases, valid):
+            if v:
+                self.d.get(k, {}).pop(p, None)
+
+    def release(self, slots):
+        for od in self.d.values():
+            for p, o in list(od.items()):
+                if o in slots:
+                    if self.shared:
+                        od[p] = -1  # keeps its position
+                    else:
+                        del od[p]
+
+    def lookup(self, key, slot, n):
+        items = list(self.d.get(key, {}).items())[::-1]
+        own = [p for p, o in items if o == slot]
+        return (own + ([p for p, o in items if o != slot] if self.shared else []))[:n]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_randomized_against_reference(shared):
+    V, L, W, slots = 12, 2, 3, 4
+    rng = random.Random(shared)
+    pool, ref = make(vocab=V, L=L, W=W, shared=shared), RefPool(W, shared)
+
+    def rows(n):
+        keys = [rng.randrange(V) for _ in range(n)]
+        phrases = [tuple(rng.randrange(3) for _ in range(L)) for _ in range(n)]
+        owners = [rng.randrange(-1, slots) for _ in range(n)]
+        valid = [rng.random() < 0.8 for _ in range(n)]
+        return keys, phrases, owners, valid
+
+    all_keys = torch.arange(V).repeat(slots + 1)
+    all_slots = torch.arange(-1, slots).repeat_interleave(V)
+    for step in range(300):
+        op = rng.random()
+        if op < 0.55:
+            keys, phrases, owners, valid = rows(rng.randrange(1, 25))
+            pool.insert(T(keys), T(phrases), T(owners), T(valid))
+            ref.insert(keys, phrases, owners, valid)
+        elif op < 0.75:
+            keys, old, owners, valid = rows(rng.randrange(1, 10))
+            new = [tuple(rng.randrange(3) for _ in range(L)) for _ in keys]
+            pool.replace(T(keys), T(old), T(new), T(owners), T(valid))
+            ref.remove(keys, old, valid)
+            ref.insert(keys, new, owners, valid)
+        elif op < 0.9:
+            keys, phrases, _, valid = rows(rng.randrange(1, 10))
+            pool.remove(T(keys), T(phrases), T(valid))
+            ref.remove(keys, phrases, valid)
+        else:
+            released = rng.sample(range(slots), rng.randrange(1, 3))
+            pool.release(T(released))
+            ref.release(released)
+        n = rng.randrange(1, W + 1)
+        phrases, valid = pool.lookup(all_keys, all_slots, n)
+        rows_out = zip(all_keys.tolist(), all_slots.tolist(), phrases.tolist(), valid.tolist())
+        for k, s, p, v in rows_out:
+            got = [tuple(x) for x, ok in zip(p, v) if ok]
+            assert got == ref.lookup(k, s, n), (step, k, s)
+        assert pool.num_phrases() == sum(len(od) for od in ref.d.values())
+    assert pool.stats()["page_evictions"] == 0
+
+
+def test_batched_ops_need_no_host_sync():
+    # on the meta device every data-dependent step (.item(), bool(), masks, nonzero, unique) raises
+    pool = PhrasePool(1000, 4, 8, PhrasePool.budget_for(1000, 4, 8, 50), device="meta")
+    keys = torch.zeros(64, dtype=torch.long, device="meta")
+    phrases = torch.zeros(64, 4, dtype=torch.long, device="meta")
+    valid = torch.ones(64, dtype=torch.bool, device="meta")
+    pool.insert(keys, phrases, keys, valid)
+    out, ok = pool.lookup(keys, keys, 4)
+    assert out.shape == (64, 4, 4) and ok.shape == (64, 4)
+    pool.replace(keys, phrases, phrases, keys, valid)
+    pool.remove(keys, phrases, valid)
+    pool.release(keys[:3])

@@ -1,0 +1,141 @@
+"""Tiny random Llama/Qwen2 models and a BPE tokenizer, built when the tests start.
+
+No model hub is reachable, so tests make their own models. head_dim is 32 because vLLM's CPU
+attention accepts head_dim >= 32 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+_CORPUS_LINES = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "import numpy as np\nx = np.zeros((3, 4))\n",
+    "Once upon a time there was a small model that wanted to speak quickly.",
+    "if x > 0 and y < 0:\n    return None\nelse:\n    return x - y\n",
+    "Speculative decoding drafts tokens with a small model and verifies them.",
+]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
+    """Train a byte-level BPE tokenizer and save it as a HF fast tokenizer in `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS_LINES * 50, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+    )
+    fast.save_pretrained(out_dir)
+
+
+def build_model(
+    out_dir: Path,
+    arch: str = "qwen2",
+    seed: int = 0,
+    vocab_size: int = 384,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    init_std: float = 0.08,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """Save a random decoder model plus the shared tokenizer to `out_dir` and return it.
+
+    A larger `init_std` than HF's default makes greedy outputs depend on the context (the
+    default 0.02 gives near-uniform logits, so every prompt decodes the same loop).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = cfg_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        initializer_range=init_std,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir, vocab_size=vocab_size)
+    # Older readers look for these keys.
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("rope_theta", 10000.0)
+    cfg["torch_dtype"] = "float32"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
+    """Copy a model with Gaussian noise (relative to each weight's std) on every weight.
+
+    A perturbed copy of the target is a draft that agrees with it often but not always, which
+    is what exercises rejections, corrections and inspiration.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.std() * noise)
+    dst = Path(dst)
+    model.save_pretrained(dst, safe_serialization=True)
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            (dst / name).write_bytes((Path(src) / name).read_bytes())
+    return dst
+
+
+def model_pair(root: Path) -> dict[str, Path]:
+    """Tiny models under `root`: the target, a perturbed-copy draft, and a Llama model.
+
+    Returns {"target", "draft", "llama"} paths; built once, reused when present.
+    """
+    root = Path(root)
+    paths = {"target": root / "target", "draft": root / "draft", "llama": root / "llama"}
+    if not (root / "llama" / "config.json").exists():
+        build_model(paths["target"], seed=1)
+        perturbed_copy(paths["target"], paths["draft"], noise=0.15, seed=2)
+        build_model(paths["llama"], arch="llama", seed=3)
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(model_pair(Path(sys.argv[1] if len(sys.argv) > 1 else os.getcwd())))

@@ -1,0 +1,199 @@
+"""OuroborosConfig: every knob of the method, validated once, with errors that name the fix.
+
+Users write the knobs into vLLM's speculative config next to vLLM's own keys:
+    {"method": "ouroboros", "model": "/path/to/draft", "gamma": 4, "num_suffixes": 1}
+`split_speculative_config` separates ours from vLLM's; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+METHOD = "ouroboros"
+
+
+class OuroborosConfigError(ValueError):
+    """A bad Ouroboros setting; the message says which key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class OuroborosConfig:
+    """Settings of one Ouroboros deployment (names follow algorithm.md).
+
+    CPU-friendly defaults: on a compute-bound device every extra token in a forward costs time,
+    so the lookahead window and guess set are small; see README for the GPU settings.
+    """
+
+    draft_model: str
+    # Minimum sentence-draft length per round (tokens); the draft may overshoot by < beta.
+    gamma: int = 4
+    # Phrase length in tokens including its key token (a stored phrase has beta-1 tokens).
+    beta: int = 4
+    # Lookahead (Jacobi) window columns, and phrases kept per key in the pool.
+    window_size: int = 4
+    # Pool phrases the draft verifies per draft forward (guess branch).
+    num_guesses: int = 4
+    # Candidate suffixes appended to the sentence draft (K). Chain verification uses 1.
+    num_suffixes: int = 1
+    # Cap on tokens sent to the target per round (draft + suffix); None: derived.
+    num_speculative_tokens: int | None = None
+    # Device memory for the phrase pool, MiB.
+    pool_budget_mb: float = 64.0
+    # Share one pool across requests (warm start) instead of one private view per request.
+    warm_start: bool = True
+    pool_load_path: str | None = None
+    pool_save_path: str | None = None
+    # Mechanism switches, for ablations.
+    use_lookahead: bool = True
+    use_guesses: bool = True
+    use_suffixes: bool = True
+    use_inspiration: bool = True
+    use_refinement: bool = True
+    # Draft weights dtype; "auto" follows the target's dtype.
+    draft_dtype: str = "auto"
+    # Upper bound on draft forwards in one round, whatever the draft's progress.
+    max_draft_forwards: int = 16
+    # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
+    draft_initial_len: int = 2048
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def phrase_len(self) -> int:
+        """Tokens stored per phrase (beta - 1)."""
+        return self.beta - 1
+
+    @property
+    def max_draft_len(self) -> int:
+        """Longest sentence draft a round can produce: gamma - 1 + one last forward of beta."""
+        return self.gamma - 1 + self.beta
+
+    def spec_tokens(self) -> int:
+        """Tokens per round sent to the target: draft plus the appended suffix, capped."""
+        derived = self.max_draft_len + (self.phrase_len if self.use_suffixes else 0)
+        if self.num_speculative_tokens is None:
+            return derived
+        return self.num_speculative_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OuroborosConfig":
+        return cls(**d)
+
+
+# Allowed ranges: (min, max) inclusive; None = unbounded.
+_INT_RANGES = {
+    "gamma": (1, 64),
+    "beta": (2, 16),
+    "window_size": (1, 64),
+    "num_guesses": (0, 64),
+    "num_suffixes": (0, 8),
+    "num_speculative_tokens": (1, 128),  # vLLM's rejection sampler allows 128
+    "max_draft_forwards": (1, 128),
+    "draft_initial_len": (16, None),
+}
+_BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig) if f.type in ("bool", bool)}
+OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"extra", "draft_model"}
+
+
+def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> OuroborosConfig:
+    """Check every field; raise OuroborosConfigError naming the key and the allowed values."""
+    for key, (lo, hi) in _INT_RANGES.items():
+        value = getattr(cfg, key)
+        if value is None and key == "num_speculative_tokens":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise OuroborosConfigError(f"ouroboros: '{key}' must be an integer, got {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise OuroborosConfigError(f"ouroboros: '{key}'={value} is out of range {bound}")
+    for key in _BOOL_KEYS:
+        if not isinstance(getattr(cfg, key), bool):
+            raise OuroborosConfigError(f"ouroboros: '{key}' must be true or false")
+    if cfg.num_guesses > cfg.window_size:
+        raise OuroborosConfigError(
+            f"ouroboros: num_guesses={cfg.num_guesses} exceeds window_size={cfg.window_size}; "
+            "the pool keeps window_size phrases per key, so at most that many can be guessed"
+        )
+    if cfg.num_suffixes > cfg.window_size:
+        raise OuroborosConfigError(
+            f"ouroboros: num_suffixes={cfg.num_suffixes} exceeds window_size={cfg.window_size}"
+        )
+    if not isinstance(cfg.pool_budget_mb, (int, float)) or cfg.pool_budget_mb <= 0:
+        raise OuroborosConfigError(
+            f"ouroboros: 'pool_budget_mb' must be a positive number, got {cfg.pool_budget_mb!r}"
+        )
+    if cfg.draft_dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise OuroborosConfigError(
+            f"ouroboros: 'draft_dtype'={cfg.draft_dtype!r}; use auto, float32, float16 or bfloat16"
+        )
+    if cfg.pool_load_path is not None and not os.path.isfile(cfg.pool_load_path):
+        raise OuroborosConfigError(
+            f"ouroboros: 'pool_load_path' {cfg.pool_load_path!r} does not exist"
+        )
+    _validate_draft(cfg.draft_model, target_vocab_size)
+    return cfg
+
+
+def _validate_draft(path: str | None, target_vocab_size: int | None) -> None:
+    if not path:
+        raise OuroborosConfigError(
+            "ouroboros: the draft model is missing; pass it as speculative_config 'model' "
+            "(a local Hugging Face directory) or --spec-model"
+        )
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise OuroborosConfigError(
+            f"ouroboros: draft model {path!r} is not a local model directory with a config.json"
+        )
+    with open(config_path) as f:
+        draft_cfg = json.load(f)
+    vocab = draft_cfg.get("vocab_size") or draft_cfg.get("text_config", {}).get("vocab_size")
+    if target_vocab_size is not None and vocab != target_vocab_size:
+        raise OuroborosConfigError(
+            f"ouroboros: draft vocabulary ({vocab} tokens, {path}) differs from the target's "
+            f"({target_vocab_size}); draft and target must share one tokenizer"
+        )
+
+
+def split_speculative_config(spec: dict[str, Any], vllm_keys: set[str]) -> tuple[OuroborosConfig, dict[str, Any]]:
+    """Split a user speculative config into (OuroborosConfig, the keys vLLM keeps).
+
+    `spec` has method == "ouroboros". `vllm_keys` are the field names of vLLM's SpeculativeConfig.
+    Unknown keys raise, listing ours; vLLM keys that make no sense here are rejected too.
+    """
+    spec = dict(spec)
+    spec.pop("method", None)
+    draft = spec.pop("model", None)
+    ours = {k: spec.pop(k) for k in list(spec) if k in OUROBOROS_KEYS}
+    # These vLLM keys describe a vLLM-managed draft model or a different method.
+    rejected = {"method", "model", "quantization", "draft_tensor_parallel_size", "revision",
+                "code_revision", "speculative_token_tree", "prompt_lookup_min",
+                "prompt_lookup_max"}
+    for key in list(spec):
+        if key in ("target_model_config", "target_parallel_config"):
+            continue
+        if key not in vllm_keys:
+            raise OuroborosConfigError(
+                f"ouroboros: unknown speculative_config key '{key}'. Ouroboros keys: "
+                f"{', '.join(sorted(OUROBOROS_KEYS))}; or a vLLM SpeculativeConfig field"
+            )
+        if key in rejected:
+            raise OuroborosConfigError(
+                f"ouroboros: speculative_config key '{key}' is not used by the ouroboros method"
+            )
+    # num_speculative_tokens is both vLLM's (scheduler budget) and ours (cap): keep them equal.
+    if "num_speculative_tokens" in spec:
+        ours["num_speculative_tokens"] = spec.pop("num_speculative_tokens")
+    try:
+        cfg = OuroborosConfig(draft_model=draft, **ours)
+    except TypeError as e:  # pragma: no cover - keys were filtered above
+        raise OuroborosConfigError(f"ouroboros: {e}") from e
+    return cfg, spec

@@ -1,0 +1,118 @@
+"""Draft-model attention: new tokens over [committed prefix of their slot | new tokens, custom mask].
+
+Cache layout (one layer): k_cache, v_cache [num_slots, num_kv_heads, max_len, head_dim].
+Row b of a forward owns slot slots[b]; its committed prefix is cache indices [0, cache_lens[b]) and its
+Q new tokens are written (by `write_kv`) at indices cache_lens[b] .. cache_lens[b]+Q-1, a scratch area
+that the caller commits later, or not, by advancing its own cache_lens.
+
+`prefix_and_masked_attention` is the plain-torch reference; a Triton kernel replaces it under the same
+contract. Everything that does not depend on the layer (indices, the dense mask) lives in
+`DraftAttentionMetadata`, built once per forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftAttentionMetadata:
+    """Per-forward attention inputs, shared by every layer."""
+
+    slots: torch.Tensor  # [B] int64: cache slot of each row; distinct across rows
+    cache_lens: torch.Tensor  # [B] int64: committed prefix length of each row's slot
+    new_mask: torch.Tensor  # [B, Q, Q] bool: query j sees new token j' iff new_mask[b, j, j']
+    write_pos: torch.Tensor  # [B, Q] int64: cache index of new token j, cache_lens[b] + j
+    kv_len: int  # max(cache_lens) + Q: the cache columns [0, kv_len) any row can read
+
+    @functools.cached_property
+    def dense_mask(self) -> torch.Tensor:
+        """[B, 1, Q, kv_len] bool: True where query j of row b sees cache column c.
+
+        Column c is visible iff c < cache_lens[b] (committed prefix), or c = cache_lens[b] + j' with
+        new_mask[b, j, j'] (a new token). Columns past cache_lens[b] + Q are stale or empty: never visible.
+        """
+        B, Q, _ = self.new_mask.shape
+        cols = torch.arange(self.kv_len, device=self.cache_lens.device)  # [kv_len]
+        rel = cols[None, :] - self.cache_lens[:, None]  # [B, kv_len]: index among new tokens
+        in_new = (rel >= 0) & (rel < Q)  # [B, kv_len]
+        rel_idx = rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, self.kv_len)  # [B, Q, kv_len]
+        sees_new = torch.gather(self.new_mask, 2, rel_idx) & in_new[:, None, :]  # [B, Q, kv_len]
+        return ((rel < 0)[:, None, :] | sees_new)[:, None]
+
+
+def build_attention_metadata(
+    slots: torch.Tensor,
+    cache_lens: torch.Tensor,
+    new_mask: torch.Tensor,
+    max_cache_len: int | None = None,
+) -> DraftAttentionMetadata:
+    """Shape: slots [B] int64, cache_lens [B] int64, new_mask [B, Q, Q] bool.
+
+    max_cache_len: max(cache_lens) if the caller knows it on the host; otherwise it is read from the
+    device (one synchronisation). Any value >= max(cache_lens) is correct (the extra columns are masked).
+    """
+    B, Q, Q2 = new_mask.shape
+    assert Q == Q2 and slots.shape == (B,) and cache_lens.shape == (B,), (
+        slots.shape, cache_lens.shape, new_mask.shape)
+    if max_cache_len is None:
+        max_cache_len = int(cache_lens.max().item()) if B > 0 else 0
+    write_pos = cache_lens[:, None] + torch.arange(Q, device=cache_lens.device)  # [B, Q]
+    return DraftAttentionMetadata(slots, cache_lens, new_mask.to(torch.bool), write_pos,
+                                  max_cache_len + Q)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: DraftAttentionMetadata,
+) -> None:
+    """Write the new tokens' K/V into their rows' scratch area: cache[slots[b], :, cache_lens[b] + j] = k[b, j].
+
+    Shape: k_cache, v_cache [num_slots, num_kv_heads, max_len, head_dim] (one layer);
+           k, v [B, Q, num_kv_heads, head_dim].
+    The caller guarantees cache_lens[b] + Q <= max_len (not checked: that would synchronise).
+    """
+    slot_idx = meta.slots[:, None]  # [B, 1], broadcast against write_pos [B, Q]
+    k_cache[slot_idx, :, meta.write_pos] = k
+    v_cache[slot_idx, :, meta.write_pos] = v
+
+
+def prefix_and_masked_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DraftAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of Q new tokens per row over their slot's committed prefix and the new tokens it may see.
+
+    out[b, h, j] = softmax_c(scale * q[b, h, j] . K[c]) V[c] over cache columns c of slot slots[b] with
+    c < cache_lens[b], or c = cache_lens[b] + j' and new_mask[b, j, j']. The new K/V must already be
+    in the cache (`write_kv`). Query head h uses kv head h // (Hq // Hkv) (as HF `repeat_kv`).
+    The caller guarantees new_mask[b, j, j] (no query sees nothing).
+
+    Shape: q [B, Hq, Q, D] (RoPE applied);
+           k_cache, v_cache [num_slots, Hkv, max_len, D] (one layer);
+           returns [B, Hq, Q, D] in q's dtype.
+    """
+    B, Hq, Q, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    kv_len = meta.kv_len
+    # Gather only the columns any row can read: [B, Hkv, kv_len, D] (one copy of the rows, no head repeat).
+    k = k_cache[:, :, :kv_len].index_select(0, meta.slots)
+    v = v_cache[:, :, :kv_len].index_select(0, meta.slots)
+    # GQA without repeating K/V: fold the G query heads of a kv head into the query axis.
+    q = q.reshape(B, Hkv, G * Q, D)  # row g*Q + j = query head kv*G + g, token j
+    mask = meta.dense_mask  # [B, 1, Q, kv_len]
+    if G > 1:
+        mask = mask[:, :, None].expand(B, 1, G, Q, kv_len).reshape(B, 1, G * Q, kv_len)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
+    return out.view(B, Hq, Q, D)

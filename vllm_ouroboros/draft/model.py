@@ -1,0 +1,362 @@
+"""Draft model runtime: a self-contained Llama / Qwen2 decoder with its own slotted KV cache.
+
+One forward runs B rows (distinct cache slots) of Q new tokens each, with arbitrary positions and an
+arbitrary mask among the new tokens (token trees, lookahead windows, guess phrases), on top of each
+slot's committed prefix. The model never commits anything: new K/V land in a scratch area after the
+prefix, and the caller commits a prefix of them by advancing its own cache_lens.
+
+No vLLM imports: weights are read from a Hugging Face checkpoint directory (config.json + safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from vllm_ouroboros.draft.attention import (
+    build_attention_metadata,
+    prefix_and_masked_attention,
+    write_kv,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The architecture knobs this runtime understands, read once from an HF config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str
+    rope_params: tuple[tuple[str, float], ...]  # extra rope parameters (factor, ...) as sorted pairs
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DraftConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"draft model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"draft hidden_act {cfg['hidden_act']!r}: only 'silu' is supported")
+        if model_type == "qwen2" and cfg.get("use_sliding_window", False):
+            raise NotImplementedError("draft qwen2 with use_sliding_window=True is not supported")
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older configs write
+        # top-level `rope_theta` and an optional `rope_scaling` dict ("type" or "rope_type").
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope.pop("type", None)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(
+                f"draft rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise NotImplementedError("draft partial_rotary_factor != 1 is not supported")
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} not a multiple of kv heads {num_kv_heads}")
+        is_qwen2 = model_type == "qwen2"
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            rope_params=tuple(sorted((k, v) for k, v in rope.items() if isinstance(v, (int, float)))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
+            o_bias=False if is_qwen2 else bool(cfg.get("attention_bias", False)),
+            mlp_bias=False if is_qwen2 else bool(cfg.get("mlp_bias", False)),
+        )
+
+
+def rope_inv_freq(cfg: DraftConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, as HF computes them for cfg.rope_type."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (
+        torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    p = dict(cfg.rope_params)
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / p["factor"]
+    elif cfg.rope_type == "llama3":
+        factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_ctx = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, scale in the input dtype. Shape: x [..., H]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. Shape: x [B, Q, H, D]; cos, sin [B, Q, 1, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DraftLayer(nn.Module):
+    """One pre-norm decoder layer; q/k/v and gate/up projections are fused."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
+        self.eps = cfg.rms_norm_eps
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
+        self.input_norm = nn.Parameter(torch.empty(H))
+        self.qkv_weight = nn.Parameter(torch.empty(qkv, H))  # rows: q heads | k heads | v heads
+        self.qkv_bias = nn.Parameter(torch.empty(qkv)) if cfg.qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(H, cfg.num_heads * D))
+        self.o_bias = nn.Parameter(torch.empty(H)) if cfg.o_bias else None
+        self.post_norm = nn.Parameter(torch.empty(H))
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * I, H))  # rows: gate | up
+        self.gate_up_bias = nn.Parameter(torch.empty(2 * I)) if cfg.mlp_bias else None
+        self.down_weight = nn.Parameter(torch.empty(H, I))
+        self.down_bias = nn.Parameter(torch.empty(H)) if cfg.mlp_bias else None
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta, scale):
+        # h: [B, Q, H]; cos, sin: [B, Q, 1, D]; k_cache, v_cache: [num_slots, Hkv, max_len, D]
+        B, Q, _ = h.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        x = rms_norm(h, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, Q, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, Q, Hq, D), cos, sin)
+        k = apply_rope(k.view(B, Q, Hkv, D), cos, sin)
+        write_kv(k_cache, v_cache, k, v.view(B, Q, Hkv, D), meta)
+        o = prefix_and_masked_attention(q.transpose(1, 2), k_cache, v_cache, meta, scale)  # [B, Hq, Q, D]
+        h = h + F.linear(o.transpose(1, 2).reshape(B, Q, Hq * D), self.o_weight, self.o_bias)
+        x = rms_norm(h, self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DraftModel(nn.Module):
+    """Decoder-only draft model with a slotted KV cache and masked attention over [prefix | new tokens]."""
+
+    # Largest logits chunk (elements) `greedy_tokens` materialises at once.
+    logits_chunk_elems: int = 1 << 24
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.num_layers = cfg.num_layers
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.hidden_size = cfg.hidden_size
+        self.scale = cfg.head_dim ** -0.5
+        self.embed_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm_weight = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
+        self.inv_freq: torch.Tensor | None = None  # [D/2] float32, set by from_pretrained
+        self.k_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
+        self.v_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype, device: torch.device | str) -> "DraftModel":
+        """Load an HF Llama / Qwen2 checkpoint (config.json + *.safetensors, sharded or not)."""
+        root = Path(path)
+        cfg = DraftConfig.from_hf(json.loads((root / "config.json").read_text()))
+        device = torch.device(device)
+        hf = _read_safetensors(root, dtype, device)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(_fuse_hf_weights(cfg, hf), strict=True, assign=True)
+        model.requires_grad_(False)
+        model.inv_freq = rope_inv_freq(cfg, device)
+        return model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.lm_head is None else self.lm_head
+
+    # ---- KV cache ------------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[3]
+
+    @torch.inference_mode()
+    def allocate_cache(self, num_slots: int, max_len: int) -> None:
+        """(Re)allocate zeroed k/v caches [num_layers, num_slots, Hkv, max_len, D]; old content is dropped.
+
+        Zeroed so that never-written columns are finite (masked columns still enter softmax @ V).
+        """
+        shape = (self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def ensure_capacity(self, num_slots: int, max_len: int) -> None:
+        """Grow the caches to at least (num_slots, max_len), keeping their content; no-op if large enough."""
+        if self.k_cache is None:
+            self.allocate_cache(num_slots, max_len)
+            return
+        old_slots, old_len = self.num_slots, self.max_len
+        if num_slots <= old_slots and max_len <= old_len:
+            return
+        old_k, old_v = self.k_cache, self.v_cache
+        self.allocate_cache(max(num_slots, old_slots), max(max_len, old_len))
+        self.k_cache[:, :old_slots, :, :old_len].copy_(old_k)
+        self.v_cache[:, :old_slots, :, :old_len].copy_(old_v)
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache_lens: torch.Tensor,
+        new_mask: torch.Tensor,
+        max_cache_len: int | None = None,
+    ) -> torch.Tensor:
+        """Run Q new tokens per row on top of each row's committed prefix; returns final-normed hidden.
+
+        Shape: input_ids [B, Q] int64; positions [B, Q] int64 (RoPE positions, not cache indices);
+               slots [B] int64 (distinct); cache_lens [B] int64; new_mask [B, Q, Q] bool with
+               new_mask[b, j, j] True; returns [B, Q, hidden_size] in the model dtype.
+        Row b writes its new K/V at cache indices cache_lens[b] .. cache_lens[b]+Q-1 of slot slots[b]
+        (caller guarantees cache_lens[b] + Q <= max_len); query j sees cache [0, cache_lens[b]) and new
+        token j' iff new_mask[b, j, j']. max_cache_len: max(cache_lens) if known on the host (saves a
+        device synchronisation); any upper bound is correct.
+        """
+        if self.k_cache is None:
+            raise RuntimeError("DraftModel.forward before allocate_cache")
+        meta = build_attention_metadata(slots, cache_lens, new_mask, max_cache_len)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        h = F.embedding(input_ids, self.embed_weight)  # [B, Q, H]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, self.k_cache[i], self.v_cache[i], meta, self.scale)
+        return rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Shape: hidden [..., H] -> [..., vocab] float32 (LM head in the model dtype, then upcast)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax of the LM head without materialising all logits. Shape: hidden [..., H] -> [...] int64.
+
+        Ties resolve to the lowest token id (torch.argmax), as HF greedy on the same logits.
+        """
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, self.hidden_size)
+        rows = max(1, self.logits_chunk_elems // self.vocab_size)
+        w = self.lm_head_weight
+        if flat.shape[0] <= rows:
+            return F.linear(flat, w).argmax(-1).view(lead)
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for s in range(0, flat.shape[0], rows):
+            out[s:s + rows] = F.linear(flat[s:s + rows], w).argmax(-1)
+        return out.view(lead)
+
+
+def _read_safetensors(root: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, cast to dtype on device. Reads the shard index when present."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {root}")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                out[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def _fuse_hf_weights(cfg: DraftConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF parameter names -> DraftModel state dict (q/k/v and gate/up concatenated). Consumes `hf`."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ValueError(f"draft checkpoint ({cfg.model_type}) lacks tensor {name!r}")
+        return hf.pop(name)
+
+    sd = {"embed_weight": take("model.embed_tokens.weight"), "norm_weight": take("model.norm.weight")}
+    if cfg.tie_word_embeddings:
+        hf.pop("lm_head.weight", None)
+    else:
+        sd["lm_head"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        d = f"layers.{i}."
+        sd[d + "input_norm"] = take(p + "input_layernorm.weight")
+        sd[d + "post_norm"] = take(p + "post_attention_layernorm.weight")
+        sd[d + "qkv_weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+        if cfg.qkv_bias:
+            sd[d + "qkv_bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+        sd[d + "o_weight"] = take(a + "o_proj.weight")
+        if cfg.o_bias:
+            sd[d + "o_bias"] = take(a + "o_proj.bias")
+        sd[d + "gate_up_weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        sd[d + "down_weight"] = take(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            sd[d + "gate_up_bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            sd[d + "down_bias"] = take(m + "down_proj.bias")
+    leftover = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"draft checkpoint ({cfg.model_type}) has unexpected tensors: {leftover[:8]}")
+    return sd

@@ -1,0 +1,285 @@
+"""The draft side of one Ouroboros round, batched over requests: the sentence draft.
+
+For every request the draft model keeps its own KV cache (one slot per request). A round:
+  1. roll the slot back to the longest prefix of what it cached that the context still has;
+  2. prefill long uncached stretches (new prompts) in chunks;
+  3. draft phrase by phrase: one lookahead forward for all requests still short of gamma tokens,
+     each advancing 1..beta tokens (draft/lookahead.py), until every request has >= gamma;
+  4. read K candidate suffixes for each draft's last token from the pool.
+
+The contexts arrive as host arrays (vLLM keeps token ids on the host); the token tensors of each
+forward are built on the host and copied once per forward. Reading back the new tokens is the one
+device->host sync per draft forward: the host needs the drafted lengths to size the next forward.
+No vLLM imports here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
+from vllm_ouroboros.pool import PhrasePool
+
+
+@dataclass
+class DraftSettings:
+    """The knobs the draft side needs (a view of OuroborosConfig)."""
+
+    gamma: int
+    beta: int
+    window_size: int
+    num_guesses: int
+    num_suffixes: int
+    use_lookahead: bool = True
+    use_guesses: bool = True
+    max_draft_forwards: int = 16
+    prefill_chunk: int = 512
+
+
+@dataclass
+class RoundOutput:
+    """Drafts of one round.
+
+    Fields:
+      drafts:       [B, D] int64 host array; row b's sentence draft is drafts[b, :draft_lens[b]].
+      draft_lens:   [B] int64.
+      suffixes:     [B, K, L] int64 host array, candidate suffixes hanging off the draft's end.
+      suffix_valid: [B, K] bool.
+      forwards:     draft forwards run in this round (prefill excluded), batched calls.
+      row_forwards: [B] int64, draft forwards each row took part in.
+    """
+
+    drafts: np.ndarray
+    draft_lens: np.ndarray
+    suffixes: np.ndarray
+    suffix_valid: np.ndarray
+    forwards: int
+    prefill_forwards: int
+    row_forwards: np.ndarray
+    guess_tokens: np.ndarray  # [B] draft tokens taken from pool guesses
+    guess_hit_forwards: np.ndarray  # [B] forwards where a guess gave >= 1 token
+    row_prefills: np.ndarray  # [B] prefill forwards each row took part in
+
+
+class DraftRuntime:
+    """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""
+
+    def __init__(self, model, pool: PhrasePool, settings: DraftSettings, num_slots: int,
+                 max_len: int, device: torch.device | str):
+        self.model = model
+        self.pool = pool
+        self.s = settings
+        self.device = torch.device(device)
+        self.max_len = max_len
+        self.L = settings.beta - 1
+        self.W = settings.window_size if settings.use_lookahead else 0
+        self.G = settings.num_guesses if settings.use_guesses else 0
+        self._layouts: dict[int, object] = {}
+        # The longest a slot can get: context plus a round's draft and one forward's scratch.
+        self._max_cap = max_len + 2 * (settings.gamma + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
+        self._slots = 0
+        self._cap = 0
+        self.cached = np.zeros((0, 0), np.int64)  # tokens whose KV the slot holds
+        self.kv_len = np.zeros(0, np.int64)
+        self.confirmed = np.zeros(0, np.int64)  # context length at the slot's last round
+        self.window = torch.zeros(0, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
+        self.window_ready = np.zeros(0, bool)
+        self._grow(num_slots, min(max_len, 256))
+
+    # ---- slots -------------------------------------------------------------------------------
+    def _grow(self, num_slots: int, length: int) -> None:
+        """Make room for `num_slots` slots of `length` tokens (host arrays and the model's KV)."""
+        length = min(max(length, self._cap), self._max_cap)
+        num_slots = max(num_slots, self._slots)
+        if num_slots == self._slots and length <= self._cap:
+            return
+        if length > self._cap:  # grow geometrically: reallocation copies the whole cache
+            length = max(length, min(2 * self._cap, self._max_cap))
+        cached = np.zeros((num_slots, length), np.int64)
+        cached[: self._slots, : self._cap] = self.cached
+        self.cached = cached
+        self.kv_len = np.concatenate([self.kv_len, np.zeros(num_slots - self._slots, np.int64)])
+        self.confirmed = np.concatenate([self.confirmed, np.zeros(num_slots - self._slots, np.int64)])
+        self.window_ready = np.concatenate([self.window_ready, np.zeros(num_slots - self._slots, bool)])
+        window = torch.zeros(num_slots, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
+        window[: self._slots] = self.window
+        self.window = window
+        self.model.ensure_capacity(num_slots, length)
+        self._slots, self._cap = num_slots, length
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a finished request's slot (its KV is simply overwritten later)."""
+        if slot < self._slots:
+            self.kv_len[slot] = 0
+            self.confirmed[slot] = 0
+            self.window_ready[slot] = False
+
+    # ---- round -------------------------------------------------------------------------------
+    def run_round(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
+                  lens: np.ndarray) -> RoundOutput:
+        """Draft for B requests.
+
+        Shape:
+          slots:     [B] int64, draft-cache slot of each request.
+          token_ids: [R, >= max(lens)] host token table (vLLM's token_ids_cpu); row rows[b] holds
+                     request b's context (prompt + output so far), lens[b] tokens long.
+        """
+        B = len(slots)
+        L, K = self.L, self.s.num_suffixes
+        # Room for the context, the largest uncached stretch, the draft and one forward's scratch.
+        span = int(lens.max()) + 2 * (self.s.gamma + 2 * self.s.beta + 2) + (self.W + self.G) * L + 8
+        self._grow(int(slots.max()) + 1, span)
+        self._rollback(slots, token_ids, rows, lens)
+        row_prefills = np.zeros(B, np.int64)
+        prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)
+        self._init_windows(slots, token_ids, rows, lens)
+
+        max_draft = self.s.gamma + self.s.beta
+        drafts = np.zeros((B, max_draft), np.int64)
+        dlen = np.zeros(B, np.int64)
+        row_forwards = np.zeros(B, np.int64)
+        guess_tokens = np.zeros(B, np.int64)
+        guess_hit_forwards = np.zeros(B, np.int64)
+        forwards = 0
+        while forwards < self.s.max_draft_forwards:
+            act = np.nonzero(dlen < self.s.gamma)[0]
+            if len(act) == 0:
+                break
+            new, num = self._lookahead_forward(slots[act], token_ids, rows[act], lens[act],
+                                               drafts[act], dlen[act])
+            take = np.minimum(num, max_draft - dlen[act])
+            cols = dlen[act, None] + np.arange(L + 1)[None, :]
+            ok = np.arange(L + 1)[None, :] < take[:, None]
+            drafts[np.repeat(act, L + 1)[ok.ravel()], cols[ok]] = new[ok]
+            guess_tokens[act] += take - 1
+            guess_hit_forwards[act] += take > 1
+            dlen[act] += take
+            row_forwards[act] += 1
+            forwards += 1
+
+        suffixes = np.zeros((B, K, L), np.int64)
+        suffix_valid = np.zeros((B, K), bool)
+        if K:
+            last = self._last_tokens(token_ids, rows, lens, drafts, dlen)
+            phr, valid = self.pool.lookup(torch.from_numpy(last).to(self.device),
+                                          torch.from_numpy(slots).to(self.device), K)
+            suffixes, suffix_valid = phr.cpu().numpy(), valid.cpu().numpy()
+        self.confirmed[slots] = lens
+        return RoundOutput(drafts, dlen, suffixes, suffix_valid, forwards, prefill_forwards,
+                           row_forwards, guess_tokens, guess_hit_forwards, row_prefills)
+
+    # ---- steps of a round --------------------------------------------------------------------
+    def _rollback(self, slots, token_ids, rows, lens) -> None:
+        """Keep the longest cached prefix that still matches the context (and leave the last
+        context token uncached: its output is the next draft token)."""
+        lim = np.minimum(self.kv_len[slots], lens - 1)
+        start = np.minimum(self.confirmed[slots], lim)
+        width = int((lim - start).max(initial=0))
+        if width == 0:
+            self.kv_len[slots] = lim
+            return
+        idx = start[:, None] + np.arange(width)[None, :]
+        valid = idx < lim[:, None]
+        idx = np.minimum(idx, lim[:, None].clip(min=1) - 1)
+        differ = (self.cached[slots[:, None], idx] != token_ids[rows[:, None], idx]) & valid
+        first = np.where(differ.any(1), start + differ.argmax(1), lim)
+        self.kv_len[slots] = np.minimum(lim, first)
+
+    def _commit(self, slots, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Record that tokens[b, :counts[b]] now have KV at kv_len[b].. of their slots."""
+        cols = self.kv_len[slots, None] + np.arange(tokens.shape[1])[None, :]
+        ok = np.arange(tokens.shape[1])[None, :] < counts[:, None]
+        self.cached[np.repeat(slots, tokens.shape[1])[ok.ravel()], cols[ok]] = tokens[ok]
+        self.kv_len[slots] += counts
+
+    def _prefill(self, slots, token_ids, rows, lens, row_prefills) -> int:
+        """Causal forwards over long uncached stretches, so the drafting loop stays narrow."""
+        threshold = self.s.gamma + 2 * self.s.beta + 2
+        forwards = 0
+        while True:
+            todo = np.nonzero(lens - 1 - self.kv_len[slots] > threshold)[0]
+            if len(todo) == 0:
+                return forwards
+            s, r = slots[todo], rows[todo]
+            count = np.minimum(lens[todo] - 1 - self.kv_len[s], self.s.prefill_chunk)
+            Q = int(count.max())
+            idx = self.kv_len[s, None] + np.arange(Q)[None, :]
+            toks = token_ids[r[:, None], np.minimum(idx, lens[todo, None] - 1)].astype(np.int64)
+            cnt = torch.from_numpy(count).to(self.device)
+            col = torch.arange(Q, device=self.device)
+            real = col[None, :] < cnt[:, None]
+            causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
+            mask = (causal[None] & real[:, None, :]) | (torch.eye(Q, dtype=torch.bool, device=self.device)[None] & ~real[:, :, None])
+            kv = torch.from_numpy(self.kv_len[s]).to(self.device)
+            self.model.forward(torch.from_numpy(toks).to(self.device), kv[:, None] + col[None, :],
+                               torch.from_numpy(s).to(self.device), kv, mask,
+                               max_cache_len=int(self.kv_len[s].max()))
+            self._commit(s, toks, count)
+            row_prefills[todo] += 1
+            forwards += 1
+
+    def _init_windows(self, slots, token_ids, rows, lens) -> None:
+        if self.W == 0:
+            return
+        fresh = np.nonzero(~self.window_ready[slots])[0]
+        if len(fresh) == 0:
+            return
+        T = self.L * self.W
+        idx = lens[fresh, None] - T + np.arange(T)[None, :]
+        idx = np.where(idx < 0, idx % lens[fresh, None], idx)
+        tail = token_ids[rows[fresh, None], idx].astype(np.int64)
+        self.window[slots[fresh]] = initial_window(torch.from_numpy(tail).to(self.device), self.L, self.W)
+        self.window_ready[slots[fresh]] = True
+
+    def _last_tokens(self, token_ids, rows, lens, drafts, dlen) -> np.ndarray:
+        ctx_last = token_ids[rows, lens - 1].astype(np.int64)
+        d_last = drafts[np.arange(len(dlen)), np.maximum(dlen - 1, 0)]
+        return np.where(dlen > 0, d_last, ctx_last)
+
+    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen):
+        """One draft forward for A rows; returns (new tokens [A, L+1], counts [A]) on the host."""
+        A, L = len(slots), self.L
+        kv = self.kv_len[slots]
+        u = lens + dlen - kv  # uncached: context tail plus the draft so far
+        U = int(u.max())
+        layout = self._layouts.get(U)
+        if layout is None:
+            layout = self._layouts[U] = build_layout(U, self.W, L, self.G, self.device)
+        # Uncached tokens come from the context, then from this round's draft.
+        idx = kv[:, None] + np.arange(U)[None, :]
+        from_ctx = idx < lens[:, None]
+        ctx_tok = token_ids[rows[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
+        d_idx = np.clip(idx - lens[:, None], 0, drafts.shape[1] - 1)
+        unc = np.where(from_ctx, ctx_tok, drafts[np.arange(A)[:, None], d_idx])
+        unc = np.where(np.arange(U)[None, :] < u[:, None], unc, 0)
+
+        dev = self.device
+        slots_t = torch.from_numpy(slots).to(dev)
+        u_t = torch.from_numpy(u).to(dev)
+        kv_t = torch.from_numpy(kv).to(dev)
+        parts = [torch.from_numpy(unc).to(dev)]
+        window = self.window[slots_t][:, :, : self.W] if self.W else None
+        if self.W:
+            parts.append(window.reshape(A, -1))
+        if self.G:
+            key = unc[np.arange(A), u - 1]
+            guesses, gvalid = self.pool.lookup(torch.from_numpy(key).to(dev), slots_t, self.G)
+            parts.append(guesses.reshape(A, -1))
+        else:
+            guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
+            gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
+        input_ids = torch.cat(parts, dim=1)
+        mask, positions = row_inputs(layout, u_t, kv_t)
+        hidden = self.model.forward(input_ids, positions, slots_t, kv_t, mask, max_cache_len=int(kv.max()))
+        out = self.model.greedy_tokens(hidden)
+        res = read_output(layout, out, u_t, window if self.W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
+                          guesses, gvalid)
+        self._commit(slots, unc, u)
+        if self.W:
+            self.window[slots_t, :, : self.W] = res.next_window
+            self.pool.insert(res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L),
+                             slots_t.repeat_interleave(self.W))
+        return res.new_tokens.cpu().numpy(), res.num_new.cpu().numpy()

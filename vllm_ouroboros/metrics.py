@@ -1,0 +1,108 @@
+"""Counters of the method, per request and in aggregate (host-side Python numbers).
+
+Definitions (per request, summed for the aggregate):
+  draft_forwards       lookahead forwards the request took part in (prefill excluded)
+  prefill_forwards     draft prefill forwards over the request's uncached context
+  target_forwards      verification steps that carried a draft for the request
+  drafted_tokens       tokens sent to the target for verification (draft + suffix)
+  accepted_tokens      of those, accepted by the target
+  suffix_accepted      accepted tokens that came from a candidate suffix
+  generated_tokens     tokens the request produced while it had a draft slot
+  guess_tokens         draft tokens taken from pool guesses (phrase drafting at work)
+  guess_lookups/hits   draft forwards that looked up guesses / took >= 1 token from one
+  inspiration_inserts, refinement_inserts: phrases written from verification output
+Aggregate only:
+  draft_forward_calls  batched draft forward calls (one call serves every drafting request)
+  rounds               propose() calls that drafted for at least one request
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+PER_REQUEST = (
+    "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
+    "suffix_accepted", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
+    "inspiration_inserts", "refinement_inserts",
+)
+
+
+@dataclass
+class RequestStats:
+    draft_forwards: int = 0
+    prefill_forwards: int = 0
+    target_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    suffix_accepted: int = 0
+    generated_tokens: int = 0
+    guess_tokens: int = 0
+    guess_lookups: int = 0
+    guess_hits: int = 0
+    inspiration_inserts: int = 0
+    refinement_inserts: int = 0
+
+
+class OuroborosStats:
+    """Running counters; `snapshot()` is what tests, scripts and /metrics read."""
+
+    def __init__(self, keep_finished: int = 1024):
+        self.total = RequestStats()
+        self.requests: dict[str, RequestStats] = {}
+        self.finished: OrderedDict[str, RequestStats] = OrderedDict()
+        self.keep_finished = keep_finished
+        self.draft_forward_calls = 0
+        self.prefill_forward_calls = 0
+        self.rounds = 0
+        self.max_forward_calls_per_round = 0
+        self.max_batch_per_round = 0
+
+    def request(self, req_id: str) -> RequestStats:
+        st = self.requests.get(req_id)
+        if st is None:
+            st = self.requests[req_id] = RequestStats()
+        return st
+
+    def add(self, req_id: str, **counts: int) -> None:
+        """Add counts to one request and to the aggregate."""
+        st = self.request(req_id)
+        for key, value in counts.items():
+            setattr(st, key, getattr(st, key) + int(value))
+            setattr(self.total, key, getattr(self.total, key) + int(value))
+
+    def finish(self, req_id: str) -> None:
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            self.finished[req_id] = st
+            while len(self.finished) > self.keep_finished:
+                self.finished.popitem(last=False)
+
+    def round_done(self, forward_calls: int, prefill_calls: int, batch: int) -> None:
+        self.rounds += 1
+        self.draft_forward_calls += forward_calls
+        self.prefill_forward_calls += prefill_calls
+        self.max_forward_calls_per_round = max(self.max_forward_calls_per_round, forward_calls)
+        self.max_batch_per_round = max(self.max_batch_per_round, batch)
+
+    def snapshot(self, pool_stats: dict | None = None) -> dict:
+        """All counters plus derived ratios, as plain Python values."""
+        t = self.total
+        out = {
+            **asdict(t),
+            "draft_forward_calls": self.draft_forward_calls,
+            "prefill_forward_calls": self.prefill_forward_calls,
+            "rounds": self.rounds,
+            "max_forward_calls_per_round": self.max_forward_calls_per_round,
+            "max_batch_per_round": self.max_batch_per_round,
+            "draft_forwards_per_token": t.draft_forwards / max(t.generated_tokens, 1),
+            "accepted_per_target_forward": (t.accepted_tokens + t.target_forwards)
+            / max(t.target_forwards, 1),
+            "acceptance_rate": t.accepted_tokens / max(t.drafted_tokens, 1),
+            "draft_forward_calls_per_round": self.draft_forward_calls / max(self.rounds, 1),
+            "pool_hit_rate": t.guess_hits / max(t.guess_lookups, 1),
+            "per_request": {k: asdict(v) for k, v in {**self.finished, **self.requests}.items()},
+        }
+        if pool_stats:
+            out["pool"] = pool_stats
+        return out

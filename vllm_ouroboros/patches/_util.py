@@ -1,0 +1,39 @@
+"""Patch helper: keep the original beside each override, refuse silently missing targets."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+logger = logging.getLogger("vllm_ouroboros")
+
+
+def require(obj: Any, *names: str) -> None:
+    """Raise a clear error if vLLM lacks an attribute we hook (a vLLM version we do not know)."""
+    from vllm_ouroboros.plugin import supported_vllm_range
+
+    missing = [n for n in names if not hasattr(obj, n)]
+    if missing:
+        import vllm
+
+        raise RuntimeError(
+            f"vllm-ouroboros cannot hook {getattr(obj, '__qualname__', obj)}.{', '.join(missing)}: "
+            f"not present in vLLM {vllm.__version__}. Supported vLLM versions: "
+            f"{supported_vllm_range()}."
+        )
+
+
+def patch_method(cls: type, name: str, make_override: Callable[[Callable], Callable]) -> None:
+    """Replace `cls.name` by `make_override(original)`; idempotent."""
+    require(cls, name)
+    original = cls.__dict__.get(name, getattr(cls, name))
+    if getattr(original, "__ouroboros_original__", None) is not None:
+        return
+    override = make_override(original)
+    override.__ouroboros_original__ = original
+    override.__name__ = getattr(original, "__name__", name)
+    override.__doc__ = getattr(original, "__doc__", None)
+    if isinstance(original, staticmethod):
+        override = staticmethod(override)
+    setattr(cls, name, override)
+    logger.debug("vllm-ouroboros patched %s.%s", cls.__qualname__, name)

@@ -1,0 +1,82 @@
+"""Config area: accept method "ouroboros" in `speculative_config`, `-sc` JSON and --spec-method.
+
+vLLM has no proposer registry; its supported plug-in point is method "custom_class". We
+translate {"method": "ouroboros", "model": DRAFT, <our keys>} into custom_class pointing at our
+proposer, and carry the validated OuroborosConfig in `additional_config["ouroboros"]`, which
+vLLM ships to every engine and worker process (Ray actors included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm_ouroboros.config import METHOD, split_speculative_config, validate
+from vllm_ouroboros.patches._util import patch_method, require
+
+PROPOSER_PATH = "vllm_ouroboros.proposer.OuroborosProposer"
+ADDITIONAL_CONFIG_KEY = "ouroboros"
+
+
+def _shorthand_merged(args) -> dict | None:
+    """The speculative config as vLLM will see it after merging --spec-* shorthands."""
+    spec = dict(args.speculative_config or {})
+    for key, value in (("method", args.spec_method), ("model", args.spec_model),
+                       ("num_speculative_tokens", args.spec_tokens)):
+        if value is not None:
+            if key in spec:
+                raise ValueError(
+                    f"--spec-{key.split('_')[-1] if key != 'num_speculative_tokens' else 'tokens'}"
+                    f" and --speculative-config['{key}'] are mutually exclusive"
+                )
+            spec[key] = value
+    return {k.replace("-", "_"): v for k, v in spec.items()} or None
+
+
+def _create_speculative_config(original):
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = _shorthand_merged(self)
+        if not spec or spec.get("method") != METHOD:
+            return original(self, target_model_config, target_parallel_config)
+        from vllm.config import SpeculativeConfig
+
+        vllm_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        cfg, vllm_spec = split_speculative_config(spec, vllm_keys)
+        validate(cfg, target_vocab_size=target_model_config.get_vocab_size())
+        self.speculative_config = {
+            **vllm_spec,
+            "method": "custom_class",
+            "model": PROPOSER_PATH,
+            "num_speculative_tokens": cfg.spec_tokens(),
+        }
+        self.spec_method = self.spec_model = self.spec_tokens = None
+        self.additional_config = {**(self.additional_config or {}),
+                                  ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+        return original(self, target_model_config, target_parallel_config)
+
+    return create_speculative_config
+
+
+def _add_cli_args(original):
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        # --spec-method takes its choices from vLLM's SpeculativeMethod Literal.
+        for action in parser._actions:
+            if "--spec-method" in action.option_strings and action.choices is not None:
+                if METHOD not in action.choices:
+                    action.choices = [*action.choices, METHOD]
+        return parser
+
+    return add_cli_args
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    require(EngineArgs, "create_speculative_config", "add_cli_args")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    missing = {"spec_method", "spec_model", "spec_tokens", "additional_config",
+               "speculative_config"} - fields
+    if missing:
+        require(EngineArgs, *sorted(missing))  # raises with the supported-versions message
+    patch_method(EngineArgs, "create_speculative_config", _create_speculative_config)
+    patch_method(EngineArgs, "add_cli_args", _add_cli_args)

@@ -1,0 +1,69 @@
+"""vLLM general plugin entry point: `register()` runs in every vLLM process.
+
+It checks the installed vLLM against the supported range declared in setup.py (read back from
+this package's metadata, so the range lives in one place), then applies the patches. Calling it
+twice is harmless. `VLLM_OUROBOROS_DISABLE=1` turns the plugin off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("vllm_ouroboros")
+
+_registered = False
+
+# Used when the package runs from a source tree without installed metadata.
+_FALLBACK_RANGE = ">=0.32.0,<0.34"
+
+
+def supported_vllm_range() -> str:
+    """The vLLM version specifier this build supports, e.g. '>=0.32.0,<0.34'."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        for line in metadata.requires("vllm-ouroboros") or []:
+            req = Requirement(line)
+            if req.name == "vllm" and req.marker is None:
+                return str(req.specifier)
+    except metadata.PackageNotFoundError:
+        pass
+    return _FALLBACK_RANGE
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raise RuntimeError unless `version` (default: installed vLLM) is in the supported range."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    spec = SpecifierSet(supported_vllm_range())
+    # Local builds such as 0.32.0+cpu count as their public version.
+    if Version(Version(version).public) not in spec:
+        raise RuntimeError(
+            f"vllm-ouroboros supports vLLM {spec} (tested: 0.32.0 CPU build); "
+            f"found vLLM {version}. Install a supported vLLM or set VLLM_OUROBOROS_DISABLE=1."
+        )
+    return version
+
+
+def register() -> None:
+    """Check the vLLM version and apply all patches (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    if os.environ.get("VLLM_OUROBOROS_DISABLE", "0") == "1":
+        logger.info("vllm-ouroboros disabled by VLLM_OUROBOROS_DISABLE=1")
+        _registered = True
+        return
+    check_vllm_version()
+    from vllm_ouroboros.patches import apply_all
+
+    apply_all()
+    _registered = True

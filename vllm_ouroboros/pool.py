@@ -1,0 +1,304 @@
+"""The phrase pool P: key token -> up to W phrases of L = beta-1 tokens, LRU per key, on the device.
+
+Storage is paged: one page holds the W phrase slots of one key, and pages are handed to keys as they
+occur, under a fixed memory budget; when none is free the least recently used page is recycled.
+Lookup, insert, replace, remove and release are batched over requests and free of host-device
+syncs (no `.item()`, no boolean indexing, no `torch.unique`, no shape that depends on data), so
+they only queue work on the device; stats and persistence may sync. Masked rows go through the
+same scatter as real rows with a no-op value (a zero delta, or a value that loses a min/max).
+"""
+from typing import Optional
+
+import torch
+
+_NEVER = torch.iinfo(torch.int64).max  # loses every amin; marks pages that may not be evicted
+_OWN = 1 << 62  # added to an own phrase's stamp so it outranks every other phrase
+
+_STATS = ("lookups", "hits", "phrases_returned", "page_evictions")
+_BUFFERS = ("key_to_page", "page_key", "page_last_used", "tokens", "stamp", "owner", "counters")
+
+
+class PhrasePool:
+    """Paged LRU phrase pool (see module docstring).
+
+    Owners are request slot indices (>= 0) or -1 (nobody). With `shared=True` every phrase is
+    visible to every request, own phrases ranked first, and `release` hands a finished request's
+    phrases to nobody (warm start); with `shared=False` a request sees only its own phrases and
+    `release` deletes them.
+    """
+
+    def __init__(self, vocab_size: int, phrase_len: int, phrases_per_key: int, budget_bytes: int,
+                 device="cpu", shared: bool = True):
+        if min(vocab_size, phrase_len, phrases_per_key) < 1:
+            raise ValueError("vocab_size, phrase_len and phrases_per_key must all be >= 1")
+        self.vocab_size, self.L, self.W = vocab_size, phrase_len, phrases_per_key
+        self.budget_bytes, self.device, self.shared = budget_bytes, torch.device(device), shared
+        fixed = self.budget_for(vocab_size, phrase_len, phrases_per_key, 0)
+        per_page = self.budget_for(vocab_size, phrase_len, phrases_per_key, 1) - fixed
+        if budget_bytes < fixed + per_page:
+            raise ValueError(
+                f"budget_bytes={budget_bytes} cannot hold the key->page table plus one page: need "
+                f"at least {fixed + per_page} bytes ({fixed} fixed for vocab_size={vocab_size}, "
+                f"{per_page} per page for W={phrases_per_key}, L={phrase_len})")
+        # more pages than keys could never be used
+        self.num_pages = P = min(vocab_size, (budget_bytes - fixed) // per_page)
+        kw = dict(device=self.device)
+        self.key_to_page = torch.full((vocab_size,), -1, dtype=torch.int32, **kw)
+        self.page_key = torch.full((P,), -1, dtype=torch.int32, **kw)
+        self.page_last_used = torch.zeros(P, dtype=torch.int64, **kw)
+        self.tokens = torch.zeros(P, self.W, self.L, dtype=torch.int32, **kw)
+        self.stamp = torch.zeros(P, self.W, dtype=torch.int64, **kw)  # 0 = empty slot
+        self.owner = torch.full((P, self.W), -1, dtype=torch.int32, **kw)
+        self.counters = torch.zeros(len(_STATS), dtype=torch.int64, **kw)
+        # host-side clock: stamps need no sync; an insert of N rows takes N stamps, a lookup one
+        self._clock = 0
+
+    @staticmethod
+    def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
+        """Bytes a pool with `num_pages` pages owns (all tensors, the key->page table included)."""
+        per_page = phrases_per_key * (4 * phrase_len + 8 + 4) + 4 + 8
+        return 4 * vocab_size + 8 * len(_STATS) + num_pages * per_page
+
+    def _check_rows(self, keys: torch.Tensor, phrases: torch.Tensor):
+        if keys.dim() != 1 or tuple(phrases.shape) != (keys.shape[0], self.L):
+            raise ValueError(f"expected keys [N] and phrases [N, {self.L}], got "
+                             f"{tuple(keys.shape)} and {tuple(phrases.shape)}")
+
+    def _pages_of(self, keys: torch.Tensor) -> torch.Tensor:
+        """Page of each key, -1 for none (also for out-of-range keys such as -1 padding)."""
+        ok = (keys >= 0) & (keys < self.vocab_size)
+        return torch.where(ok, self.key_to_page[keys.clamp(0, self.vocab_size - 1)].long(), -1)
+
+    # ---- readers -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def lookup(self, keys: torch.Tensor, slots: torch.Tensor, n: int):
+        """The n best phrases of each key for the request in that row, best first.
+
+        Shape: keys [B] (int), slots [B] (int, the requesting request's slot).
+        Returns phrases [B, n, L] (long, 0 where not valid) and valid [B, n] (bool).
+        """
+        if not 1 <= n <= self.W:
+            raise ValueError(f"n={n} must be in [1, phrases_per_key={self.W}]")
+        keys, slots = keys.to(self.device).long(), slots.to(self.device).long()
+        page = self._pages_of(keys)
+        pg = page.clamp(min=0)
+        stamp = self.stamp[pg]                                    # [B, W]
+        own = self.owner[pg].long() == slots[:, None]             # [B, W]
+        visible = (page >= 0)[:, None] & (stamp > 0)
+        if self.shared:
+            score = stamp + own.long() * _OWN
+        else:
+            score, visible = stamp, visible & own
+        top, idx = torch.where(visible, score, -1).topk(n, dim=1)  # [B, n]
+        valid = top > 0
+        phrases = self.tokens[pg[:, None], idx].long() * valid[..., None]
+        self._clock += 1
+        self.page_last_used.scatter_reduce_(0, pg, torch.where(page >= 0, self._clock, 0), "amax")
+        self.counters[0] += keys.shape[0]
+        self.counters[1] += valid[:, 0].sum()
+        self.counters[2] += valid.sum()
+        return phrases, valid
+
+    # ---- writers -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def insert(self, keys: torch.Tensor, phrases: torch.Tensor, owners: torch.Tensor,
+               valid: Optional[torch.Tensor] = None):
+        """Insert phrases as newest; later rows are newer than earlier ones.
+
+        Shape: keys [N] (int), phrases [N, L] (int), owners [N] (int), valid [N] (bool) or None.
+        Rows with valid False or a key outside [0, vocab_size) are ignored.
+        """
+        N, V, W, dev = keys.shape[0], self.vocab_size, self.W, self.device
+        self._check_rows(keys, phrases)
+        if N == 0:
+            return
+        keys, owners = keys.to(dev).long(), owners.to(dev).long()
+        phrases = phrases.to(dev).long()
+        keep = (keys >= 0) & (keys < V)
+        if valid is not None:
+            keep &= valid.to(dev, torch.bool)
+        t0, self._clock = self._clock, self._clock + N
+        i = torch.arange(N, device=dev)
+
+        # Repeated (key, phrase) rows: a lexicographic sort (stable sorts, last column first, rows
+        # newest first) puts each run together with its newest row first; the rest are dropped.
+        kq = torch.where(keep, keys, V)
+        perm = i.flip(0)
+        for col in [phrases[:, c] for c in reversed(range(self.L))] + [kq]:
+            perm = perm[torch.sort(col[perm], stable=True).indices]
+        rows = torch.cat([kq[:, None], phrases], 1)[perm]
+        dup = torch.zeros_like(keep)
+        dup[perm[1:]] = (rows[1:] == rows[:-1]).all(1)
+        kq = torch.where(keep & ~dup, keys, V)
+
+        # Group by key, newest first; from here on every row tensor is in this order.
+        perm = i.flip(0)
+        perm = perm[torch.sort(kq[perm], stable=True).indices]
+        key, phr, own = kq[perm], phrases[perm], owners[perm]
+        start = torch.ones_like(keep)
+        start[1:] = key[1:] != key[:-1]
+        first = torch.cummax(torch.where(start, i, 0), 0).values  # start of this row's key group
+        rank = i - first                                           # 0 = newest phrase of its key
+        has_key = key < V
+        page = torch.where(has_key, self._pages_of(key), -1)
+
+        # Keys without a page take free pages first, then least recently used ones; pages of keys
+        # in this call are never taken. The newest keys win when pages run short.
+        P = self.num_pages
+        protect = torch.zeros(P, dtype=torch.int32, device=dev).index_put_(
+            (page.clamp(min=0),), (page >= 0).int(), accumulate=True) > 0
+        score = torch.where(self.page_key < 0, -1, self.page_last_used)
+        k = min(N, P)
+        cand_score, cand = torch.where(protect, _NEVER, score).topk(k, largest=False)
+        need = start & has_key & (page < 0)
+        need_rank = torch.empty_like(i)
+        need_rank[torch.argsort(torch.where(need, -perm, 1))] = i
+        usable = (torch.arange(k, device=dev) < need.sum()) & (cand_score < _NEVER)
+        j = need_rank.clamp(max=k - 1)
+        got, new_page = need & (need_rank < k) & usable[j], cand[j]
+        old_key = self.page_key[new_page].long()
+        evict = got & (old_key >= 0)
+        # Accumulated deltas: rows that change nothing add 0 wherever their clamped index points.
+        self.key_to_page.index_put_(
+            (torch.cat([old_key.clamp(min=0), key.clamp(max=V - 1)]),),
+            torch.cat([torch.where(evict, -1 - new_page, 0),
+                       torch.where(got, new_page + 1, 0)]).int(), accumulate=True)
+        self.page_key.index_put_((new_page,), torch.where(got, key - old_key, 0).int(),
+                                 accumulate=True)
+        self.stamp.index_put_((new_page,), torch.where(got[:, None], -self.stamp[new_page], 0),
+                              accumulate=True)  # a recycled page starts empty
+        self.counters[3] += evict.sum()
+        page = torch.where(got, new_page, page)[first]
+        live = has_key & (rank < W) & (page >= 0)
+        pg = page.clamp(min=0)
+
+        # A re-inserted phrase gives up its old slot, so it is stored once, as newest.
+        stored = self.stamp[pg]                                                    # [N, W]
+        same = (self.tokens[pg] == phr[:, None, :]).all(-1) & (stored > 0) & live[:, None]
+        flat = pg[:, None] * W + torch.arange(W, device=dev)
+        self.stamp.view(-1).scatter_reduce_(0, flat.view(-1), torch.where(same, 0, _NEVER).view(-1),
+                                            "amin")
+        # All incoming phrases are newer than all stored ones, so the c newest incoming phrases of
+        # a key take its c oldest (or empty) slots; rows of one key see the same page state.
+        slot = torch.argsort(self.stamp[pg], dim=1, stable=True).gather(
+            1, rank.clamp(max=W - 1)[:, None]).squeeze(1)
+        for buf, val in ((self.tokens, phr), (self.stamp, t0 + 1 + perm), (self.owner, own)):
+            cur = buf[pg, slot]
+            m = live.view(-1, *[1] * (cur.dim() - 1))
+            buf.index_put_((pg, slot), torch.where(m, val - cur, 0).to(buf.dtype), accumulate=True)
+        self.page_last_used.scatter_reduce_(0, pg, torch.where(live, t0 + N, 0), "amax")
+
+    @torch.no_grad()
+    def remove(self, keys: torch.Tensor, phrases: torch.Tensor,
+               valid: Optional[torch.Tensor] = None):
+        """Delete phrases where present.
+
+        Shape: keys [N] (int), phrases [N, L] (int), valid [N] (bool) or None.
+        """
+        self._check_rows(keys, phrases)
+        keys, phrases = keys.to(self.device).long(), phrases.to(self.device)
+        page = self._pages_of(keys)
+        pg = page.clamp(min=0)
+        hit = (self.tokens[pg] == phrases[:, None, :]).all(-1) & (page >= 0)[:, None]   # [N, W]
+        if valid is not None:
+            hit &= valid.to(self.device, torch.bool)[:, None]
+        flat = pg[:, None] * self.W + torch.arange(self.W, device=self.device)
+        self.stamp.view(-1).scatter_reduce_(0, flat.view(-1), torch.where(hit, 0, _NEVER).view(-1),
+                                            "amin")
+
+    def replace(self, keys: torch.Tensor, old_phrases: torch.Tensor, new_phrases: torch.Tensor,
+                owners: torch.Tensor, valid: Optional[torch.Tensor] = None):
+        """Candidate refinement: drop the old phrase (if stored) and insert the new one as newest.
+
+        Shape: keys [N] (int), old_phrases [N, L], new_phrases [N, L] (int), owners [N] (int),
+        valid [N] (bool) or None.
+        """
+        self.remove(keys, old_phrases, valid)
+        self.insert(keys, new_phrases, owners, valid)
+
+    @torch.no_grad()
+    def release(self, slots: torch.Tensor):
+        """Finished requests: their phrases go to nobody (shared) or are deleted (not shared).
+
+        Shape: slots [S] (int). Scans the whole pool; meant for request completion, not every step.
+        """
+        if slots.numel() == 0:
+            return
+        # membership by binary search: torch.isin would call unique, which syncs on CUDA
+        done = torch.sort(slots.to(self.device).int()).values
+        at = torch.searchsorted(done, self.owner).clamp(max=done.numel() - 1)
+        mine = done[at] == self.owner
+        if self.shared:
+            self.owner.masked_fill_(mine, -1)
+            return
+        self.stamp.masked_fill_(mine, 0)
+        # pages left empty go back to the free list, so they do not wait for LRU eviction
+        empty = (self.stamp == 0).all(1) & (self.page_key >= 0)
+        p = torch.arange(self.num_pages, device=self.device)
+        self.key_to_page.index_put_((self.page_key.long().clamp(min=0),),
+                                    torch.where(empty, -1 - p, 0).int(), accumulate=True)
+        self.page_key.masked_fill_(empty, -1)
+
+    # ---- stats (these sync) --------------------------------------------------------------------
+
+    def memory_bytes(self) -> int:
+        return sum(getattr(self, n).nbytes for n in _BUFFERS)
+
+    def num_phrases(self) -> int:
+        return int((self.stamp > 0).sum())
+
+    def num_keys(self) -> int:
+        return int(((self.stamp > 0).any(1) & (self.page_key >= 0)).sum())
+
+    def stats(self) -> dict:
+        out = dict(zip(_STATS, self.counters.tolist()))
+        out["hit_rate"] = out["hits"] / max(out["lookups"], 1)
+        out.update(phrases=self.num_phrases(), keys=self.num_keys(), pages=self.num_pages,
+                   memory_bytes=self.memory_bytes())
+        return out
+
+    # ---- persistence ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        sd = {n: getattr(self, n).detach().cpu().clone() for n in _BUFFERS}
+        sd.update(vocab_size=self.vocab_size, phrase_len=self.L, phrases_per_key=self.W,
+                  budget_bytes=self.budget_bytes, shared=self.shared, clock=self._clock)
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict):
+        """Load pages; if this pool has fewer pages, the most recently used ones are kept."""
+        for name, mine in (("vocab_size", self.vocab_size), ("phrase_len", self.L),
+                           ("phrases_per_key", self.W)):
+            if sd[name] != mine:
+                raise ValueError(f"pool state has {name}={sd[name]}, this pool has {name}={mine}")
+        used = torch.nonzero(sd["page_key"] >= 0).squeeze(1)
+        used = used[torch.argsort(sd["page_last_used"][used], descending=True)][:self.num_pages]
+        n, dev = used.numel(), self.device
+        self.key_to_page.fill_(-1)
+        self.page_key.fill_(-1)
+        self.page_last_used.zero_()
+        self.tokens.zero_()
+        self.stamp.zero_()
+        self.owner.fill_(-1)
+        for name in ("page_key", "page_last_used", "tokens", "stamp", "owner"):
+            getattr(self, name)[:n] = sd[name][used].to(dev)
+        self.key_to_page[self.page_key[:n].long()] = torch.arange(n, device=dev, dtype=torch.int32)
+        self.counters.copy_(sd["counters"])
+        self._clock = sd["clock"]
+
+    def save(self, path):
+        torch.save(self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path, device="cpu", budget_bytes: Optional[int] = None,
+             shared: Optional[bool] = None) -> "PhrasePool":
+        """A pool with the saved config and pages; budget and sharing mode may be overridden."""
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        pool = cls(sd["vocab_size"], sd["phrase_len"], sd["phrases_per_key"],
+                   sd["budget_bytes"] if budget_bytes is None else budget_bytes, device=device,
+                   shared=sd["shared"] if shared is None else shared)
+        pool.load_state_dict(sd)
+        return pool

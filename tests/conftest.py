@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny random models built once per test session (no model hub here)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import model_pair  # noqa: E402
+
+# vLLM on this CPU machine: bind to loopback, never reach a hub, keep the KV cache small.
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# collective_rpc with a function (our stats reader) needs pickled callables.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{"target", "draft", "llama"}: tiny Qwen2 target, a perturbed-copy draft, a Llama model."""
+    root = Path(os.environ.get("OUROBOROS_TINY_MODELS") or tmp_path_factory.mktemp("tiny"))
+    return model_pair(root)

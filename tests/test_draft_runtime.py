@@ -1,0 +1,260 @@
+"""DraftRuntime.run_round drafts exactly the draft model's own greedy continuation.
+
+The reference is Hugging Face transformers (float32, eager attention) decoding greedily on the
+current context. Between rounds a simulated target accepts a random prefix of each draft and
+appends a correction (or accepts everything plus a bonus), which exercises rollback of the
+draft's KV, the prefill path, ragged batching and the phrase pool.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vllm_ouroboros.draft import DraftModel  # noqa: E402
+from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings  # noqa: E402
+from vllm_ouroboros.pool import PhrasePool  # noqa: E402
+
+GAMMA, BETA, W, G, K = 5, 4, 4, 4, 2
+L = BETA - 1
+MAX_LEN = 512
+# Contexts per slot; 100 tokens is above the prefill threshold gamma + 2 beta + 2 = 15.
+CONTEXT_LENS = [1, 3, 100, 17, 9]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_models):
+    return str(tiny_models["draft"])
+
+
+@pytest.fixture(scope="module")
+def greedy(draft_path):
+    """greedy(ctx, n): the first n tokens HF greedy decoding of the draft model produces."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        draft_path, dtype=torch.float32, attn_implementation="eager").eval()
+    memo: dict[tuple, list[int]] = {}
+
+    @torch.no_grad()
+    def run(ctx, n):
+        ctx = tuple(int(x) for x in ctx)
+        have = memo.get(ctx, [])
+        if len(have) < n:
+            out = hf(torch.tensor([ctx]), use_cache=True)
+            have = []
+            while True:
+                have.append(int(out.logits[0, -1].argmax()))
+                if len(have) == n:
+                    break
+                out = hf(torch.tensor([[have[-1]]]), past_key_values=out.past_key_values,
+                         use_cache=True)
+            memo[ctx] = have
+        return have[:n]
+
+    return run
+
+
+def make_runtime(draft_path, num_slots, shared=True, **kw):
+    """A fresh draft model (its own KV cache), pool and runtime."""
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device="cpu")
+    V = model.vocab_size
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), shared=shared)
+    settings = DraftSettings(**{**dict(gamma=GAMMA, beta=BETA, window_size=W, num_guesses=G,
+                                       num_suffixes=K), **kw})
+    return DraftRuntime(model, pool, settings, num_slots, MAX_LEN, "cpu"), pool
+
+
+def table(contexts, order, width=None, fill=-7):
+    """vLLM-style host token table: request b's context in row order[b]; junk after each."""
+    width = width or max(len(c) for c in contexts) + 5
+    tab = np.full((len(contexts), width), fill, np.int64)
+    rows = np.zeros(len(contexts), np.int64)
+    for b, (c, r) in enumerate(zip(contexts, order)):
+        tab[r, : len(c)] = c
+        rows[b] = r
+    return tab, rows
+
+
+def draft_round(rt, slots, contexts, rng):
+    """One round over `contexts` (rows of the table shuffled); returns the drafts as lists."""
+    order = rng.permutation(len(contexts))
+    tab, rows = table(contexts, order)
+    lens = np.array([len(c) for c in contexts], np.int64)
+    out = rt.run_round(np.asarray(slots, np.int64), tab, rows, lens)
+    drafts = [out.drafts[b, : out.draft_lens[b]].tolist() for b in range(len(contexts))]
+    return out, drafts
+
+
+def simulate_target(ctx, draft, rng, greedy, vocab):
+    """Accept a random prefix plus a correction, or (1 in 4) everything plus a bonus."""
+    if rng.random() < 0.25:
+        bonus = greedy(ctx + draft, 1)[0] if rng.random() < 0.5 else int(rng.integers(vocab))
+        return ctx + draft + [bonus]
+    k = int(rng.integers(len(draft)))
+    wrong = int(rng.integers(vocab - 1))
+    return ctx + draft[:k] + [wrong + (wrong >= draft[k])]  # never equal to draft[k]
+
+
+def seed_phrase(pool, ctx, slot, rng, greedy, vocab):
+    """Stand-in for the feedback writers: a phrase for the context's last token that is right
+    for its first 0..L tokens (the draft's own continuation), then wrong; owned by this request
+    or (shared pool) by another one."""
+    if rng.random() < 0.3:
+        return
+    phrase = greedy(ctx, L)
+    right = int(rng.integers(L + 1))
+    for k in range(right, L):
+        wrong = int(rng.integers(vocab - 1))
+        phrase[k] = wrong + (wrong >= phrase[k])
+    owner = slot if rng.random() < 0.7 else -1
+    pool.insert(torch.tensor([ctx[-1]]), torch.tensor([phrase]), torch.tensor([owner]))
+
+
+def check_round(out, drafts, contexts, greedy):
+    B = len(contexts)
+    assert (out.draft_lens >= GAMMA).all() and (out.draft_lens < GAMMA + BETA).all()
+    for b in range(B):
+        assert drafts[b] == greedy(contexts[b], len(drafts[b])), (b, len(contexts[b]))
+    # every row takes part in every forward until it has gamma tokens; none waits for another
+    assert out.forwards == out.row_forwards.max()
+    assert (out.row_forwards >= 1).all()
+    assert (out.guess_tokens == out.draft_lens - out.row_forwards).all()
+    assert out.suffixes.shape == (B, K, L) and out.suffix_valid.shape == (B, K)
+
+
+CONFIGS = {
+    "lookahead+guesses": dict(),
+    "no-guesses": dict(use_guesses=False),
+    "no-lookahead": dict(use_lookahead=False),
+    "neither": dict(use_lookahead=False, use_guesses=False),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_drafts_are_the_draft_models_greedy_continuation(config, draft_path, greedy):
+    rng = np.random.default_rng(sorted(CONFIGS).index(config))
+    rt, pool = make_runtime(draft_path, num_slots=2, **CONFIGS[config])  # grows to 8 slots
+    V = rt.model.vocab_size
+    slots = [4, 0, 7, 2, 5]
+    contexts = [rng.integers(2, V, n).tolist() for n in CONTEXT_LENS]
+    prefills = guessed = 0
+    for _ in range(8):
+        # Now and then a request sits a round out while its context still grows (a chunked
+        # prefill elsewhere): its cache then holds drafts from two rounds back.
+        live = [b for b in range(len(slots)) if rng.random() > 0.15] or [0]
+        out, drafts = draft_round(rt, [slots[b] for b in live], [contexts[b] for b in live], rng)
+        check_round(out, drafts, [contexts[b] for b in live], greedy)
+        prefills += out.prefill_forwards
+        guessed += int(out.guess_tokens.sum())
+        for i, b in enumerate(live):
+            contexts[b] = simulate_target(contexts[b], drafts[i], rng, greedy, V)
+            seed_phrase(pool, contexts[b], slots[b], rng, greedy, V)
+        for b in set(range(len(slots))) - set(live):
+            contexts[b] = contexts[b] + rng.integers(2, V, 3).tolist()
+    assert prefills >= 1  # the 100-token prompt went through the prefill path
+    assert (guessed > 0) == (rt.G > 0)
+
+
+def test_one_forward_yields_beta_tokens_from_a_right_phrase(draft_path, greedy):
+    """With the draft's own continuation in the pool, one forward drafts beta tokens."""
+    rng = np.random.default_rng(10)
+    rt, pool = make_runtime(draft_path, num_slots=3, gamma=BETA, use_lookahead=False)
+    V = rt.model.vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (6, 40, 11)]
+    for s in (0, 1):  # rows 0, 1 get their continuation as a phrase; row 2 gets nothing
+        pool.insert(torch.tensor([contexts[s][-1]]), torch.tensor([greedy(contexts[s], L)]),
+                    torch.tensor([s]))
+    out, drafts = draft_round(rt, [0, 1, 2], contexts, rng)
+    for b in range(3):
+        assert drafts[b] == greedy(contexts[b], len(drafts[b]))
+    assert out.row_forwards[:2].tolist() == [1, 1]
+    assert out.draft_lens[:2].tolist() == [BETA, BETA]
+    assert out.guess_tokens[:2].tolist() == [L, L]
+    assert out.guess_hit_forwards[:2].tolist() == [1, 1]
+    # row 2 found nothing to verify at first: it needs more forwards, and the batch waits for it
+    # only as long as it needs
+    assert out.row_forwards[2] > 1
+    assert out.forwards == out.row_forwards[2]
+
+
+def test_guesses_save_forwards_on_a_repetitive_context(draft_path, greedy):
+    """The target agrees with the draft: the Jacobi window and the pool then find phrases the
+    draft confirms, so over the rounds it drafts more tokens than it runs forwards."""
+    rng = np.random.default_rng(11)
+    rt, pool = make_runtime(draft_path, num_slots=1)
+    V = rt.model.vocab_size
+    ctx = (rng.integers(2, V, 4).tolist() * 6)[:21]
+    tokens = forwards = guessed = 0
+    for _ in range(8):
+        out, drafts = draft_round(rt, [0], [ctx], rng)
+        assert drafts[0] == greedy(ctx, len(drafts[0]))
+        tokens += int(out.draft_lens[0])
+        forwards += out.forwards
+        guessed += int(out.guess_tokens[0])
+        ctx = ctx + drafts[0] + greedy(ctx + drafts[0], 1)
+    assert pool.num_phrases() > 0
+    assert guessed > 0
+    assert forwards < tokens
+
+
+def test_batching_shares_forwards(draft_path, greedy):
+    """8 requests with the same contexts as 1 request: the same drafts with the same number of
+    batched forwards per round (not 8 times as many, not more than the 1-request run)."""
+    rng = np.random.default_rng(12)
+    solo, _ = make_runtime(draft_path, num_slots=1)
+    batch, _ = make_runtime(draft_path, num_slots=8)
+    V = solo.model.vocab_size
+    ctx = rng.integers(2, V, 30).tolist()
+    slots = [3, 0, 6, 1, 7, 2, 5, 4]
+    for _ in range(6):
+        out1, d1 = draft_round(solo, [0], [ctx], rng)
+        out8, d8 = draft_round(batch, slots, [ctx] * 8, rng)
+        assert d1[0] == greedy(ctx, len(d1[0]))
+        assert all(d == d1[0] for d in d8)
+        assert out8.forwards == out8.row_forwards.max() == out1.forwards
+        assert (out8.row_forwards == out1.row_forwards[0]).all()
+        assert out8.prefill_forwards == out1.prefill_forwards
+        ctx = simulate_target(ctx, d1[0], rng, greedy, V)
+
+
+def test_ragged_batch_forwards_follow_the_slowest_row(draft_path, greedy):
+    """Without guesses each forward gives exactly one token per row: gamma forwards per round
+    whatever the batch size and context lengths."""
+    rng = np.random.default_rng(13)
+    rt, _ = make_runtime(draft_path, num_slots=8, use_guesses=False)
+    V = rt.model.vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (1, 2, 5, 13, 20, 33, 60, 7)]
+    for _ in range(3):
+        out, drafts = draft_round(rt, list(range(8)), contexts, rng)
+        check_round(out, drafts, contexts, greedy)
+        assert out.forwards == GAMMA and (out.row_forwards == GAMMA).all()
+        assert (out.draft_lens == GAMMA).all()
+        contexts = [simulate_target(c, d, rng, greedy, V) for c, d in zip(contexts, drafts)]
+
+
+def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy):
+    rng = np.random.default_rng(14)
+    rt, _ = make_runtime(draft_path, num_slots=2)
+    V = rt.model.vocab_size
+    old, other = rng.integers(2, V, 50).tolist(), rng.integers(2, V, 8).tolist()
+    for _ in range(3):
+        out, (d_old, d_other) = draft_round(rt, [1, 0], [old, other], rng)
+        old = simulate_target(old, d_old, rng, greedy, V)
+        other = simulate_target(other, d_other, rng, greedy, V)
+    rt.reset_slot(1)
+    # A new request in slot 1, longer than the old one at first, then shorter.
+    for new in (rng.integers(2, V, 90).tolist(), rng.integers(2, V, 4).tolist()):
+        for _ in range(3):
+            out, drafts = draft_round(rt, [1, 0], [new, other], rng)
+            check_round(out, drafts, [new, other], greedy)
+            new = simulate_target(new, drafts[0], rng, greedy, V)
+            other = simulate_target(other, drafts[1], rng, greedy, V)
+        rt.reset_slot(1)

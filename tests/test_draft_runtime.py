@@ -118,8 +118,20 @@ def seed_phrase(pool, ctx, slot, rng, greedy, vocab):
     pool.insert(torch.tensor([ctx[-1]]), torch.tensor([phrase]), torch.tensor([owner]))
 
 
-def check_round(out, drafts, contexts, greedy):
+def check_round(out, drafts, contexts, greedy, rt=None, slots=None):
     B = len(contexts)
+    if rt is not None:
+        # The slot's KV covers the context and the draft except the last forward's new tokens
+        # (1..beta of them), and the runtime's record of those tokens is right.
+        for b, s in enumerate(slots):
+            seq = contexts[b] + drafts[b]
+            kv = int(rt.kv_len[s])
+            assert len(seq) - BETA <= kv <= len(seq) - 1, (b, kv, len(seq))
+            assert rt.cached[s, :kv].tolist() == seq[:kv]
+        # Candidate suffixes: the pool's K best phrases for the draft's last token.
+        phr, valid = rt.pool.lookup(torch.tensor([d[-1] for d in drafts]), torch.tensor(slots), K)
+        assert (out.suffix_valid == valid.numpy()).all()
+        assert (out.suffixes == phr.numpy()).all()
     assert (out.draft_lens >= GAMMA).all() and (out.draft_lens < GAMMA + BETA).all()
     for b in range(B):
         assert drafts[b] == greedy(contexts[b], len(drafts[b])), (b, len(contexts[b]))
@@ -151,7 +163,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(config, draft_path, gre
         # prefill elsewhere): its cache then holds drafts from two rounds back.
         live = [b for b in range(len(slots)) if rng.random() > 0.15] or [0]
         out, drafts = draft_round(rt, [slots[b] for b in live], [contexts[b] for b in live], rng)
-        check_round(out, drafts, [contexts[b] for b in live], greedy)
+        check_round(out, drafts, [contexts[b] for b in live], greedy, rt, [slots[b] for b in live])
         prefills += out.prefill_forwards
         guessed += int(out.guess_tokens.sum())
         for i, b in enumerate(live):
@@ -234,7 +246,7 @@ def test_ragged_batch_forwards_follow_the_slowest_row(draft_path, greedy):
     contexts = [rng.integers(2, V, n).tolist() for n in (1, 2, 5, 13, 20, 33, 60, 7)]
     for _ in range(3):
         out, drafts = draft_round(rt, list(range(8)), contexts, rng)
-        check_round(out, drafts, contexts, greedy)
+        check_round(out, drafts, contexts, greedy, rt, list(range(8)))
         assert out.forwards == GAMMA and (out.row_forwards == GAMMA).all()
         assert (out.draft_lens == GAMMA).all()
         contexts = [simulate_target(c, d, rng, greedy, V) for c, d in zip(contexts, drafts)]
@@ -254,7 +266,7 @@ def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy):
     for new in (rng.integers(2, V, 90).tolist(), rng.integers(2, V, 4).tolist()):
         for _ in range(3):
             out, drafts = draft_round(rt, [1, 0], [new, other], rng)
-            check_round(out, drafts, [new, other], greedy)
+            check_round(out, drafts, [new, other], greedy, rt, [1, 0])
             new = simulate_target(new, drafts[0], rng, greedy, V)
             other = simulate_target(other, drafts[1], rng, greedy, V)
         rt.reset_slot(1)

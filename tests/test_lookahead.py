@@ -149,6 +149,11 @@ def test_read_output_longer_match_wins_and_ties_take_the_first():
     out = _out(LAY, [[99, 7]], WIN_OUT, [[[31, 32], [31, 33]]])
     res = _read(out, [[[7, 30], [7, 35]]], [[True, True]])
     assert res.num_new.tolist() == [2] and res.new_tokens.tolist() == [[7, 31, 0]]
+    # A hand-made tie whose outputs after the match differ (a real draft cannot do this: both
+    # see the same tokens at the same positions). The first guess decides: 31, not 33.
+    out = _out(LAY, [[99, 7]], WIN_OUT, [[[31, 32], [33, 34]]])
+    res = _read(out, [[[7, 30], [7, 35]]], [[True, True]])
+    assert res.guess_hit.tolist() == [1] and res.new_tokens.tolist() == [[7, 31, 0]]
     # Tie at 0 hits with differing guess outputs: only t1, nothing from either guess.
     out = _out(LAY, [[99, 7]], WIN_OUT, [[[31, 32], [36, 37]]])
     res = _read(out, [[[8, 30], [9, 35]]], [[True, True]])

@@ -47,7 +47,7 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
     """Generate `prompts` greedily with one engine; return outputs, timing and counters."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ouroboros.patches.model_runner import worker_snapshot
+    from vllm_ouroboros.metrics import engine_snapshot
 
     spec = None if overrides is None else {"method": "ouroboros", "model": str(draft), **overrides}
     llm = LLM(model=str(target), dtype="float32", max_model_len=max_model_len,
@@ -56,13 +56,13 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         llm.generate(["def warm_up():"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-        before = llm.collective_rpc(worker_snapshot)[0] if spec else None
+        before = engine_snapshot(llm) if spec else None
         outputs, t0 = [], time.perf_counter()
         for i in range(0, len(prompts), concurrency):
             outs = llm.generate(prompts[i:i + concurrency], sp, use_tqdm=False)
             outputs += [list(o.outputs[0].token_ids) for o in outs]
         elapsed = time.perf_counter() - t0
-        after = llm.collective_rpc(worker_snapshot)[0] if spec else None
+        after = engine_snapshot(llm) if spec else None
     finally:
         del llm
         gc.collect()

@@ -16,8 +16,6 @@ from tiny_models import model_pair  # noqa: E402
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# collective_rpc with a function (our stats reader) needs pickled callables.
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def run_engine(target, prompts, params, spec=None, extra_runs=()):
     """Generate with a fresh LLM; returns (outputs, snapshots per run)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ouroboros.patches.model_runner import worker_snapshot
+    from vllm_ouroboros.metrics import engine_snapshot
 
     llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
               seed=0, max_num_seqs=32, speculative_config=spec)
@@ -88,11 +88,11 @@ def run_engine(target, prompts, params, spec=None, extra_runs=()):
         outs = llm.generate(prompts, sps, use_tqdm=False)
         results = {"main": [(list(o.outputs[0].token_ids), o.outputs[0].text,
                              o.outputs[0].finish_reason) for o in outs]}
-        snaps = {"main": llm.collective_rpc(worker_snapshot)[0] if spec else None}
+        snaps = {"main": engine_snapshot(llm) if spec else None}
         for name, (ps, sp) in extra_runs:
             o = llm.generate(ps, SamplingParams(**sp), use_tqdm=False)
             results[name] = [list(x.outputs[0].token_ids) for x in o]
-            snaps[name] = llm.collective_rpc(worker_snapshot)[0] if spec else None
+            snaps[name] = engine_snapshot(llm) if spec else None
         return results, snaps
     finally:
         del llm

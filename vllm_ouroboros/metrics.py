@@ -106,3 +106,11 @@ class OuroborosStats:
         if pool_stats:
             out["pool"] = pool_stats
         return out
+
+
+def engine_snapshot(llm) -> dict:
+    """Counters of a running `vllm.LLM` using ouroboros (first worker; TP ranks draft alike)."""
+    snaps = llm.collective_rpc("ouroboros_snapshot")
+    if not snaps or snaps[0] is None:
+        raise RuntimeError("this engine does not run the ouroboros method")
+    return snaps[0]

@@ -33,10 +33,18 @@ def apply() -> None:
     if not need <= fields:
         require(SpecDecodeMetadata, *sorted(need - fields))
     patch_method(GPUModelRunner, "_sample", _sample)
+    # A named worker method: `collective_rpc("ouroboros_snapshot")` needs no pickled callable.
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, SNAPSHOT_METHOD):
+        setattr(WorkerBase, SNAPSHOT_METHOD, worker_snapshot)
+
+
+SNAPSHOT_METHOD = "ouroboros_snapshot"
 
 
 def worker_snapshot(worker) -> dict | None:
-    """Ouroboros counters of one worker; use as `LLM.collective_rpc(worker_snapshot)`."""
+    """Ouroboros counters of one worker (installed as the worker method `ouroboros_snapshot`)."""
     runner = getattr(worker, "model_runner", None)
     drafter = getattr(runner, "drafter", None)
     if drafter is None or not hasattr(drafter, "snapshot"):

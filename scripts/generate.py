@@ -27,6 +27,8 @@ CONFIGS = {
     "ouroboros": {},
     # Phrase drafting off: no Jacobi window, no pool guesses -> one draft token per forward.
     "ouroboros-no-phrases": {"use_lookahead": False, "use_guesses": False},
+    # No n-grams of the confirmed text in the pool: the paper's pool sources only.
+    "ouroboros-no-context": {"use_context_phrases": False},
 }
 
 

@@ -100,12 +100,18 @@ def run_engine(target, prompts, params, spec=None, extra_runs=()):
 
 
 @pytest.fixture(scope="module")
-def runs(scenario, tiny_models):
+def pool_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("pool") / "pool.pt"
+
+
+@pytest.fixture(scope="module")
+def runs(scenario, tiny_models, pool_file):
     one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
-    spec = {"method": "ouroboros", "model": str(tiny_models["draft"])}
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
+            "pool_save_path": str(pool_file)}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec, extra)
     return base, ours, snaps
 
@@ -158,3 +164,12 @@ def test_batched_drafting_does_not_scale_forwards_with_requests(runs):
     assert snaps["eight"]["max_batch_per_round"] >= 8
     assert eight <= one + 1.0, (one, eight)
     assert snaps["eight"]["max_forward_calls_per_round"] <= 16
+
+
+def test_pool_saved_at_engine_exit(runs, pool_file):
+    """The pool a run built is written to pool_save_path when the engine shuts down."""
+    from vllm_ouroboros.pool import PhrasePool
+
+    assert pool_file.exists(), "pool_save_path was not written at shutdown"
+    pool = PhrasePool.load(str(pool_file))
+    assert pool.num_phrases() > 0

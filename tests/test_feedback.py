@@ -141,3 +141,20 @@ def test_refinement_L3_and_empty():
     assert phrases_of(p) == [(7, [2, 3, 4], 0)]
     p = refinement(t, A([1]), A([2]), A([7]), A([3]), A([0]), L=3)
     assert len(p) == 0 and p.tokens.shape == (0, 3)
+
+
+def test_context_phrases_cover_new_text_only():
+    from vllm_ouroboros.feedback import context_phrases
+
+    # Row 0: context 10 11 12 13 14 (5 tokens), already seen up to index 2 -> phrases starting
+    # at 2..(5-1-2)=2 only: key 12 -> (13, 14). Tempting wrong answer: re-inserting 10->(11,12)
+    # and 11->(12,13), which the pool got last round.
+    # Row 1: a fresh prompt 20 21 22 23 -> 20->(21,22), 21->(22,23), oldest first.
+    table = np.array([[10, 11, 12, 13, 14, 0], [20, 21, 22, 23, 0, 0]])
+    ph = context_phrases(table, rows=np.array([0, 1]), lens=np.array([5, 4]),
+                         start=np.array([2, 0]), owners=np.array([7, 3]), L=2)
+    assert ph.keys.tolist() == [12, 20, 21]
+    assert ph.tokens.tolist() == [[13, 14], [21, 22], [22, 23]]
+    assert ph.owners.tolist() == [7, 3, 3]
+    # Too short for one phrase: nothing.
+    assert len(context_phrases(table, np.array([1]), np.array([2]), np.array([0]), np.array([0]), 2)) == 0

@@ -53,6 +53,10 @@ class OuroborosConfig:
     use_suffixes: bool = True
     use_inspiration: bool = True
     use_refinement: bool = True
+    # Phrases from the confirmed text itself (prompt + accepted tokens), see feedback.py.
+    use_context_phrases: bool = True
+    # Only the last this-many prompt tokens seed the pool when a request starts.
+    context_phrase_window: int = 2048
     # Draft weights dtype; "auto" follows the target's dtype.
     draft_dtype: str = "auto"
     # Upper bound on draft forwards in one round, whatever the draft's progress.
@@ -98,6 +102,7 @@ _INT_RANGES = {
     "num_speculative_tokens": (1, 128),  # vLLM's rejection sampler allows 128
     "max_draft_forwards": (1, 128),
     "draft_initial_len": (16, None),
+    "context_phrase_window": (0, None),
 }
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig) if f.type in ("bool", bool)}
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"extra", "draft_model"}

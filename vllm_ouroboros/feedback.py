@@ -7,7 +7,10 @@ uses, batched over requests (padded host arrays, no Python loop over rows):
   L = beta-1 consecutive tokens, the target's tokens over that run plus its next prediction form a
   phrase keyed by the run's first token;
 * candidate refinement: a suffix that was verified is replaced in the pool by what the target
-  predicted along it (the old phrase came from an older context).
+  predicted along it (the old phrase came from an older context);
+* context phrases: the n-grams of the confirmed text itself (prompt, accepted tokens and the
+  target's correction), as Lookahead Decoding does with the prompt. Code and chat repeat their
+  own identifiers and phrases, and these are exactly right wherever the text repeats.
 
 Index convention (0-based): draft d[0..n-1] was verified; target t[j] is the target's token for
 position j, i.e. its prediction after context + d[:j]; t has n+1 entries (t[n] is the bonus).
@@ -32,6 +35,10 @@ class Phrases:
     def __len__(self) -> int:
         return len(self.keys)
 
+    @classmethod
+    def empty(cls, L: int) -> "Phrases":
+        return cls(np.zeros(0, np.int64), np.zeros((0, L), np.int64), np.zeros(0, np.int64))
+
 
 def accepted_lengths(draft: np.ndarray, target: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Greedy accepted prefix length per row.
@@ -54,7 +61,7 @@ def inspiration(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners:
     """
     B, D = draft.shape
     if D < L or L < 1:
-        return _empty(L)
+        return Phrases.empty(L)
     l_d = accepted_lengths(draft, target, lens)
     agree = (draft == target[:, :D]) & (np.arange(D)[None, :] < lens[:, None])
     # run[b, j] = agree[b, j .. j+L-1] all true, for j in 0 .. D-L.
@@ -63,7 +70,7 @@ def inspiration(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners:
     ok = runs & (j >= l_d[:, None] + 1) & (j + L <= lens[:, None])
     b_idx, j_idx = np.nonzero(ok)
     if len(b_idx) == 0:
-        return _empty(L)
+        return Phrases.empty(L)
     keys = target[b_idx, j_idx]
     cols = j_idx[:, None] + 1 + np.arange(L)[None, :]
     return Phrases(keys.astype(np.int64), target[b_idx[:, None], cols].astype(np.int64),
@@ -84,11 +91,27 @@ def refinement(target: np.ndarray, suffix_start: np.ndarray, suffix_len: np.ndar
     ok = (suffix_len == L) & (suffix_start + L <= lens)
     b_idx = np.nonzero(ok)[0]
     if len(b_idx) == 0:
-        return _empty(L)
+        return Phrases.empty(L)
     cols = suffix_start[b_idx, None] + np.arange(L)[None, :]
     return Phrases(suffix_key[b_idx].astype(np.int64), target[b_idx[:, None], cols].astype(np.int64),
                    owners[b_idx].astype(np.int64))
 
 
-def _empty(L: int) -> Phrases:
-    return Phrases(np.zeros(0, np.int64), np.zeros((0, L), np.int64), np.zeros(0, np.int64))
+def context_phrases(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, start: np.ndarray,
+                    owners: np.ndarray, L: int) -> Phrases:
+    """Every phrase of the confirmed context that starts at or after `start`.
+
+    Shape: token_ids [R, >= max(lens)] host token table; rows, lens, start, owners [B].
+    Phrase at j: key ctx[j], tokens ctx[j+1 .. j+L], for start[b] <= j <= lens[b] - 1 - L.
+    Rows are emitted oldest first, so the newest text ends up newest in the pool.
+    """
+    count = np.maximum(lens - L - start, 0)
+    total = int(count.sum())
+    if total == 0:
+        return Phrases.empty(L)
+    b_idx = np.repeat(np.arange(len(rows)), count)
+    j = start[b_idx] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+    r = rows[b_idx]
+    keys = token_ids[r, j]
+    tokens = token_ids[r[:, None], j[:, None] + 1 + np.arange(L)[None, :]]
+    return Phrases(keys.astype(np.int64), tokens.astype(np.int64), owners[b_idx].astype(np.int64))

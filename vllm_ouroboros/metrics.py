@@ -19,38 +19,27 @@ Aggregate only:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+
+import numpy as np
 
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
     "inspiration_inserts", "refinement_inserts",
 )
-
-
-@dataclass
-class RequestStats:
-    draft_forwards: int = 0
-    prefill_forwards: int = 0
-    target_forwards: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    suffix_accepted: int = 0
-    generated_tokens: int = 0
-    guess_tokens: int = 0
-    guess_lookups: int = 0
-    guess_hits: int = 0
-    inspiration_inserts: int = 0
-    refinement_inserts: int = 0
+_COL = {name: i for i, name in enumerate(PER_REQUEST)}
 
 
 class OuroborosStats:
-    """Running counters; `snapshot()` is what tests, scripts and /metrics read."""
+    """Running counters, one row per draft slot (request), kept as a host array so that a step
+    updates all requests with one vectorised add. `snapshot()` is what tests, scripts and
+    /metrics read."""
 
-    def __init__(self, keep_finished: int = 1024):
-        self.total = RequestStats()
-        self.requests: dict[str, RequestStats] = {}
-        self.finished: OrderedDict[str, RequestStats] = OrderedDict()
+    def __init__(self, num_slots: int, keep_finished: int = 1024):
+        self.live = np.zeros((num_slots, len(PER_REQUEST)), np.int64)
+        self.done_total = np.zeros(len(PER_REQUEST), np.int64)
+        self.req_of_slot: dict[int, str] = {}
+        self.finished: OrderedDict[str, dict] = OrderedDict()
         self.keep_finished = keep_finished
         self.draft_forward_calls = 0
         self.prefill_forward_calls = 0
@@ -58,25 +47,24 @@ class OuroborosStats:
         self.max_forward_calls_per_round = 0
         self.max_batch_per_round = 0
 
-    def request(self, req_id: str) -> RequestStats:
-        st = self.requests.get(req_id)
-        if st is None:
-            st = self.requests[req_id] = RequestStats()
-        return st
+    def start(self, slot: int, req_id: str) -> None:
+        self.req_of_slot[slot] = req_id
+        self.live[slot] = 0
 
-    def add(self, req_id: str, **counts: int) -> None:
-        """Add counts to one request and to the aggregate."""
-        st = self.request(req_id)
+    def add(self, slots: np.ndarray, **counts: np.ndarray) -> None:
+        """Add per-row counts (arrays aligned with `slots`) to those requests."""
         for key, value in counts.items():
-            setattr(st, key, getattr(st, key) + int(value))
-            setattr(self.total, key, getattr(self.total, key) + int(value))
+            np.add.at(self.live[:, _COL[key]], slots, np.asarray(value, np.int64))
 
-    def finish(self, req_id: str) -> None:
-        st = self.requests.pop(req_id, None)
-        if st is not None:
-            self.finished[req_id] = st
-            while len(self.finished) > self.keep_finished:
-                self.finished.popitem(last=False)
+    def finish(self, slot: int) -> None:
+        req_id = self.req_of_slot.pop(slot, None)
+        if req_id is None:
+            return
+        self.done_total += self.live[slot]
+        self.finished[req_id] = dict(zip(PER_REQUEST, self.live[slot].tolist()))
+        self.live[slot] = 0
+        while len(self.finished) > self.keep_finished:
+            self.finished.popitem(last=False)
 
     def round_done(self, forward_calls: int, prefill_calls: int, batch: int) -> None:
         self.rounds += 1
@@ -87,21 +75,22 @@ class OuroborosStats:
 
     def snapshot(self, pool_stats: dict | None = None) -> dict:
         """All counters plus derived ratios, as plain Python values."""
-        t = self.total
+        t = dict(zip(PER_REQUEST, (self.done_total + self.live.sum(axis=0)).tolist()))
+        live = {r: dict(zip(PER_REQUEST, self.live[s].tolist())) for s, r in self.req_of_slot.items()}
         out = {
-            **asdict(t),
+            **t,
             "draft_forward_calls": self.draft_forward_calls,
             "prefill_forward_calls": self.prefill_forward_calls,
             "rounds": self.rounds,
             "max_forward_calls_per_round": self.max_forward_calls_per_round,
             "max_batch_per_round": self.max_batch_per_round,
-            "draft_forwards_per_token": t.draft_forwards / max(t.generated_tokens, 1),
-            "accepted_per_target_forward": (t.accepted_tokens + t.target_forwards)
-            / max(t.target_forwards, 1),
-            "acceptance_rate": t.accepted_tokens / max(t.drafted_tokens, 1),
+            "draft_forwards_per_token": t["draft_forwards"] / max(t["generated_tokens"], 1),
+            "accepted_per_target_forward": (t["accepted_tokens"] + t["target_forwards"])
+            / max(t["target_forwards"], 1),
+            "acceptance_rate": t["accepted_tokens"] / max(t["drafted_tokens"], 1),
             "draft_forward_calls_per_round": self.draft_forward_calls / max(self.rounds, 1),
-            "pool_hit_rate": t.guess_hits / max(t.guess_lookups, 1),
-            "per_request": {k: asdict(v) for k, v in {**self.finished, **self.requests}.items()},
+            "pool_hit_rate": t["guess_hits"] / max(t["guess_lookups"], 1),
+            "per_request": {**self.finished, **live},
         }
         if pool_stats:
             out["pool"] = pool_stats

@@ -28,17 +28,6 @@ logger = logging.getLogger("vllm_ouroboros")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class _LastProposal:
-    """What was proposed to a request last step, to read its verification. Host arrays."""
-
-    __slots__ = ("n_main", "suffix", "suffix_key")
-
-    def __init__(self, n_main: int, suffix: np.ndarray, suffix_key: int):
-        self.n_main = n_main
-        self.suffix = suffix  # [s] int64, s <= L tokens appended after the sentence draft
-        self.suffix_key = suffix_key
-
-
 class OuroborosProposer:
     """Ouroboros drafting for vLLM's V1 model runner (custom_class interface)."""
 
@@ -58,13 +47,20 @@ class OuroborosProposer:
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_slots = vllm_config.scheduler_config.max_num_seqs
-        self.stats = OuroborosStats()
+        self.stats = OuroborosStats(self.max_slots)
         self.runtime: DraftRuntime | None = None
         self.pool: PhrasePool | None = None
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.max_slots - 1, -1, -1))
-        self._last: dict[str, _LastProposal] = {}
         self._req_ids: list[str] = []
+        # What each slot was proposed last step, to read its verification (host arrays):
+        # sentence-draft length, the suffix sent after it and the token it hangs off.
+        L = self.cfg.phrase_len
+        self._last_main = np.zeros(self.max_slots, np.int64)
+        self._last_suffix = np.zeros((self.max_slots, L), np.int64)
+        self._last_suffix_len = np.zeros(self.max_slots, np.int64)
+        self._last_suffix_key = np.zeros(self.max_slots, np.int64)
+        self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
 
     # ---- set-up ------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
@@ -113,14 +109,15 @@ class OuroborosProposer:
         if gone:
             slots = [self._slot_of.pop(r) for r in gone]
             self.pool.release(torch.tensor(slots, dtype=torch.long, device=self.device))
-            for r, s in zip(gone, slots):
+            for s in slots:
                 self.runtime.reset_slot(s)
-                self._free_slots.append(s)
-                self._last.pop(r, None)
-                self.stats.finish(r)
+                self.stats.finish(s)
+                self._last_suffix_len[s] = self._last_main[s] = self._ctx_seen[s] = 0
+            self._free_slots += slots
         for r in req_ids:
             if r is not None and r not in self._slot_of:
-                self._slot_of[r] = self._free_slots.pop()
+                slot = self._slot_of[r] = self._free_slots.pop()
+                self.stats.start(slot, r)
 
     # ---- verification feedback ---------------------------------------------------------------
     def on_sample(self, req_ids: list[str], logits: torch.Tensor | None, spec_meta) -> None:
@@ -151,43 +148,45 @@ class OuroborosProposer:
         self._learn(req_ids[:B], draft, target, n)
 
     def _learn(self, req_ids, draft, target, n) -> None:
+        """Pool updates and counters from one verification. Shapes: draft [B, D], target
+        [B, D+1], n [B] (tokens verified per request)."""
         L = self.cfg.phrase_len
-        B = len(req_ids)
-        owners = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
-        last = [self._last.get(r) for r in req_ids]
-        n_main = np.array([p.n_main if p else 0 for p in last], np.int64)
-        s_len = np.array([min(len(p.suffix), max(int(k) - p.n_main, 0)) if p else 0
-                          for p, k in zip(last, n)], np.int64)
-        s_key = np.array([p.suffix_key if p else 0 for p in last], np.int64)
+        slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
+        ok = (n > 0) & (slots >= 0)
+        if not ok.any():
+            return
+        slots, draft, target, n = slots[ok], draft[ok], target[ok], n[ok]
+        n_main = np.minimum(self._last_main[slots], n)
+        s_len = np.minimum(self._last_suffix_len[slots], n - n_main)
         l_d = feedback.accepted_lengths(draft, target, n)
-        has = (n > 0) & (owners >= 0)
-        insp = refn = None
+        insp = refn = feedback.Phrases.empty(L)
         if self.cfg.use_inspiration:
-            insp = feedback.inspiration(draft, target, n, owners, L)
-            self._insert(insp)
-        if self.cfg.use_refinement and self.cfg.use_suffixes:
-            refn = feedback.refinement(target, n_main, s_len, s_key, n, owners, L)
+            insp = feedback.inspiration(draft, target, n, slots, L)
+            if len(insp):
+                self.pool.insert(*self._to_device(insp.keys, insp.tokens, insp.owners))
+        if self.cfg.use_refinement:
+            refn = feedback.refinement(target, n_main, s_len, self._last_suffix_key[slots], n, slots, L)
             if len(refn):
-                rows = np.nonzero((s_len == L) & (n_main + L <= n))[0]
-                old = np.stack([last[i].suffix for i in rows])
-                dev = self.device
-                self.pool.replace(torch.from_numpy(refn.keys).to(dev), torch.from_numpy(old).to(dev),
-                                  torch.from_numpy(refn.tokens).to(dev),
-                                  torch.from_numpy(refn.owners).to(dev))
-        for i in np.nonzero(has)[0]:
-            self.stats.add(
-                req_ids[i], target_forwards=1, drafted_tokens=n[i], accepted_tokens=l_d[i],
-                suffix_accepted=max(0, l_d[i] - n_main[i]) if s_len[i] else 0,
-                inspiration_inserts=int((insp.owners == owners[i]).sum()) if insp else 0,
-                refinement_inserts=int((refn.owners == owners[i]).sum()) if refn else 0,
-            )
+                old = self._last_suffix[refn.owners]
+                keys, old, new, owners = self._to_device(refn.keys, old, refn.tokens, refn.owners)
+                self.pool.replace(keys, old, new, owners)
+        self.stats.add(
+            slots, target_forwards=np.ones_like(n), drafted_tokens=n, accepted_tokens=l_d,
+            suffix_accepted=np.where(s_len > 0, np.maximum(l_d - n_main, 0), 0))
+        self.stats.add(insp.owners, inspiration_inserts=np.ones_like(insp.owners))
+        self.stats.add(refn.owners, refinement_inserts=np.ones_like(refn.owners))
 
-    def _insert(self, phrases: feedback.Phrases) -> None:
-        if len(phrases):
-            dev = self.device
-            self.pool.insert(torch.from_numpy(phrases.keys).to(dev),
-                             torch.from_numpy(phrases.tokens).to(dev),
-                             torch.from_numpy(phrases.owners).to(dev))
+    def _learn_context(self, slots, token_ids, rows, lens) -> None:
+        """Phrases of the text confirmed since the slot's last round (the prompt, at first)."""
+        L = self.cfg.phrase_len
+        start = np.maximum(self._ctx_seen[slots] - L, np.maximum(lens - self.cfg.context_phrase_window, 0))
+        ph = feedback.context_phrases(token_ids, rows, lens, start, slots, L)
+        if len(ph):
+            self.pool.insert(*self._to_device(ph.keys, ph.tokens, ph.owners))
+        self._ctx_seen[slots] = lens
+
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
 
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
@@ -200,32 +199,44 @@ class OuroborosProposer:
         B = len(sampled_token_ids)
         req_ids = self._req_ids[:B]
         self._sync_requests(req_ids)
-        for i, toks in enumerate(sampled_token_ids):
-            if toks:
-                self.stats.add(req_ids[i], generated_tokens=len(toks))
-        rows = np.array([i for i, t in enumerate(sampled_token_ids) if t], np.int64)
+        n_new = np.fromiter((len(t) for t in sampled_token_ids), np.int64, B)
+        rows = np.nonzero(n_new)[0]
         proposals: list[list[int]] = [[] for _ in range(B)]
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
         lens = np.asarray(num_tokens_no_spec[rows], np.int64)
+        if self.cfg.use_context_phrases:
+            self._learn_context(slots, token_ids_cpu, rows, lens)
         out = self.runtime.run_round(slots, token_ids_cpu, rows, lens)
-        self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
-        cap = self.num_spec_tokens
+
+        # Chain for the target: sentence draft, then the best suffix, within the token cap.
+        cap, L = self.num_spec_tokens, self.cfg.phrase_len
+        n_main = np.minimum(out.draft_lens, cap)
+        has_suffix = out.suffix_valid[:, 0] if out.suffix_valid.shape[1] else np.zeros(len(rows), bool)
+        s_len = np.where(has_suffix, np.minimum(L, cap - n_main), 0)
+        chain = np.concatenate([out.drafts, out.suffixes[:, 0] if out.suffixes.shape[1]
+                                else np.zeros((len(rows), L), np.int64)], axis=1)
+        # Move each row's suffix right behind its draft.
+        col = np.arange(chain.shape[1])[None, :]
+        src = np.where(col < n_main[:, None], col, out.drafts.shape[1] + col - n_main[:, None])
+        chain = np.take_along_axis(chain, np.minimum(src, chain.shape[1] - 1), axis=1)
+        total = n_main + s_len
         for b, i in enumerate(rows):
-            n_main = int(min(out.draft_lens[b], cap))
-            tokens = out.drafts[b, :n_main]
-            suffix = np.zeros(0, np.int64)
-            if out.suffix_valid.shape[1] and out.suffix_valid[b, 0] and n_main < cap:
-                suffix = out.suffixes[b, 0, : cap - n_main]
-            key = int(tokens[-1]) if n_main else int(token_ids_cpu[i, lens[b] - 1])
-            self._last[req_ids[i]] = _LastProposal(n_main, suffix, key)
-            proposals[i] = np.concatenate([tokens, suffix]).tolist()
-            self.stats.add(req_ids[i], draft_forwards=out.row_forwards[b],
-                           prefill_forwards=out.row_prefills[b],
-                           guess_tokens=out.guess_tokens[b],
-                           guess_lookups=out.row_forwards[b] if self.runtime.G else 0,
-                           guess_hits=out.guess_hit_forwards[b])
+            proposals[i] = chain[b, :total[b]].tolist()
+
+        ctx_last = token_ids_cpu[rows, lens - 1].astype(np.int64)
+        self._last_main[slots] = n_main
+        self._last_suffix_len[slots] = s_len
+        if out.suffixes.shape[1]:
+            self._last_suffix[slots] = out.suffixes[:, 0]
+        self._last_suffix_key[slots] = np.where(
+            n_main > 0, out.drafts[np.arange(len(rows)), np.maximum(n_main - 1, 0)], ctx_last)
+        self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
+        self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
+                       prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
+                       guess_lookups=out.row_forwards if self.runtime.G else np.zeros_like(slots),
+                       guess_hits=out.guess_hit_forwards)
         return proposals
 
     def snapshot(self) -> dict:

@@ -78,7 +78,8 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
             "counters": d,
             "tokens_per_target_forward": (d["accepted_tokens"] + d["target_forwards"])
             / max(d["target_forwards"], 1),
-            "draft_forwards_per_token": d["draft_forwards"] / max(d["generated_tokens"], 1),
+            # Over the tokens the requests output (vLLM trims tokens accepted past a stop).
+            "draft_forwards_per_token": d["draft_forwards"] / max(tokens, 1),
             "acceptance_rate": d["accepted_tokens"] / max(d["drafted_tokens"], 1),
             "draft_forward_calls_per_round": d["draft_forward_calls"] / max(d["rounds"], 1),
         })
@@ -116,13 +117,19 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1, help="requests submitted together")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {list(CONFIGS)}")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help='extra ouroboros configuration, e.g. beta5=\'{"beta": 5}\' (repeatable)')
     ap.add_argument("--target", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
     args = ap.parse_args()
     target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
     draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
-    names = args.configs.split(",")
+    names = [n for n in args.configs.split(",") if n]
+    for v in args.variant:
+        name, _, js = v.partition("=")
+        CONFIGS[name] = json.loads(js)
+        names.append(name)
     if names[0] != "no-spec":
         names.insert(0, "no-spec")
     prompts = humaneval_prompts(args.prompts)

@@ -1,0 +1,220 @@
+"""The token tree the target verifies in one forward (algorithm.md step 3).
+
+Per request: the sentence draft d[0..n-1] is a chain under the root (the last confirmed token),
+and K candidate suffixes s_k[0..len_k-1] are chains under the last draft token (under the root
+if n == 0). A suffix sees the prefix and the whole draft but not the other suffixes, and its
+token j sits at depth n + 1 + j whatever k is: all suffixes occupy the same positions.
+
+Nodes are numbered per row, compactly: draft chain first, then suffix 0, suffix 1, ...; a
+suffix of length 0 takes no node, and nodes num_nodes .. N-1 are padding. N = D + K*L is static
+(D, K, L the padded widths of the inputs), so shapes do not depend on the data.
+
+    root ── d0 ── d1 ── ... ── d[n-1] ─┬─ s0[0] ── s0[1] ── ...
+                                       ├─ s1[0] ── s1[1] ── ...
+                                       └─ ...
+
+Position of node i = position of the root + depth[i]. No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Padding entries of TokenTree.branch_of (draft nodes are -1, suffix nodes their k).
+PAD_BRANCH = -2
+
+
+@dataclass
+class TokenTree:
+    """Draft + suffixes as a tree, batched and padded to N = D + K*L nodes per row.
+
+    Fields (int64 unless stated; entries of node i >= num_nodes[b] are padding:
+    token 0, parent -1, depth 0, branch PAD_BRANCH):
+      tokens:        [B, N], token of node i.
+      parents:       [B, N], parent node index; -1 = child of the root.
+      depth:         [B, N], 1-based distance from the root (draft i: i + 1; suffix token j:
+                     n + 1 + j); the node's position offset from the root.
+      num_nodes:     [B], n + sum_k suffix_len.
+      ancestor_mask: [B, N, N] bool, [b, i, j] = node j is node i or an ancestor of it (the
+                     root, in the KV cache or the query, is seen by all and not included).
+                     A padding node sees only itself, so no softmax row is empty.
+      branch_of:     [B, N], -1 for draft nodes, k for suffix k, PAD_BRANCH for padding.
+      draft_len:     [B], n.
+      suffix_start:  [B, K], node index of suffix k's first token (n + earlier lengths).
+      suffix_len:    [B, K], tokens of suffix k in the tree (0 = no suffix k).
+      paths:         [B, K, D + L], node indices from the root's first child to the end of
+                     suffix k (draft nodes 0..n-1, then suffix k's nodes), -1 padded. The
+                     draft chain alone is nodes 0..n-1.
+      path_len:      [B, K], n + suffix_len.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    num_nodes: torch.Tensor
+    ancestor_mask: torch.Tensor
+    branch_of: torch.Tensor
+    draft_len: torch.Tensor
+    suffix_start: torch.Tensor
+    suffix_len: torch.Tensor
+    paths: torch.Tensor
+    path_len: torch.Tensor
+    D: int
+    K: int
+    L: int
+
+    @property
+    def B(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def N(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[B, N] bool, real nodes."""
+        col = torch.arange(self.N, device=self.tokens.device)
+        return col[None, :] < self.num_nodes[:, None]
+
+    def positions(self, root_pos: torch.Tensor) -> torch.Tensor:
+        """Absolute positions. Shape: root_pos [B] -> [B, N] (padding sits at root_pos)."""
+        return root_pos[:, None] + self.depth
+
+
+def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Tensor,
+               suffix_len: torch.Tensor) -> TokenTree:
+    """Lay out the sentence draft and K suffixes as one token tree per request.
+
+    Shape:
+      draft:      [B, D] int64, the first draft_len[b] are real.
+      draft_len:  [B] int64 in 0..D.
+      suffixes:   [B, K, L] int64, suffix k's first suffix_len[b, k] tokens are real.
+      suffix_len: [B, K] int64 in 0..L (0 = invalid suffix; a bool validity mask times L works).
+    Lengths outside their range are clamped.
+    """
+    B, D = draft.shape
+    K, L = suffixes.shape[1], suffixes.shape[2]
+    assert suffixes.shape[0] == B and suffix_len.shape == (B, K) and draft_len.shape == (B,)
+    dev = draft.device
+    N = D + K * L
+    n = draft_len.long().clamp(0, D)
+    slen = suffix_len.long().clamp(0, L)
+    # One dummy empty suffix when K == 0 and one dummy column when D or L is 0 keep the
+    # gathers below shape-valid; they are never selected.
+    if K == 0:
+        sfx, sl = suffixes.new_zeros(B, 1, max(L, 1)), slen.new_zeros(B, 1)
+    else:
+        sfx, sl = (suffixes if L else suffixes.new_zeros(B, K, 1)), slen
+    drf = draft if D else draft.new_zeros(B, 1)
+
+    sstart = n[:, None] + sl.cumsum(1) - sl  # [B, K']
+    send = sstart + sl
+    num_nodes = n + sl.sum(1)
+    col = torch.arange(N, device=dev)[None, :].expand(B, N)
+    is_draft = col < n[:, None]
+    valid = col < num_nodes[:, None]
+    is_suf = valid & ~is_draft
+    # Suffix of node i: how many suffixes end at or before i (empty ones end where they start,
+    # so they are skipped); j is its offset inside that suffix.
+    k = (col[:, :, None] >= send[:, None, :]).sum(-1).clamp(max=sl.shape[1] - 1)
+    j = (col - sstart.gather(1, k)).clamp(0, sfx.shape[2] - 1)
+    suf_tok = sfx[torch.arange(B, device=dev)[:, None], k, j]
+    drf_tok = drf.gather(1, col.clamp(max=drf.shape[1] - 1))
+
+    zero = torch.zeros_like(col)
+    tokens = torch.where(is_draft, drf_tok, torch.where(is_suf, suf_tok, zero)).long()
+    branch_of = torch.where(is_draft, -1, torch.where(is_suf, k, PAD_BRANCH))
+    depth = torch.where(is_draft, col + 1, torch.where(is_suf, n[:, None] + 1 + j, zero))
+    # A suffix head hangs off the last draft node (n - 1, which is -1 = root when n == 0).
+    parents = torch.where(is_draft, col - 1,
+                          torch.where(is_suf, torch.where(j == 0, n[:, None] - 1, col - 1), -1))
+
+    # j attends i iff j is a draft node at or before i, or in i's own suffix at or before i:
+    # suffixes are contiguous and come after the whole draft, so index order is tree order.
+    ci, cj = col[:, :, None], col[:, None, :]
+    bi, bj = branch_of[:, :, None], branch_of[:, None, :]
+    mask = valid[:, :, None] & valid[:, None, :] & (cj <= ci) & ((bj == -1) | (bj == bi))
+    eye = torch.eye(N, dtype=torch.bool, device=dev)[None]
+    mask = mask | (eye & ~valid[:, :, None])
+
+    t = torch.arange(D + L, device=dev)[None, None, :]
+    nn = n[:, None, None]
+    paths = torch.where(t < nn, t, torch.where(t < nn + slen[:, :, None],
+                                               sstart[:, :K, None] + t - nn, -1))
+    return TokenTree(tokens=tokens, parents=parents, depth=depth, num_nodes=num_nodes,
+                     ancestor_mask=mask, branch_of=branch_of, draft_len=n,
+                     suffix_start=sstart[:, :K], suffix_len=slen, paths=paths,
+                     path_len=n[:, None] + slen, D=D, K=K, L=L)
+
+
+@dataclass
+class FlatTree:
+    """The tree as ragged query rows, for the attention side.
+
+    Fields (T = total query tokens):
+      cu_seqlens: [B + 1] int32, row b is tokens[cu_seqlens[b] : cu_seqlens[b+1]].
+      tokens:     [T] int64.
+      positions:  [T] int64, root_pos + depth (the root itself, if included, at root_pos).
+      row:        [T] int64, request of each query token.
+      node:       [T] int64, tree node of each query token; -1 for the root.
+    """
+
+    cu_seqlens: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    row: torch.Tensor
+    node: torch.Tensor
+
+
+def flatten(tree: TokenTree, root_pos: torch.Tensor,
+            root_tokens: torch.Tensor | None = None) -> FlatTree:
+    """Concatenate the real nodes of every row, optionally each row's root first.
+
+    Shape: root_pos [B] int64 (position of the root token), root_tokens [B] int64 or None.
+    Pass root_tokens when the root's KV is not cached yet (vLLM feeds the last sampled token
+    with the drafts): then query slot 0 of a row is the root and node i is query slot 1 + i,
+    so the target's outputs per row line up with accept.py's `target_next` / `probs` rows.
+    Boolean indexing: one host sync on an accelerator.
+    """
+    B, N = tree.tokens.shape
+    dev = tree.tokens.device
+    valid = tree.valid
+    tokens, pos = tree.tokens, tree.positions(root_pos)
+    node = torch.arange(N, device=dev)[None, :].expand(B, N)
+    if root_tokens is not None:
+        one = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        valid = torch.cat([one, valid], 1)
+        tokens = torch.cat([root_tokens.long()[:, None], tokens], 1)
+        pos = torch.cat([root_pos[:, None], pos], 1)
+        node = torch.cat([node.new_full((B, 1), -1), node], 1)
+    row = torch.arange(B, device=dev)[:, None].expand_as(node)
+    counts = valid.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+    cu[1:] = counts.cumsum(0)
+    return FlatTree(cu_seqlens=cu, tokens=tokens[valid], positions=pos[valid], row=row[valid],
+                    node=node[valid])
+
+
+def ancestor_bits(tree: TokenTree, with_root: bool = False) -> torch.Tensor:
+    """Per node, the int64 bitmask of the nodes it attends (bit j = node j of its row).
+
+    Shape: -> [B, N], or [B, N + 1] with_root (bit/slot 0 = the root, seen by every real node;
+    node i is bit 1 + i; padding nodes see only themselves). Needs N (+ 1) <= 64; bit 63 makes
+    the value negative, which is fine for bitwise tests.
+    """
+    mask = tree.ancestor_mask
+    if with_root:
+        B, N = tree.tokens.shape
+        m = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=mask.device)
+        m[:, 0, 0] = True
+        m[:, 1:, 0] = tree.valid
+        m[:, 1:, 1:] = mask
+        mask = m
+    W = mask.shape[-1]
+    assert W <= 64, f"{W} query slots do not fit an int64 bitmask"
+    bit = torch.ones(W, dtype=torch.int64, device=mask.device) << torch.arange(W, device=mask.device)
+    # Distinct bits: the sum is the OR and never carries.
+    return (mask.long() * bit).sum(-1)

@@ -28,7 +28,7 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ours = OuroborosConfig.from_dict(cfg.additional_config["ouroboros"])
     assert ours.gamma == 5 and ours.draft_model == str(tiny_models["draft"])
     # Derived cap: longest draft (gamma - 1 + beta) plus one suffix (beta - 1).
-    assert cfg.speculative_config.num_speculative_tokens == ours.spec_tokens() == 5 - 1 + 4 + 3
+    assert cfg.speculative_config.num_speculative_tokens == ours.spec_tokens() == (5 - 1 + ours.beta) + (ours.beta - 1)
 
 
 @pytest.mark.parametrize("spec_extra, message", [

@@ -32,7 +32,7 @@ class OuroborosConfig:
     # Minimum sentence-draft length per round (tokens); the draft may overshoot by < beta.
     gamma: int = 4
     # Phrase length in tokens including its key token (a stored phrase has beta-1 tokens).
-    beta: int = 4
+    beta: int = 5
     # Lookahead (Jacobi) window columns, and phrases kept per key in the pool.
     window_size: int = 4
     # Pool phrases the draft verifies per draft forward (guess branch).

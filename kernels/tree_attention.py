@@ -1,0 +1,423 @@
+"""Tree attention for the speculative rows of a batch, over vLLM's paged KV cache (Triton).
+
+Each request b of the batch verifies a token tree of n_b <= 64 nodes. Its cached context (the
+prefix, prefix_lens[b] tokens) and the tree's own K/V are already in the paged cache: node i sits at
+logical position prefix_lens[b] + i, i.e. in page block_table[b, p // block_size], slot
+p % block_size, with p = prefix_lens[b] + i. Node i attends every prefix token plus the tree nodes
+whose bits are set in its ancestor bitmask (bit j of tree_mask[query_start[b] + i]; itself always).
+
+In this file, in order: the Triton kernel (`tree_attention_kernel`), its checked host wrapper
+(`tree_attention`), and `ancestor_bitmask`, which builds the bitmask from a parent table. The
+plain-torch reference is `reference.tree_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+
+import torch
+
+from .reference import tree_attention_reference
+
+logger = logging.getLogger("vllm_ouroboros")
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
+    triton = tl = None
+    _TRITON_IMPORT_ERROR = f"triton is not importable ({e})"
+
+MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _load_kv_tile(cache_ptr, stride_b, stride_s, stride_h, bt_row_ptr, kvh, pos, pos_ok,
+                      offs_d, d_ok, BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr):
+        # Token-granular page walk: each position looks up its own page, so the tile width is
+        # independent of the page size (any vLLM block size, prefixes ending mid-page, trees
+        # straddling a page boundary all take the same path). The block-table reads hit L1/L2.
+        page = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        # int64: num_blocks * page stride overflows int32 on large caches.
+        row = page * stride_b + (pos % BLOCK_SIZE).to(tl.int64) * stride_s + kvh * stride_h
+        if TRANSPOSED:  # [D, N], ready to be the right operand of q @ k^T
+            ptrs = cache_ptr + row[None, :] + offs_d[:, None]
+            mask = d_ok[:, None] & pos_ok[None, :]
+        else:  # [N, D]
+            ptrs = cache_ptr + row[:, None] + offs_d[None, :]
+            mask = pos_ok[:, None] & d_ok[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _online_softmax_tile(q, k_t, v, allowed, m_i, l_i, acc, scale_log2e,
+                             DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        # One flash-attention step in base 2 (exp2 is the native instruction; log2(e) is folded
+        # into the scale on the host).
+        if UPCAST_DOT:
+            # Triton's CPU interpreter (3.9) multiplies bf16 operands of tl.dot as their raw uint16
+            # bits; fp32 dots of the upcast values give the same products (bf16 x bf16 is exact in
+            # fp32). Only the interpreter sets this.
+            s = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision=DOT_PRECISION)
+        else:
+            s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [M, N] fp32
+        s = tl.where(allowed, s * scale_log2e, float("-inf"))
+        # m_i starts finite (-1e30), so m_new is finite even when a whole row of the tile is
+        # masked: then p = exp2(-inf) = 0 and alpha is finite, never NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)  # half-precision p @ v on the tensor cores, fp32 accumulator
+        if UPCAST_DOT:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
+    def tree_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr,
+        block_table_ptr, prefix_lens_ptr, query_start_ptr, tree_mask_ptr,
+        scale_log2e,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh,
+        stride_bt,
+        GROUP: tl.constexpr,         # Hq // Hkv
+        GROUP_PAD: tl.constexpr,     # next power of two >= GROUP
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM (80, 96 -> 128, masked)
+        BLOCK_SIZE: tl.constexpr,    # vLLM page size (tokens per block)
+        BLOCK_Q: tl.constexpr,       # tree nodes per program
+        BLOCK_M: tl.constexpr,       # BLOCK_Q * GROUP_PAD tile rows
+        BLOCK_N: tl.constexpr,       # prefix tokens per tile
+        BLOCK_TREE: tl.constexpr,    # tree nodes per tile (>= max n_b normally: one tile)
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,    # interpreter + bf16 only, see _online_softmax_tile
+    ):
+        # One program per (block of BLOCK_Q tree nodes, kv head, request). Its tile rows are the
+        # BLOCK_Q nodes x the GROUP query heads of this kv head (row m = node m // GROUP_PAD, head
+        # m % GROUP_PAD): every K/V tile is loaded once and used by all GROUP heads (GQA), and a
+        # tree's few nodes times the group give the M >= 16 rows that tl.dot wants.
+        qblk = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        q_start = tl.load(query_start_ptr + b)
+        n_nodes = tl.load(query_start_ptr + b + 1) - q_start
+        if qblk * BLOCK_Q >= n_nodes:
+            return
+        prefix_len = tl.load(prefix_lens_ptr + b)
+
+        offs_m = tl.arange(0, BLOCK_M)
+        node = qblk * BLOCK_Q + offs_m // GROUP_PAD
+        g = offs_m % GROUP_PAD
+        row_ok = (node < n_nodes) & (g < GROUP)
+        q_row = (q_start + node).to(tl.int64)
+        head = kvh * GROUP + g
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+
+        q_off = q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+
+        # 1) The prefix: every node sees all of it, so the only mask is the tail of the last tile.
+        offs_n = tl.arange(0, BLOCK_N)
+        for start in range(0, prefix_len, BLOCK_N):
+            pos = start + offs_n
+            pos_ok = pos < prefix_len
+            k_t = _load_kv_tile(k_ptr, stride_kb, stride_ks, stride_kh, bt_row, kvh, pos, pos_ok,
+                                offs_d, d_ok, BLOCK_SIZE, True)
+            v = _load_kv_tile(v_ptr, stride_vb, stride_vs, stride_vh, bt_row, kvh, pos, pos_ok,
+                              offs_d, d_ok, BLOCK_SIZE, False)
+            m_i, l_i, acc = _online_softmax_tile(q, k_t, v, pos_ok[None, :], m_i, l_i, acc,
+                                                 scale_log2e, DOT_PRECISION, UPCAST_DOT)
+
+        # 2) The tree: node j at position prefix_len + j, visible where bit j of the row's mask is
+        # set. The self bit is forced on here, so no row is ever left without a key.
+        one = tl.full([BLOCK_M], 1, tl.int64)
+        self_bit = tl.where(row_ok, one << node.to(tl.int64), 0)
+        bits = tl.load(tree_mask_ptr + q_row, mask=row_ok, other=0) | self_bit
+        offs_t = tl.arange(0, BLOCK_TREE)
+        for t0 in range(0, n_nodes, BLOCK_TREE):
+            j = t0 + offs_t
+            j_ok = j < n_nodes
+            pos = prefix_len + j
+            k_t = _load_kv_tile(k_ptr, stride_kb, stride_ks, stride_kh, bt_row, kvh, pos, j_ok,
+                                offs_d, d_ok, BLOCK_SIZE, True)
+            v = _load_kv_tile(v_ptr, stride_vb, stride_vs, stride_vh, bt_row, kvh, pos, j_ok,
+                              offs_d, d_ok, BLOCK_SIZE, False)
+            allowed = (((bits[:, None] >> j[None, :].to(tl.int64)) & 1) != 0) & j_ok[None, :]
+            m_i, l_i, acc = _online_softmax_tile(q, k_t, v, allowed, m_i, l_i, acc,
+                                                 scale_log2e, DOT_PRECISION, UPCAST_DOT)
+
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
+        out = acc / l_i[:, None]
+        o_off = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+else:  # pragma: no cover
+    tree_attention_kernel = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrapper
+# ----------------------------------------------------------------------------------------------
+_logged: set[str] = set()
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("tree_attention: using the plain-torch reference: %s", reason)
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _pick_kernel(device: torch.device):
+    """(kernel, None) where Triton can run on `device`, else (None, reason)."""
+    if tree_attention_kernel is None:
+        return None, _TRITON_IMPORT_ERROR
+    # @triton.jit reads TRITON_INTERPRET when a function is decorated: Triton's own library
+    # (tl.zeros, ...) when triton is first imported, this kernel when this module is imported. The
+    # interpreter needs both; setting the variable any later changes nothing.
+    if _is_interpreted(tree_attention_kernel):
+        if not _is_interpreted(tl.zeros):
+            return None, ("TRITON_INTERPRET was set after triton was imported: set it before the "
+                          "first `import triton` of the process")
+        return tree_attention_kernel, None  # runs on any device
+    if device.type == "cuda":
+        return tree_attention_kernel, None
+    late = " when triton was imported (setting it later has no effect)" if _interpret_requested() else ""
+    return None, f"tensors are on {device.type} and TRITON_INTERPRET was not set{late}"
+
+
+def _is_interpreted(kernel) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def _check(name: str, t: torch.Tensor, ndim: int, dtypes, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q is on {device}")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_query_len: int) -> dict:
+    """Tile sizes and launch options. Register use below was read with cuobjdump from sm_90 / sm_80
+    cubins compiled on a machine without a GPU (Triton 3.9, `scripts/bench_tree_attention.py
+    --compile-only`); not yet timed on a device.
+
+    Rows per program M = BLOCK_Q * GROUP_PAD: at least 16 (tl.dot's minimum), no more tree nodes
+    than the largest tree has, and at most 64 (bf16, D = 128, M = 64 already needs 8 warps to stay
+    at 255 registers without spilling on sm_90, 120 B on sm_80; 4 warps spill 1.4 KB). Fewer rows per program
+    means more programs re-reading the same prefix, so M is not made smaller than that.
+    fp32 runs its dots as 3xTF32 (about fp32 accuracy on the tensor cores): IEEE fp32 dots compile
+    to a scalar FMA loop that spills 3-9 KB per thread, and plain TF32 (10-bit mantissa) is too
+    coarse for fp32 parity checks. fp32 tiles are kept small (M = 16, 32-wide key tiles) for the same reason.
+    """
+    fp32 = dtype == torch.float32
+    max_rows = 16 if fp32 else 64
+    block_q = min(_next_pow2(max_query_len), max(1, max_rows // group_pad))
+    block_q = max(block_q, max(1, 16 // group_pad))
+    block_m = block_q * group_pad
+    return dict(
+        GROUP_PAD=group_pad, HEAD_DIM_PAD=head_dim_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=32 if fp32 else 64,
+        BLOCK_TREE=min(32 if fp32 else MAX_TREE_NODES, max(16, _next_pow2(max_query_len))),
+        # tf32x3 is NVIDIA-only; ROCm gets IEEE. None: the default (exact products for fp16/bf16)
+        DOT_PRECISION=("ieee" if torch.version.hip else "tf32x3") if fp32 else None,
+        num_warps=8 if not fp32 and (head_dim_pad >= 128 or block_m >= 64) else 4,
+        num_stages=2,
+    )
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of every tree node to its request's prefix and to its tree ancestors.
+
+    Shape: q [T, Hq, D], all tree nodes of the batch, request b's n_b nodes in rows
+        query_start[b] .. query_start[b+1]-1 in node order; fp32, fp16 or bf16.
+    Shape: k_cache, v_cache [num_blocks, block_size, Hkv, D], one layer of vLLM's paged cache, q's
+        dtype; Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)). Node i of request b
+        must already be written at logical position prefix_lens[b] + i.
+    Shape: block_table [B, max_blocks] int32, physical page of each logical page of each request.
+    Shape: prefix_lens [B] int32, cached context tokens each request attends in full.
+    Shape: query_start [B+1] int32, cumulative node counts (query_start[0] = 0, n_b <= 64).
+    Shape: tree_mask [T] int64, bit j of row query_start[b] + i set <=> node i attends node j of
+        request b (`ancestor_bitmask` builds it); the self bit is implied.
+    Shape: out [T, Hq, D] (optional, q's dtype), returned.
+
+    `scale` multiplies q.k (usually D ** -0.5). `max_query_len` (max n_b), when given, saves a
+    device->host sync; it sizes the grid and must not be smaller than the true maximum.
+    `backend`: "auto" (Triton when it can run: CUDA tensors, or TRITON_INTERPRET=1; otherwise the
+    plain-torch reference, with the reason logged once), "triton" (raise if it cannot run) or
+    "reference". Accumulation is in fp32 throughout; fp32 inputs use 3xTF32 dot products (about fp32
+    accuracy; IEEE on ROCm), fp16/bf16 round the softmax weights to the input dtype before p @ v.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    device = q.device
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    _check("q", q, 3, floats, device)
+    _check("k_cache", k_cache, 4, (q.dtype,), device)
+    _check("v_cache", v_cache, 4, (q.dtype,), device)
+    _check("block_table", block_table, 2, (torch.int32,), device)
+    _check("prefix_lens", prefix_lens, 1, (torch.int32,), device)
+    _check("query_start", query_start, 1, (torch.int32,), device)
+    _check("tree_mask", tree_mask, 1, (torch.int64,), device)
+    num_tokens, hq, head_dim = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    batch = block_table.shape[0]
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if head_dim > 256:
+        raise ValueError(f"head dim {head_dim} > 256 is not supported")
+    if prefix_lens.shape[0] != batch or query_start.shape[0] != batch + 1:
+        raise ValueError(
+            f"block_table has {batch} rows: prefix_lens must have {batch} entries (got "
+            f"{prefix_lens.shape[0]}) and query_start {batch + 1} (got {query_start.shape[0]})")
+    if tree_mask.shape[0] != num_tokens:
+        raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows, q has {num_tokens}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head dim) axis, strides {t.stride()}")
+    for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens),
+                    ("query_start", query_start), ("tree_mask", tree_mask)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last axis, strides {t.stride()}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check("out", out, 3, (q.dtype,), device)
+        if out.shape != q.shape or out.stride(-1) != 1:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)} and a unit last stride, got "
+                             f"shape {tuple(out.shape)} strides {out.stride()}")
+    if num_tokens == 0 or batch == 0:
+        return out
+
+    kernel, reason = (None, "backend='reference'") if backend == "reference" else _pick_kernel(device)
+    if kernel is None:
+        if backend == "triton":
+            raise RuntimeError(f"tree_attention: Triton cannot run: {reason}")
+        if backend == "auto":
+            _log_once(reason)
+        out.copy_(tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens,
+                                           query_start, tree_mask, scale))
+        return out
+
+    if max_query_len is None:
+        max_query_len = int((query_start[1:] - query_start[:-1]).max())  # syncs
+    if max_query_len > MAX_TREE_NODES:
+        raise ValueError(f"a request has {max_query_len} tree nodes; at most {MAX_TREE_NODES} are supported")
+    if max_query_len <= 0:
+        return out
+
+    group = hq // hkv
+    cfg = _tile_config(q.dtype, _next_pow2(group), max(16, _next_pow2(head_dim)), max_query_len)
+    # The q block is the fastest grid axis: the programs that stream the same request's K/V (same
+    # b, same kv head) are launched together and share those reads through L2.
+    grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), hkv, batch)
+    launch = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with launch:  # Triton launches on the current CUDA device
+        kernel[grid](
+            q, k_cache, v_cache, out,
+            block_table, prefix_lens, query_start, tree_mask,
+            float(scale) * math.log2(math.e),
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            block_table.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            UPCAST_DOT=q.dtype == torch.bfloat16 and _is_interpreted(kernel),
+            **cfg,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Ancestor bitmask
+# ----------------------------------------------------------------------------------------------
+def ancestor_bitmask(parents: torch.Tensor, num_nodes: torch.Tensor,
+                     total: int | None = None) -> torch.Tensor:
+    """Row i of request b: bit j set for j = i and every ancestor j of node i.
+
+    Shape: parents [B, N] int, parent node index (< N) within the same request, -1 for a root or
+        padding; entries at i >= num_nodes[b] are ignored. N <= 64.
+    Shape: num_nodes [B] int, nodes of each request; returns [T] int64, T = num_nodes.sum(), request b's
+        rows back to back (the layout of `tree_attention`'s q and tree_mask).
+
+    Vectorised over requests and nodes; loops over depth (N times at most). Sync-free when `total`
+    (= T) is given.
+    """
+    if parents.dim() != 2 or num_nodes.dim() != 1 or num_nodes.shape[0] != parents.shape[0]:
+        raise ValueError(f"parents must be [B, N] and num_nodes [B], got {tuple(parents.shape)}, "
+                         f"{tuple(num_nodes.shape)}")
+    batch, n = parents.shape
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"at most {MAX_TREE_NODES} nodes per request, parents has {n} columns")
+    device = parents.device
+    num_nodes = num_nodes.to(device=device, dtype=torch.long)
+    idx = torch.arange(n, device=device)
+    valid = idx[None, :] < num_nodes[:, None]  # [B, N]
+    parents = torch.where(valid, parents.long(), -1)
+    one = torch.ones((), dtype=torch.long, device=device)
+    mask = torch.where(valid, one << idx, 0).expand(batch, n).clone()  # self bits
+    anc = parents
+    for _ in range(n):  # depth <= n; 1 << 63 wraps to int64's sign bit, which is what we want
+        has = anc >= 0
+        mask |= torch.where(has, one << anc.clamp(min=0), 0)
+        anc = torch.where(has, parents.gather(1, anc.clamp(min=0)), -1)
+    if total is None:
+        total = int(num_nodes.sum())
+    # rows of request b start at the cumulative count; padding goes to a dropped extra slot
+    starts = torch.cumsum(num_nodes, 0) - num_nodes
+    dest = torch.where(valid, starts[:, None] + idx[None, :], total)
+    flat = torch.zeros(total + 1, dtype=torch.long, device=device)
+    flat.scatter_(0, dest.reshape(-1), mask.reshape(-1))
+    return flat[:total]

@@ -1,0 +1,240 @@
+"""Tree attention (Triton, paged KV, ancestor bitmask) vs dense causal attention at equal token counts.
+
+    python scripts/bench_tree_attention.py [--batch 1 8 32] [--prefix 512 2048 8192] [--tree 16 32 64]
+        [--head-dim 64 128] [--q-heads 32] [--kv-heads 8] [--block-size 16] [--dtype bfloat16]
+
+Per configuration: B requests, each with a prefix of P cached tokens and a tree of N nodes (a draft
+chain of N/2 plus suffix chains off its last node, the Ouroboros shape). The kernel reads the paged
+cache; the baselines get the same N query tokens per request over the same P + N keys as dense
+[B, L, H, D] tensors with a bottom-right causal mask: torch SDPA, and flash-attn when importable.
+Timed with CUDA events after warmup (mean of a batch of back-to-back calls, best of 5); the kernel's
+time includes its host wrapper (shape checks, launch). Each configuration is also checked against
+the plain-torch reference. Without a GPU, runs one tiny case under Triton's interpreter and exits 0.
+`--compile-only [SM ...]` needs no GPU: it builds cubins with Triton's bundled ptxas for the tile
+configurations the wrapper picks and prints registers and stack (spill) bytes per thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import shlex
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and "--compile-only" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernel import (read by @triton.jit)
+
+from vllm_ouroboros.kernels import tree_attention as ta  # noqa: E402
+from vllm_ouroboros.kernels.reference import tree_attention_reference  # noqa: E402
+from vllm_ouroboros.kernels.tree_attention import ancestor_bitmask, tree_attention  # noqa: E402
+
+
+def ouroboros_parents(n: int, suffixes: int = 3) -> list[int]:
+    chain = max(1, n // 2)
+    parents = [-1] + list(range(chain - 1))
+    k = 0
+    while len(parents) < n:
+        length = -(-(n - chain) // suffixes) if k < suffixes - 1 else n - len(parents)
+        length = min(length, n - len(parents))
+        parents += [chain - 1] + [len(parents) + t for t in range(length - 1)]
+        k += 1
+    return parents
+
+
+def make_inputs(batch, prefix, tree, head_dim, hq, hkv, block_size, dtype, device):
+    """Paged inputs for the kernel and the same tokens as dense tensors for the baselines."""
+    length = prefix + tree
+    pages_per_req = -(-length // block_size)
+    num_blocks = batch * pages_per_req
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_blocks, device=device).int().reshape(batch, pages_per_req)
+    parents = torch.tensor([ouroboros_parents(tree)] * batch, device=device)
+    num_nodes = torch.full((batch,), tree, device=device)
+    kernel_args = dict(
+        q=torch.randn(batch * tree, hq, head_dim, dtype=dtype, device=device),
+        k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        prefix_lens=torch.full((batch,), prefix, dtype=torch.int32, device=device),
+        query_start=torch.arange(0, batch * tree + 1, tree, dtype=torch.int32, device=device),
+        tree_mask=ancestor_bitmask(parents, num_nodes, total=batch * tree),
+        scale=head_dim ** -0.5,
+    )
+    pos = torch.arange(length, device=device)
+    pages = block_table.long()[:, pos // block_size]  # [B, L]
+    dense_k = k_cache[pages, pos % block_size]  # [B, L, Hkv, D]
+    dense_v = v_cache[pages, pos % block_size]
+    dense_q = kernel_args["q"].reshape(batch, tree, hq, head_dim)
+    return kernel_args, dense_q, dense_k, dense_v
+
+
+def time_ms(fn, warmup=10, reps=50, rounds=5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+def sdpa_fn(dense_q, dense_k, dense_v, scale):
+    """Bottom-right causal SDPA over [B, H, S, D]; GQA natively when torch supports it with a
+    CausalBias, else K/V expanded beforehand (outside the timing)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = dense_q.transpose(1, 2)
+    k, v = dense_k.transpose(1, 2), dense_v.transpose(1, 2)
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    try:
+        sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return (lambda: sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)), "gqa"
+    except Exception:  # noqa: BLE001 - older torch: no enable_gqa with CausalBias
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1).contiguous(), v.repeat_interleave(group, 1).contiguous()
+        return (lambda: sdpa(q, k, v, attn_mask=mask, scale=scale)), "expanded kv"
+
+
+def flash_fn(dense_q, dense_k, dense_v, scale):
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return lambda: flash_attn_func(dense_q, dense_k, dense_v, softmax_scale=scale, causal=True)
+
+
+def cpu_smoke() -> int:
+    print("no CUDA device: this benchmark needs a GPU. Running one tiny correctness case under "
+          "TRITON_INTERPRET=1 instead (--compile-only checks the GPU build without a GPU).")
+    torch.manual_seed(0)
+    args, _, _, _ = make_inputs(batch=2, prefix=21, tree=9, head_dim=32, hq=4, hkv=2, block_size=16,
+                                dtype=torch.float32, device="cpu")
+    err = (tree_attention(**args, backend="triton") - tree_attention_reference(**args)).abs().max().item()
+    print(f"interpreter: B=2 prefix=21 tree=9 D=32 Hq=4 Hkv=2 block=16 fp32: max abs err {err:.2e}")
+    return 0 if err <= 1e-3 else 1
+
+
+def compile_only(archs: list[int]) -> int:
+    """Compile the kernel for NVIDIA targets without a GPU (Triton's bundled ptxas) over the tile
+    configurations the wrapper picks, and print registers / stack (spills) per thread."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = ta.tree_attention_kernel
+    if not isinstance(kernel, triton.JITFunction):
+        print("TRITON_INTERPRET is set: unset it for --compile-only")
+        return 1
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    print(f"{'arch':>5} {'dtype':>8} {'G':>2} {'D':>4} {'tree':>4} {'M':>3} {'BN':>3} {'BT':>3} {'warps':>5} "
+          f"{'smem KB':>7}  resource usage")
+    rc = 0
+    for arch in archs:
+        for dtype, group, head_dim, tree in [("bfloat16", 4, 128, 64), ("bfloat16", 1, 128, 16),
+                                             ("float16", 8, 64, 32), ("bfloat16", 4, 80, 24),
+                                             ("float32", 4, 128, 32), ("float32", 1, 64, 8)]:
+            head_dim_pad = max(16, ta._next_pow2(head_dim))
+            cfg = ta._tile_config(getattr(torch, dtype), ta._next_pow2(group), head_dim_pad, tree)
+            ptr = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}[dtype]
+            sig = {}
+            for name in kernel.arg_names:
+                if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
+                    sig[name] = ptr
+                elif name == "tree_mask_ptr":
+                    sig[name] = "*i64"
+                elif name.endswith("_ptr"):
+                    sig[name] = "*i32"
+                elif name == "scale_log2e":
+                    sig[name] = "fp32"
+                elif name.startswith("stride"):
+                    sig[name] = "i32"
+                else:
+                    sig[name] = "constexpr"
+            opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+            consts = dict(cfg, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, UPCAST_DOT=False)
+            try:
+                c = triton.compile(ASTSource(kernel, sig, constexprs=consts),
+                                   target=GPUTarget("cuda", arch, 32), options=opts)
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(c.asm["cubin"])
+                    f.flush()
+                    dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                          text=True).stdout
+                usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
+                smem = f"{c.metadata.shared / 1024:7.0f}"
+            except Exception as e:  # noqa: BLE001 - report every configuration
+                usage, smem, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", "      -", 1
+            print(f"{arch:>5} {dtype:>8} {group:>2} {head_dim:>4} {tree:>4} {cfg['BLOCK_M']:>3} "
+                  f"{cfg['BLOCK_N']:>3} {cfg['BLOCK_TREE']:>3} {opts['num_warps']:>5} {smem}  {usage}",
+                  flush=True)
+    return rc
+
+
+def bench_one(b: int, p: int, n: int, d: int, a: argparse.Namespace, dtype: torch.dtype) -> str:
+    args, dq, dk, dv = make_inputs(b, p, n, d, a.q_heads, a.kv_heads, a.block_size, dtype, "cuda")
+    out = torch.empty_like(args["q"])
+    t_kernel = time_ms(lambda: tree_attention(**args, out=out, max_query_len=n))
+    sdpa, mode = sdpa_fn(dq, dk, dv, args["scale"])
+    t_sdpa = time_ms(sdpa)
+    fl = flash_fn(dq, dk, dv, args["scale"])
+    t_flash = time_ms(fl) if fl is not None else float("nan")
+    err = float("nan")
+    if not a.no_check:
+        ref = tree_attention_reference(**args)
+        err = (out.float() - ref.float()).abs().max().item()
+    return (f"{b:>5} {p:>6} {n:>4} {d:>4} {t_kernel:>10.4f} {t_sdpa:>9.4f} {t_kernel / t_sdpa:>6.2f} "
+            f"{t_flash:>9.4f} {t_kernel / t_flash:>6.2f} {err:>8.1e}  {mode}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prefix", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--tree", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--no-check", action="store_true", help="skip the comparison with the reference")
+    ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM",
+                    help="no GPU needed: compile for these sm versions (default 80 90), print register use")
+    a = ap.parse_args()
+
+    print("# " + " ".join(shlex.quote(x) for x in [sys.executable] + sys.argv))
+    if a.compile_only is not None:
+        return compile_only(a.compile_only or [80, 90])
+    if not HAS_CUDA:
+        return cpu_smoke()
+    dtype = getattr(torch, a.dtype)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"Hq={a.q_heads} Hkv={a.kv_heads} block={a.block_size} {a.dtype}")
+    flash_note = "" if importlib.util.find_spec("flash_attn") else " (flash-attn not importable)"
+    print(f"# ms: CUDA events, best of 5 rounds of 50 calls after 10 warmup{flash_note}")
+    header = (f"{'batch':>5} {'prefix':>6} {'tree':>4} {'D':>4} {'ms kernel':>10} {'ms SDPA':>9} "
+              f"{'ratio':>6} {'ms flash':>9} {'ratio':>6} {'max err':>8}  sdpa mode")
+    print(header)
+    for d in a.head_dim:
+        for b in a.batch:
+            for p in a.prefix:
+                for n in a.tree:
+                    print(bench_one(b, p, n, d, a, dtype), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""Tree-attention kernel vs its plain-torch reference: compiled on a CUDA device when there is
+one, else run by Triton's CPU interpreter.
+
+@triton.jit reads TRITON_INTERPRET when a function is decorated (Triton's own library functions
+when triton is first imported, the kernel when its module is imported), and the interpreter reads
+it again while running. So on CPU it is set before both imports and during this module's tests,
+and put back otherwise: pytest imports every test module before running any, and vLLM engine
+processes of other tests inherit the environment. If something imported triton before this module,
+the wrapper refuses to interpret and backend="triton" turns that into failures, not passes.
+"""
+
+import itertools
+import logging
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
+_saved_env = os.environ.get("TRITON_INTERPRET")
+
+
+def _set_interpret(on: bool) -> None:
+    if DEVICE == "cuda":
+        return
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif _saved_env is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved_env
+
+
+_set_interpret(True)
+try:
+    import triton
+
+    from vllm_ouroboros.kernels import tree_attention as ta
+    from vllm_ouroboros.kernels.reference import gather_pages, tree_attention_reference
+    from vllm_ouroboros.kernels.tree_attention import ancestor_bitmask, tree_attention
+finally:
+    _set_interpret(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpret_during_this_module():
+    _set_interpret(True)
+    yield
+    _set_interpret(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: thread wake-ups on this 2-core machine cost more than the work
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random trees and paged batches
+# ---------------------------------------------------------------------------------------------
+TREE_KINDS = ("chain", "bushy", "forest", "ouroboros", "star")
+
+
+def random_parents(kind: str, n: int, rng: random.Random) -> list[int]:
+    """Parent of each node (-1 = root); parents always precede their children."""
+    if kind == "chain" or n == 1:
+        return [-1] + list(range(n - 1))
+    if kind == "bushy":
+        return [-1] + [rng.randrange(i) for i in range(1, n)]
+    if kind == "forest":  # several roots: each hangs off the prefix directly
+        return [rng.randrange(-1, i) for i in range(n)]
+    if kind == "star":
+        return [-1] + [0] * (n - 1)
+    # ouroboros: a draft chain of c nodes, then suffix chains hanging off its last node
+    c = rng.randint(1, n)
+    parents = [-1] + list(range(c - 1))
+    while len(parents) < n:
+        length = rng.randint(1, n - len(parents))
+        parents += [c - 1] + [len(parents) + t for t in range(length - 1)]
+    return parents
+
+
+def make_batch(prefixes, trees, hkv, group, head_dim, block_size, dtype=torch.float32, seed=0,
+               extra_table_cols=1):
+    """A paged batch: the cache is NaN everywhere except the positions requests own, so any read
+    past a request's prefix + tree (or through a wrong page) poisons the output."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [p + len(t) for p, t in zip(prefixes, trees)]
+    pages_needed = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(pages_needed) + 3  # a few spare NaN pages
+    max_blocks = max(max(pages_needed), 1) + extra_table_cols
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    spare = perm[sum(pages_needed):]
+    k_cache = torch.full((num_blocks, block_size, hkv, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_table = torch.tensor([[spare[0]] * max_blocks for _ in prefixes], dtype=torch.int32)
+    dense_k, dense_v, used = [], [], 0
+    for b, length in enumerate(lengths):
+        pages = perm[used:used + pages_needed[b]]
+        used += pages_needed[b]
+        block_table[b, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        k = torch.randn(length, hkv, head_dim, generator=g).to(dtype)
+        v = torch.randn(length, hkv, head_dim, generator=g).to(dtype)
+        pos = torch.arange(length)
+        page = block_table[b].long()[pos // block_size]
+        k_cache[page, pos % block_size] = k
+        v_cache[page, pos % block_size] = v
+        dense_k.append(k)
+        dense_v.append(v)
+    n = torch.tensor([len(t) for t in trees])
+    n_max = max(1, int(n.max()))
+    parents = torch.full((len(trees), n_max), -1, dtype=torch.long)
+    for b, t in enumerate(trees):
+        parents[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+    query_start = torch.zeros(len(trees) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(n, 0)
+    num_tokens = int(n.sum())
+    return dict(
+        q=torch.randn(num_tokens, hkv * group, head_dim, generator=g).to(dtype),
+        k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        prefix_lens=torch.tensor(prefixes, dtype=torch.int32), query_start=query_start,
+        tree_mask=ancestor_bitmask(parents, n), scale=head_dim ** -0.5,
+    ), dense_k, dense_v
+
+
+def on_device(batch):
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def check_parity(batch, tol, max_query_len=None):
+    out = tree_attention(**on_device(batch), backend="triton", max_query_len=max_query_len).cpu()
+    ref = tree_attention_reference(**batch)
+    assert torch.isfinite(out).all(), "kernel read a NaN slot (outside the request's prefix + tree)"
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    assert err <= tol, f"max abs error {err:.3g} > {tol}"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity: 48 cases over GQA ratio x head dim x block size (2 seeds each) + 4 with padded head dims
+# ---------------------------------------------------------------------------------------------
+GRID = [(g, d, bs, s) for (g, d, bs), s in itertools.product(
+    itertools.product((1, 2, 4, 7), (32, 64, 128), (16, 32)), (0, 1))]
+GRID += [(2, 80, 16, 2), (4, 96, 32, 2), (1, 80, 32, 3), (7, 96, 16, 3)]
+
+
+def random_case(group, head_dim, block_size, seed, dtype=torch.float32):
+    rng = random.Random(f"{group}-{head_dim}-{block_size}-{seed}")
+    batch = rng.randint(1, 4)
+    prefixes = [rng.randint(0, 100) for _ in range(batch)]
+    trees = [random_parents(rng.choice(TREE_KINDS), rng.randint(1, 20), rng) for _ in range(batch)]
+    return make_batch(prefixes, trees, hkv=rng.randint(1, 2), group=group, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, seed=seed)[0]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,seed", GRID)
+def test_parity_fp32(group, head_dim, block_size, seed):
+    check_parity(random_case(group, head_dim, block_size, seed), tol=1e-3)
+
+
+@pytest.mark.parametrize("dtype,tol,group,head_dim", [
+    (torch.float16, 1e-2, 1, 64), (torch.float16, 1e-2, 4, 128), (torch.float16, 1e-2, 7, 32),
+    (torch.bfloat16, 4e-2, 2, 64)])
+def test_parity_half(dtype, tol, group, head_dim):
+    # reference: same half inputs, fp32 math; the kernel rounds p to half before p @ v
+    check_parity(random_case(group, head_dim, 16, 7, dtype=dtype), tol=tol)
+
+
+def test_prefix_ends_mid_block_tree_crosses_boundary():
+    # page 16: prefix 13 ends mid-page, the 10-node tree spans positions 13..22 across pages 0 and 1;
+    # the second request's prefix 32 ends exactly on a page boundary, its tree starts a new page.
+    rng = random.Random(5)
+    trees = [random_parents("ouroboros", 10, rng), random_parents("bushy", 7, rng)]
+    batch, _, _ = make_batch([13, 32], trees, hkv=2, group=2, head_dim=64, block_size=16, seed=5)
+    check_parity(batch, tol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_large_pages(block_size):
+    rng = random.Random(block_size)
+    trees = [random_parents("bushy", 20, rng), random_parents("chain", 3, rng)]
+    batch, _, _ = make_batch([block_size - 5, 150], trees, hkv=1, group=4, head_dim=32,
+                             block_size=block_size, seed=1)
+    check_parity(batch, tol=1e-3)
+
+
+def test_edge_cases():
+    # a request with no tree nodes, a 64-node chain (bit 63 = int64 sign bit), an empty prefix,
+    # a wider tree than one BLOCK_Q, and an over-estimated max_query_len (extra programs exit)
+    rng = random.Random(3)
+    trees = [[], random_parents("chain", 64, rng), random_parents("forest", 33, rng)]
+    batch, _, _ = make_batch([7, 0, 70], trees, hkv=1, group=2, head_dim=32, block_size=16, seed=3)
+    check_parity(batch, tol=1e-3, max_query_len=64)
+
+
+def test_strided_cache_and_out():
+    # vLLM keeps K and V of a layer in one tensor; a [num_blocks, 2, ...] layout makes both views
+    # non-contiguous. `out` given: written in place and returned.
+    rng = random.Random(4)
+    trees = [random_parents("bushy", 9, rng), random_parents("star", 6, rng)]
+    batch, _, _ = make_batch([21, 50], trees, hkv=2, group=2, head_dim=32, block_size=16, seed=4)
+    ref = tree_attention_reference(**batch)
+    batch = on_device(batch)
+    kv = torch.stack([batch["k_cache"], batch["v_cache"]], dim=1)
+    batch["k_cache"], batch["v_cache"] = kv[:, 0], kv[:, 1]
+    assert not batch["k_cache"].is_contiguous()
+    out = torch.full_like(batch["q"], 7.0)
+    res = tree_attention(**batch, out=out, backend="triton")
+    assert res is out
+    assert (out.cpu() - ref).abs().max().item() <= 1e-3
+
+
+def test_random_cases_cover_page_boundaries():
+    # the random grid must exercise prefixes ending mid-page and trees crossing a page boundary
+    mid = cross = 0
+    for group, head_dim, block_size, seed in GRID:
+        b = random_case(group, head_dim, block_size, seed)
+        n = (b["query_start"][1:] - b["query_start"][:-1]).tolist()
+        for p, k in zip(b["prefix_lens"].tolist(), n):
+            mid += p % block_size != 0
+            cross += p // block_size != (p + k - 1) // block_size
+    assert mid >= 20 and cross >= 10
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference itself, the wrapper's fallback and checks, the bitmask helper
+# ---------------------------------------------------------------------------------------------
+def test_reference_chain_equals_causal_attention():
+    # a chain tree is ordinary causal decoding of prefix + n tokens; compared against SDPA on the
+    # dense K/V (never paged), so the page gathering is checked too
+    prefixes, sizes, group = [0, 17, 40], [5, 12, 1], 3
+    trees = [list(range(-1, s - 1)) for s in sizes]
+    batch, dense_k, dense_v = make_batch(prefixes, trees, hkv=2, group=group, head_dim=32,
+                                         block_size=16, seed=11)
+    ref = tree_attention_reference(**batch)
+    qs = batch["query_start"].tolist()
+    for b, (p, s) in enumerate(zip(prefixes, sizes)):
+        q = batch["q"][qs[b]:qs[b + 1]].transpose(0, 1)  # [Hq, s, D]
+        k = dense_k[b].transpose(0, 1).repeat_interleave(group, 0)
+        v = dense_v[b].transpose(0, 1).repeat_interleave(group, 0)
+        causal = torch.ones(s, p + s, dtype=torch.bool).tril(diagonal=p)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal,
+                                                                scale=batch["scale"])
+        torch.testing.assert_close(ref[qs[b]:qs[b + 1]], want.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        # the tempting wrong mask: the tree part attended in full (no causality inside the tree)
+        if s > 1:
+            full = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=batch["scale"])
+            assert not torch.allclose(ref[qs[b]:qs[b + 1]], full.transpose(0, 1), atol=1e-3)
+    assert torch.equal(gather_pages(batch["k_cache"], batch["block_table"][1], 29), dense_k[1])
+
+
+def test_fallback_to_reference(monkeypatch, caplog):
+    # as if the module had been imported without TRITON_INTERPRET: a compiled JITFunction that
+    # cannot take CPU tensors
+    import triton
+
+    rng = random.Random(6)
+    batch, _, _ = make_batch([9], [random_parents("bushy", 6, rng)], hkv=1, group=2, head_dim=32,
+                             block_size=16, seed=6)
+    ref = tree_attention_reference(**batch)
+    monkeypatch.setattr(ta, "tree_attention_kernel", triton.JITFunction(ta.tree_attention_kernel.fn))
+    monkeypatch.setattr(ta, "_logged", set())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.WARNING, logger="vllm_ouroboros"):
+        out1 = tree_attention(**batch)
+        out2 = tree_attention(**batch)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # too late: read at import
+        out3 = tree_attention(**batch)
+    assert torch.equal(out1, ref) and torch.equal(out2, ref) and torch.equal(out3, ref)
+    warnings = [r.getMessage() for r in caplog.records if "reference" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # once per distinct reason
+    assert "TRITON_INTERPRET was not set" in warnings[0] and "no effect" in warnings[1]
+    with pytest.raises(RuntimeError, match="Triton cannot run"):
+        tree_attention(**batch, backend="triton")
+    assert torch.equal(tree_attention(**batch, backend="reference"), ref)
+
+
+def test_wrapper_rejects_bad_inputs():
+    rng = random.Random(8)
+    batch, _, _ = make_batch([5], [random_parents("chain", 3, rng)], hkv=2, group=2, head_dim=32,
+                             block_size=16, seed=8)
+    bad = [
+        (dict(block_table=batch["block_table"].long()), TypeError, "block_table"),
+        (dict(k_cache=batch["k_cache"].half()), TypeError, "k_cache"),
+        (dict(q=batch["q"][:, :3]), ValueError, "multiple of kv heads"),
+        (dict(q=batch["q"][..., ::2]), ValueError, "head dim"),
+        (dict(tree_mask=batch["tree_mask"][:2]), ValueError, "tree_mask"),
+        (dict(prefix_lens=batch["prefix_lens"].repeat(2)), ValueError, "prefix_lens"),
+        (dict(k_cache=batch["k_cache"].transpose(1, 3).contiguous().transpose(1, 3)), ValueError,
+         "last"),
+    ]
+    for override, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            tree_attention(**{**batch, **override}, backend="triton")
+    too_big = dict(q=torch.zeros(65, 4, 32), tree_mask=torch.zeros(65, dtype=torch.long),
+                   query_start=torch.tensor([0, 65], dtype=torch.int32))
+    with pytest.raises(ValueError, match="at most 64"):
+        tree_attention(**{**batch, **too_big}, backend="triton")
+
+
+def test_ancestor_bitmask_hand_made():
+    #   request 0:  0 ── 1 ── 2          request 1 (2 nodes + padding):  0 ── 1
+    #               │    └─── 3 ── 4
+    #               └─── 5
+    parents = torch.tensor([[-1, 0, 1, 1, 3, 0], [-1, 0, 4, 2, -1, 0]])  # request 1: cols 2.. are padding
+    got = ancestor_bitmask(parents, torch.tensor([6, 2])).tolist()
+    want = [0b1, 0b11, 0b111, 0b1011, 0b11011, 0b100001, 0b1, 0b11]
+    # tempting wrong answer: parent bits only (not transitive), e.g. node 4 -> 0b11000
+    assert got == want
+    assert ancestor_bitmask(parents, torch.tensor([6, 2]), total=8).tolist() == want
+    # several roots (a forest hanging off the prefix): no bits shared across roots
+    assert ancestor_bitmask(torch.tensor([[-1, -1, 1]]), torch.tensor([3])).tolist() == [0b1, 0b10, 0b110]
+    # a 64-node chain: the last node sets every bit, int64 sign bit included
+    chain = ancestor_bitmask(torch.arange(-1, 63)[None], torch.tensor([64]))
+    assert chain[63].item() == -1 and chain[62].item() == (1 << 63) - 1
+
+
+def test_ancestor_bitmask_matches_python_walk():
+    rng = random.Random(9)
+    trees = [random_parents(k, rng.randint(1, 40), rng) for k in TREE_KINDS * 2]
+    n_max = max(len(t) for t in trees)
+    parents = torch.tensor([t + [-1] * (n_max - len(t)) for t in trees])
+    got = ancestor_bitmask(parents, torch.tensor([len(t) for t in trees])).tolist()
+    want = []
+    for t in trees:
+        for i in range(len(t)):
+            bits, j = 0, i
+            while j >= 0:
+                bits, j = bits | (1 << j), t[j]
+            want.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+    assert got == want
+
+
+def test_triton_path_is_active():
+    # guards every parity test above: they must have run the kernel, not a fallback
+    if DEVICE == "cpu":
+        assert not _TRITON_WAS_IMPORTED or ta._is_interpreted(triton.language.zeros), \
+            "triton was imported before this module without TRITON_INTERPRET=1"
+    assert ta._pick_kernel(torch.device(DEVICE)) == (ta.tree_attention_kernel, None)

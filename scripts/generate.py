@@ -116,7 +116,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=5, help="first N HumanEval prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1, help="requests submitted together")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {list(CONFIGS)}")
+    ap.add_argument("--configs", default="no-spec,ouroboros,ouroboros-no-phrases",
+                    help=f"comma-separated subset of {list(CONFIGS)}")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help='extra ouroboros configuration, e.g. beta5=\'{"beta": 5}\' (repeatable)')
     ap.add_argument("--target", type=Path, default=None)

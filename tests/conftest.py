@@ -23,3 +23,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """{"target", "draft", "llama"}: tiny Qwen2 target, a perturbed-copy draft, a Llama model."""
     root = Path(os.environ.get("OUROBOROS_TINY_MODELS") or tmp_path_factory.mktemp("tiny"))
     return model_pair(root)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-tensor tests: on this busy 2-core machine the
+    intra-op pool's wake-ups cost more than the work (up to 10x slower otherwise)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

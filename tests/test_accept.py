@@ -264,13 +264,8 @@ N_REF = 5000
 ALPHA = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Thousands of tiny ops: on a busy machine the intra-op thread pool's wake-ups dominate.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Tree A: draft [1, 2]; suffixes with a repeated head (3 in k = 0, 1, 3), a fully duplicated

@@ -23,12 +23,8 @@ MAX_LEN = 512
 CONTEXT_LENS = [1, 3, 100, 17, 9]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,8 @@ from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_ou
 T = torch.tensor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # U=2, W=3, L=2, G=2: Q = 2 + 6 + 4 = 12 columns.

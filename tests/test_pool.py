@@ -10,13 +10,8 @@ T = torch.tensor
 A, B, C, D, E = (1, 1), (2, 2), (3, 3), (4, 4), (5, 5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # these tensors are tiny: thread wake-ups would cost more than the work
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(vocab=16, L=2, W=2, pages=None, shared=True):

@@ -52,13 +52,8 @@ def interpret_during_this_module():
     _set_interpret(False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: thread wake-ups on this 2-core machine cost more than the work
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -102,6 +102,12 @@ def test_serve_spec_method_shorthand(tiny_models, expected):
     # vLLM's own speculative counters see our drafts.
     drafted = [l for l in text.splitlines() if l.startswith("vllm:spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
+    # Our counters sit next to them.
+    ours = {l.split()[0]: float(l.split()[-1]) for l in text.splitlines()
+            if l.startswith("vllm:ouroboros_")}
+    assert ours.get("vllm:ouroboros_draft_forwards_total", 0) > 0, sorted(ours)
+    assert ours.get("vllm:ouroboros_accepted_tokens_total", 0) > 0
+    assert ours.get("vllm:ouroboros_pool_phrases", 0) > 0
 
 
 def test_serve_speculative_config_json(tiny_models, expected):

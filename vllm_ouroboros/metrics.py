@@ -73,10 +73,9 @@ class OuroborosStats:
         self.max_forward_calls_per_round = max(self.max_forward_calls_per_round, forward_calls)
         self.max_batch_per_round = max(self.max_batch_per_round, batch)
 
-    def snapshot(self, pool_stats: dict | None = None) -> dict:
+    def snapshot(self, pool_stats: dict | None = None, per_request: bool = True) -> dict:
         """All counters plus derived ratios, as plain Python values."""
         t = dict(zip(PER_REQUEST, (self.done_total + self.live.sum(axis=0)).tolist()))
-        live = {r: dict(zip(PER_REQUEST, self.live[s].tolist())) for s, r in self.req_of_slot.items()}
         out = {
             **t,
             "draft_forward_calls": self.draft_forward_calls,
@@ -90,8 +89,11 @@ class OuroborosStats:
             "acceptance_rate": t["accepted_tokens"] / max(t["drafted_tokens"], 1),
             "draft_forward_calls_per_round": self.draft_forward_calls / max(self.rounds, 1),
             "pool_hit_rate": t["guess_hits"] / max(t["guess_lookups"], 1),
-            "per_request": {**self.finished, **live},
         }
+        if per_request:
+            live = {r: dict(zip(PER_REQUEST, self.live[s].tolist()))
+                    for s, r in self.req_of_slot.items()}
+            out["per_request"] = {**self.finished, **live}
         if pool_stats:
             out["pool"] = pool_stats
         return out

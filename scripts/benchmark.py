@@ -1,0 +1,334 @@
+"""Side-by-side benchmark: no speculation, vLLM's ngram and draft_model, and ouroboros with its
+ablations, on the same engine build and machine, in one run.
+
+    source scripts/env.sh && python scripts/benchmark.py            # the real pair, ~1 h on 2 CPU cores
+    python scripts/benchmark.py --target T --draft D --quick          # plumbing check on any pair
+
+For every (method, workload, concurrency, temperature) cell: output tokens/s and the ratio to
+no speculation from this run, tokens per target forward, acceptance rate and acceptance by
+position (vLLM's spec-decode counters), draft forwards per output token, and a modeled speedup
+from measured per-forward times t_target(n) and t_draft(n) (SpecDec++ eq. 2.3, adapted below)
+under the measured curve and under a flat, memory-bound curve t(n) = t(1). A greedy cell whose
+output differs from no speculation gets no speed reported.
+
+Modeled latency per output token of a method (per request, F = forwards, N = output tokens):
+    (F_draft * t_draft(n_draft) + F_target * t_target(n_target)) / N
+with n_target = tokens per target forward input (draft + 1) and n_draft = tokens per draft
+forward input; no speculation costs t_target(1). Writes JSON, a markdown table and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from generate import REPO, humaneval_prompts, models_dir
+
+CURVE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def mtbench_prompts(n: int, tokenizer) -> list[str]:
+    path = models_dir() / "data" / "mt_bench_questions.jsonl"
+    if not path.exists():
+        sys.exit(f"{path} missing: run scripts/setup.sh")
+    qs = [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()][:n]
+    if not getattr(tokenizer, "chat_template", None):
+        return qs  # a test model without a chat template: raw questions
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True) for q in qs]
+
+
+def methods(draft: Path) -> dict[str, dict | None]:
+    o = {"method": "ouroboros", "model": str(draft)}
+    return {
+        "no-spec": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 2},
+        "draft_model-k3": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+        "draft_model-k5": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 5},
+        "ouroboros": o,
+        "ouroboros-no-phrases": {**o, "use_lookahead": False, "use_guesses": False},
+        "ouroboros-no-suffix": {**o, "use_suffixes": False},
+        "ouroboros-no-inspiration": {**o, "use_inspiration": False},
+        "ouroboros-no-refinement": {**o, "use_refinement": False},
+        "ouroboros-no-warm-start": {**o, "warm_start": False},
+        "ouroboros-no-context": {**o, "use_context_phrases": False},
+    }
+
+
+ABLATIONS = {"ouroboros-no-phrases", "ouroboros-no-suffix", "ouroboros-no-inspiration",
+             "ouroboros-no-refinement", "ouroboros-no-warm-start", "ouroboros-no-context"}
+
+
+def cells(quick: bool) -> list[tuple[str, int, float]]:
+    """(workload, concurrency, temperature) measured for the main methods."""
+    if quick:
+        return [("humaneval", 1, 0.0), ("humaneval", 4, 0.0)]
+    return [("humaneval", 1, 0.0), ("humaneval", 4, 0.0), ("humaneval", 16, 0.0),
+            ("mtbench", 1, 0.0), ("mtbench", 4, 0.0), ("humaneval", 4, 0.7)]
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's own speculative-decoding counters (drafts, draft tokens, accepted, per position)."""
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:spec_decode_")
+        if name in out and hasattr(m, "value"):
+            out[name] += m.value
+        elif name == "num_accepted_tokens_per_pos" and hasattr(m, "values"):
+            out["per_pos"] = [a + b for a, b in zip(out["per_pos"] + [0] * len(m.values), m.values)] \
+                if out["per_pos"] else list(m.values)
+    return out
+
+
+def diff(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+    pos_a, pos_b = after.get("per_pos", []), before.get("per_pos", [])
+    d["per_pos"] = [a - (pos_b[i] if i < len(pos_b) else 0) for i, a in enumerate(pos_a)]
+    return d
+
+
+def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, progress):
+    from vllm import LLM, SamplingParams
+
+    from vllm_ouroboros.metrics import engine_snapshot
+
+    ours = bool(spec) and spec.get("method") == "ouroboros"
+    llm = LLM(model=str(target), dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
+              max_num_seqs=max_num_seqs, speculative_config=spec, enable_prefix_caching=False,
+              disable_log_stats=False)
+    rows = []
+    try:
+        llm.generate(["def warm_up():"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        for workload, conc, temp in plan:
+            prompts = workloads[workload][: max(conc, 3 if conc == 1 else conc)]
+            sp = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
+            c0, s0 = spec_counters(llm), engine_snapshot(llm) if ours else None
+            outputs, t0 = [], time.perf_counter()
+            for i in range(0, len(prompts), conc):
+                outs = llm.generate(prompts[i:i + conc], sp, use_tqdm=False)
+                outputs += [list(o.outputs[0].token_ids) for o in outs]
+            seconds = time.perf_counter() - t0
+            c = diff(spec_counters(llm), c0)
+            row = {"method": name, "workload": workload, "concurrency": conc, "temperature": temp,
+                   "outputs": outputs, "tokens": sum(map(len, outputs)), "seconds": seconds,
+                   "spec": c}
+            if ours:
+                s = diff(engine_snapshot(llm), s0)
+                row["draft_forwards"] = s["draft_forwards"]
+                row["draft_tokens_per_forward"] = None  # filled from the config below
+            rows.append(row)
+            progress.update(1)
+    finally:
+        del llm
+        gc.collect()
+    return rows
+
+
+def target_curve(target: Path, reps: int = 3) -> dict[int, float]:
+    """t_target(n): seconds of one target step over n new tokens of one request, measured in vLLM
+    as a one-token generation from an n-token prompt (prefix caching off), engine overhead
+    included, the same way for every n."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(target), dtype="float32", max_model_len=2048, enforce_eager=True,
+              seed=0, max_num_seqs=1, enable_prefix_caching=False)
+    curve = {}
+    try:
+        one = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate([{"prompt_token_ids": [100] * 8}], one, use_tqdm=False)
+        for n in CURVE_POINTS:
+            ts = []
+            for r in range(reps):
+                ids = [3 + (7 * i + r) % 250 for i in range(n)]  # valid in any vocabulary here
+                t0 = time.perf_counter()
+                llm.generate([{"prompt_token_ids": ids}], one, use_tqdm=False)
+                ts.append(time.perf_counter() - t0)
+            curve[n] = statistics.median(ts)
+    finally:
+        del llm
+        gc.collect()
+    return curve
+
+
+def draft_curve(draft: Path, prefix: int = 128, reps: int = 3) -> dict[int, float]:
+    """t_draft(n): one forward of our draft runtime over n new tokens after a cached prefix."""
+    import torch
+
+    from vllm_ouroboros.draft.model import DraftModel
+
+    model = DraftModel.from_pretrained(str(draft), dtype=torch.float32, device="cpu")
+    model.allocate_cache(1, prefix + max(CURVE_POINTS) + 8)
+    curve = {}
+    for n in CURVE_POINTS:
+        ids = torch.randint(3, 250, (1, n))
+        pos = torch.arange(prefix, prefix + n)[None]
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            model.greedy_tokens(model.forward(ids, pos, torch.tensor([0]), torch.tensor([prefix]),
+                                              mask, max_cache_len=prefix))
+            ts.append(time.perf_counter() - t0)
+        curve[n] = statistics.median(ts[1:])
+    return curve
+
+
+def interp(curve: dict[int, float], n: float) -> float:
+    xs = sorted(curve)
+    n = min(max(n, xs[0]), xs[-1])
+    for a, b in zip(xs, xs[1:]):
+        if a <= n <= b:
+            return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+    return curve[xs[-1]]
+
+
+def derive(rows, base_rows, ocfg_tokens, t_curve, d_curve) -> None:
+    """Ratios, acceptance, modeled speedups; marks rows whose greedy output differs."""
+    base = {(r["workload"], r["concurrency"], r["temperature"]): r for r in base_rows}
+    flat_t, flat_d = {1: t_curve[1], 128: t_curve[1]}, {1: d_curve[1], 128: d_curve[1]}
+    for r in rows:
+        b = base.get((r["workload"], r["concurrency"], r["temperature"]))
+        r["tok_s"] = r["tokens"] / r["seconds"]
+        r["identical"] = None if r["temperature"] > 0 or b is None else r["outputs"] == b["outputs"]
+        r["speedup"] = r["tok_s"] / b["tok_s"] if b else None
+        c = r["spec"]
+        drafts = c.get("num_drafts", 0)
+        if r["method"] == "no-spec" or not drafts:
+            r.update(tokens_per_target_forward=1.0, acceptance=None, per_pos=[],
+                     draft_forwards_per_token=0.0, modeled=1.0, modeled_flat=1.0)
+            continue
+        r["tokens_per_target_forward"] = (c["num_accepted_tokens"] + drafts) / drafts
+        r["acceptance"] = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
+        r["per_pos"] = [a / drafts for a in c["per_pos"]]
+        n_target = 1 + c["num_draft_tokens"] / drafts
+        if "draft_forwards" in r:
+            f_draft, n_draft = r["draft_forwards"], ocfg_tokens(r["method"])
+        elif r["method"].startswith("draft_model"):
+            k = int(r["method"].split("-k")[-1])
+            f_draft, n_draft = k * drafts, 1
+        else:  # ngram: no model forward
+            f_draft, n_draft = 0, 1
+        r["draft_forwards_per_token"] = f_draft / max(r["tokens"], 1)
+        for key, tc, dc in (("modeled", t_curve, d_curve), ("modeled_flat", flat_t, flat_d)):
+            per_tok = (f_draft * interp(dc, n_draft) + drafts * interp(tc, n_target)) / max(r["tokens"], 1)
+            # Per request: drafts counts request-steps, so this is the single-request latency model.
+            r[key] = tc[1] / per_tok
+
+
+def markdown(rows, t_curve, d_curve, header: str) -> str:
+    lines = [header, "", "| method | workload | conc | temp | identical | tok/s | x no-spec | tok/target fwd "
+             "| accept | draft fwd/tok | modeled (measured t(n)) | modeled (flat t(n)) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
+    for r in rows:
+        ident = {True: "yes", False: "NO", None: "n/a"}[r["identical"]]
+        speed = (f(r["tok_s"]), f(r["speedup"])) if r["identical"] is not False else ("differs", "-")
+        lines.append(f"| {r['method']} | {r['workload']} | {r['concurrency']} | {r['temperature']} | {ident} "
+                     f"| {speed[0]} | {speed[1]} | {f(r['tokens_per_target_forward'])} | {f(r['acceptance'])} "
+                     f"| {f(r['draft_forwards_per_token'])} | {f(r['modeled'])} | {f(r['modeled_flat'])} |")
+    lines += ["", "Per-forward time (ms) by tokens per request n:", "",
+              "| n | " + " | ".join(map(str, t_curve)) + " |", "|---|" + "---|" * len(t_curve),
+              "| t_target | " + " | ".join(f"{1000 * v:.0f}" for v in t_curve.values()) + " |",
+              "| t_draft | " + " | ".join(f"{1000 * d_curve[n]:.0f}" for n in t_curve) + " |"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows, out_prefix: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib)")
+        return []
+    made = []
+    main = [r for r in rows if r["identical"] and r["method"] != "no-spec"]
+    if main:
+        fig, ax = plt.subplots(figsize=(10, 4))
+        labels = [f"{r['method']}\n{r['workload']} c{r['concurrency']}" for r in main]
+        ax.bar(range(len(main)), [r["speedup"] for r in main])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(main)), labels, rotation=90, fontsize=6)
+        ax.set_ylabel("tokens/s vs no speculation")
+        fig.tight_layout()
+        made.append(out_prefix.with_name(out_prefix.name + "_speedup.png"))
+        fig.savefig(made[-1], dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["per_pos"] and r["workload"] == "humaneval" and r["concurrency"] == 1 and r["temperature"] == 0:
+            ax.plot(range(1, len(r["per_pos"]) + 1), r["per_pos"], marker="o", label=r["method"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    made.append(out_prefix.with_name(out_prefix.name + "_acceptance.png"))
+    fig.savefig(made[-1], dpi=120)
+    return made
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=None)
+    ap.add_argument("--draft", type=Path, default=None)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--methods", default=None, help="comma-separated subset (no-spec is always run)")
+    ap.add_argument("--quick", action="store_true", help="two cells, main methods only: a plumbing check")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "benchmark")
+    args = ap.parse_args()
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
+    draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
+    all_methods = methods(draft)
+    names = list(all_methods) if not args.methods else ["no-spec"] + [
+        m for m in args.methods.split(",") if m != "no-spec"]
+    if args.quick:
+        names = [n for n in names if n not in ABLATIONS]
+    plan = cells(args.quick)
+    workloads = {"humaneval": humaneval_prompts(16), "mtbench": mtbench_prompts(16, AutoTokenizer.from_pretrained(target))}
+    command = "python " + " ".join(sys.argv)
+    header = (f"Command: `{command}`\n\nTarget {target.name}, draft {draft.name}, {args.max_tokens} tokens per "
+              f"request, float32, greedy unless temp > 0. Cells per method: main methods {plan}; ablations "
+              f"(humaneval, 1, 0.0). Prompt counts: 3 at concurrency 1, else = concurrency (reduced to fit "
+              f"one hour on 2 CPU cores). K = 3 suffixes needs tree verification (not yet in vLLM here).")
+    print(header.replace("\n\n", "\n"), flush=True)
+    total = sum(1 if n in ABLATIONS else len(plan) for n in names)
+    rows = []
+    with tqdm(total=total, desc="cells") as progress:
+        for name in names:
+            cell_plan = [("humaneval", 1, 0.0)] if name in ABLATIONS else plan
+            rows += run_method(name, all_methods[name], workloads, cell_plan, args.max_tokens,
+                               target, 16, progress)
+    t_curve, d_curve = target_curve(target), draft_curve(draft)
+    from vllm_ouroboros.config import OuroborosConfig
+
+    def ocfg_tokens(method: str) -> float:
+        spec = {k: v for k, v in (all_methods[method] or {}).items() if k not in ("method", "model")}
+        cfg = OuroborosConfig(draft_model=str(draft), **spec)
+        W = cfg.window_size if cfg.use_lookahead else 0
+        G = cfg.num_guesses if cfg.use_guesses else 0
+        return 2 + (W + G) * cfg.phrase_len  # ~2 uncached tokens per forward
+
+    derive(rows, [r for r in rows if r["method"] == "no-spec"], ocfg_tokens, t_curve, d_curve)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, t_curve, d_curve, header)
+    print(table)
+    args.out.with_suffix(".md").write_text(table)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "t_target": t_curve, "t_draft": d_curve,
+         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}, indent=1))
+    for p in plots(rows, args.out):
+        print("plot:", p)
+    return 0 if all(r["identical"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 METHOD = "ouroboros"
@@ -63,7 +63,6 @@ class OuroborosConfig:
     max_draft_forwards: int = 16
     # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
     draft_initial_len: int = 2048
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def phrase_len(self) -> int:
@@ -83,9 +82,7 @@ class OuroborosConfig:
         return self.num_speculative_tokens
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "OuroborosConfig":
@@ -105,7 +102,7 @@ _INT_RANGES = {
     "context_phrase_window": (0, None),
 }
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig) if f.type in ("bool", bool)}
-OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"extra", "draft_model"}
+OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}
 
 
 def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> OuroborosConfig:

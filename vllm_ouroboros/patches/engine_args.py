@@ -17,17 +17,18 @@ PROPOSER_PATH = "vllm_ouroboros.proposer.OuroborosProposer"
 ADDITIONAL_CONFIG_KEY = "ouroboros"
 
 
+_SHORTHANDS = (("--spec-method", "method", "spec_method"), ("--spec-model", "model", "spec_model"),
+               ("--spec-tokens", "num_speculative_tokens", "spec_tokens"))
+
+
 def _shorthand_merged(args) -> dict | None:
-    """The speculative config as vLLM will see it after merging --spec-* shorthands."""
+    """The speculative config as vLLM will see it after merging the --spec-* shorthands."""
     spec = dict(args.speculative_config or {})
-    for key, value in (("method", args.spec_method), ("model", args.spec_model),
-                       ("num_speculative_tokens", args.spec_tokens)):
+    for flag, key, attr in _SHORTHANDS:
+        value = getattr(args, attr)
         if value is not None:
             if key in spec:
-                raise ValueError(
-                    f"--spec-{key.split('_')[-1] if key != 'num_speculative_tokens' else 'tokens'}"
-                    f" and --speculative-config['{key}'] are mutually exclusive"
-                )
+                raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
             spec[key] = value
     return {k.replace("-", "_"): v for k, v in spec.items()} or None
 

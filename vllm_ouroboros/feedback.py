@@ -40,21 +40,26 @@ class Phrases:
         return cls(np.zeros(0, np.int64), np.zeros((0, L), np.int64), np.zeros(0, np.int64))
 
 
+def _agreement(draft: np.ndarray, target: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """[B, D] bool: draft token j was verified and equals the target's token there."""
+    D = draft.shape[1]
+    return (draft == target[:, :D]) & (np.arange(D)[None, :] < lens[:, None])
+
+
 def accepted_lengths(draft: np.ndarray, target: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Greedy accepted prefix length per row.
 
     Shape: draft [B, D], target [B, D+1], lens [B] (verified draft tokens per row) -> [B].
     """
-    D = draft.shape[1]
-    agree = (draft == target[:, :D]) & (np.arange(D)[None, :] < lens[:, None])
-    return np.cumprod(agree, axis=1).sum(axis=1)
+    return np.cumprod(_agreement(draft, target, lens), axis=1).sum(axis=1)
 
 
 def inspiration(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners: np.ndarray,
-                L: int) -> Phrases:
+                L: int, l_d: np.ndarray | None = None) -> Phrases:
     """Phrases from agreement runs after the first rejection.
 
-    Shape: draft [B, D], target [B, D+1], lens [B], owners [B].
+    Shape: draft [B, D], target [B, D+1], lens [B], owners [B]; l_d [B] (accepted lengths, if
+    the caller has them already).
     A run starts at j with l_d + 1 <= j and j + L <= lens[b] (so t[j + L] exists); it needs
     d[j .. j+L-1] == t[j .. j+L-1]; the phrase is key t[j], tokens t[j+1 .. j+L]. Position l_d
     itself (the rejected token) never starts a run: there the target disagreed.
@@ -62,8 +67,9 @@ def inspiration(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners:
     B, D = draft.shape
     if D < L or L < 1:
         return Phrases.empty(L)
-    l_d = accepted_lengths(draft, target, lens)
-    agree = (draft == target[:, :D]) & (np.arange(D)[None, :] < lens[:, None])
+    agree = _agreement(draft, target, lens)
+    if l_d is None:
+        l_d = np.cumprod(agree, axis=1).sum(axis=1)
     # run[b, j] = agree[b, j .. j+L-1] all true, for j in 0 .. D-L.
     runs = np.lib.stride_tricks.sliding_window_view(agree, L, axis=1).all(axis=2)
     j = np.arange(D - L + 1)[None, :]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.pool import PhrasePool
 
 logger = logging.getLogger("vllm_ouroboros")
+
+POOL_SAVE_INTERVAL = 10.0  # seconds
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -55,6 +58,7 @@ class OuroborosProposer:
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(self.max_slots - 1, -1, -1))
         self._req_ids: list[str] = []
+        self._last_pool_save = -float("inf")
         # What each slot was proposed last step, to read its verification (host arrays):
         # sentence-draft length, the suffix sent after it and the token it hangs off.
         L = self.cfg.phrase_len
@@ -104,9 +108,18 @@ class OuroborosProposer:
                     dtype, cfg.pool_budget_mb)
 
     def save_pool(self, path: str | None = None) -> None:
+        """Write the pool (atomically: a reader never sees half a file)."""
         path = path or self.cfg.pool_save_path
         if path and self.pool is not None:
-            self.pool.save(path)
+            self.pool.save(path + ".tmp")
+            os.replace(path + ".tmp", path)
+            self._last_pool_save = time.monotonic()
+
+    def _maybe_save_pool(self) -> None:
+        # atexit alone is not enough: vLLM may kill the engine process at shutdown before exit
+        # handlers run, so the pool is also written every POOL_SAVE_INTERVAL seconds.
+        if self.cfg.pool_save_path and time.monotonic() - self._last_pool_save >= POOL_SAVE_INTERVAL:
+            self.save_pool()
 
     # ---- request lifetime -------------------------------------------------------------------
     def _sync_requests(self, req_ids: list[str]) -> None:
@@ -168,7 +181,7 @@ class OuroborosProposer:
         l_d = feedback.accepted_lengths(draft, target, n)
         insp = refn = feedback.Phrases.empty(L)
         if self.cfg.use_inspiration:
-            insp = feedback.inspiration(draft, target, n, slots, L)
+            insp = feedback.inspiration(draft, target, n, slots, L, l_d=l_d)
             if len(insp):
                 self.pool.insert(*self._to_device(insp.keys, insp.tokens, insp.owners))
         if self.cfg.use_refinement:
@@ -245,6 +258,7 @@ class OuroborosProposer:
                        guess_lookups=out.row_forwards if self.runtime.G else np.zeros_like(slots),
                        guess_hits=out.guess_hit_forwards)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+        self._maybe_save_pool()
         return proposals
 
     def snapshot(self, per_request: bool = True) -> dict:

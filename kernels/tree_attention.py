@@ -186,7 +186,7 @@ _logged: set[str] = set()
 def _log_once(reason: str) -> None:
     if reason not in _logged:
         _logged.add(reason)
-        logger.warning("tree_attention: using the plain-torch reference: %s", reason)
+        logger.info("tree_attention: Triton cannot run, using the batched torch path: %s", reason)
 
 
 def _interpret_requested() -> bool:
@@ -291,12 +291,12 @@ def tree_attention(
     `scale` multiplies q.k (usually D ** -0.5). `max_query_len` (max n_b), when given, saves a
     device->host sync; it sizes the grid and must not be smaller than the true maximum.
     `backend`: "auto" (Triton when it can run: CUDA tensors, or TRITON_INTERPRET=1; otherwise the
-    plain-torch reference, with the reason logged once), "triton" (raise if it cannot run) or
-    "reference". Accumulation is in fp32 throughout; fp32 inputs use 3xTF32 dot products (about fp32
+    batched torch path `tree_attention_torch`, with the reason logged once), "triton" (raise if
+    it cannot run), "torch" or "reference" (the per-request loop the tests compare against). Accumulation is in fp32 throughout; fp32 inputs use 3xTF32 dot products (about fp32
     accuracy; IEEE on ROCm), fp16/bf16 round the softmax weights to the input dtype before p @ v.
     """
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend not in ("auto", "triton", "torch", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton', 'torch' or 'reference', got {backend!r}")
     device = q.device
     floats = (torch.float32, torch.float16, torch.bfloat16)
     _check("q", q, 3, floats, device)
@@ -323,8 +323,12 @@ def tree_attention(
             f"{prefix_lens.shape[0]}) and query_start {batch + 1} (got {query_start.shape[0]})")
     if tree_mask.shape[0] != num_tokens:
         raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows, q has {num_tokens}")
+    kernel, reason = (None, f"backend={backend!r}") if backend in ("torch", "reference") \
+        else _pick_kernel(device)
+    # The torch paths read any strides (vLLM's CPU cache stores keys d-major); Triton needs a unit
+    # head-dim stride.
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
+        if kernel is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head dim) axis, strides {t.stride()}")
     for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens),
                     ("query_start", query_start), ("tree_mask", tree_mask)):
@@ -340,14 +344,14 @@ def tree_attention(
     if num_tokens == 0 or batch == 0:
         return out
 
-    kernel, reason = (None, "backend='reference'") if backend == "reference" else _pick_kernel(device)
     if kernel is None:
         if backend == "triton":
             raise RuntimeError(f"tree_attention: Triton cannot run: {reason}")
         if backend == "auto":
             _log_once(reason)
-        out.copy_(tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens,
-                                           query_start, tree_mask, scale))
+        fallback = tree_attention_reference if backend == "reference" else tree_attention_torch
+        out.copy_(fallback(q, k_cache, v_cache, block_table, prefix_lens, query_start, tree_mask,
+                           scale))
         return out
 
     if max_query_len is None:
@@ -377,6 +381,55 @@ def tree_attention(
             UPCAST_DOT=q.dtype == torch.bfloat16 and _is_interpreted(kernel),
             **cfg,
         )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched torch path (where Triton cannot run: CPU)
+# ----------------------------------------------------------------------------------------------
+def tree_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_table: torch.Tensor, prefix_lens: torch.Tensor,
+                         query_start: torch.Tensor, tree_mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`tree_attention`'s contract in plain torch, batched over requests (no Python loop over
+    them): each request's pages are gathered into a padded dense [B, S, Hkv, D] block and one
+    masked softmax runs for all. float32 math, returned in q's dtype. Reads the lengths on the
+    host (sizes the padding), which is free on the CPU it is meant for.
+    """
+    B = block_table.shape[0]
+    T, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    counts = (query_start[1:] - query_start[:-1]).long()
+    prefix = prefix_lens.long()
+    n_max = int(counts.max())
+    S = int((prefix + counts).max())
+    pos = torch.arange(S, device=dev)
+    page_idx = (pos // block_size).clamp(max=block_table.shape[1] - 1)
+    pages = block_table.long()[:, page_idx]  # [B, S]
+    # Positions past a request's length may point at any page (even NaN garbage): their scores
+    # are replaced by -inf below and their values zeroed (0 * NaN would still be NaN).
+    owned = pos[None, :] < (prefix + counts)[:, None]  # [B, S]
+    k = k_cache[pages, pos % block_size].float()  # [B, S, Hkv, D]
+    v = v_cache[pages, pos % block_size].float().masked_fill(~owned[:, :, None, None], 0.0)
+    # Queries padded to [B, n_max, Hq, D].
+    i = torch.arange(n_max, device=dev)
+    live = i[None, :] < counts[:, None]  # [B, n_max]
+    rows = (query_start[:-1].long()[:, None] + i[None, :]).clamp(max=max(T - 1, 0))
+    qp = q[rows].float()  # [B, n_max, Hq, D]
+    bits = tree_mask[rows]  # [B, n_max]
+    rel = pos[None, None, :] - prefix[:, None, None]  # [B, 1, S] tree index of each key position
+    in_tree = (rel >= 0) & (rel < counts[:, None, None])
+    bit = (bits[:, :, None] >> rel.clamp(0, 63)) & 1
+    allowed = (rel < 0) | (in_tree & ((bit == 1) | (rel == i[None, :, None])))  # [B, n_max, S]
+    g = hq // hkv
+    qg = qp.view(B, n_max, hkv, g, d)
+    s = torch.einsum("bnkgd,bskd->bkgns", qg, k) * scale
+    s = s.masked_fill(~allowed[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # padded query rows have no allowed key
+    o = torch.einsum("bkgns,bskd->bnkgd", p, v).reshape(B, n_max, hq, d)
+    out = torch.empty_like(q)
+    out[rows[live]] = o[live].to(q.dtype)
     return out
 
 

@@ -1,7 +1,7 @@
 """End to end in the real vLLM engine on tiny models: greedy output with `ouroboros` is
-token-identical to vLLM without speculation.
+token-identical to vLLM without speculation, with K = 1 (chain), 2 and 3 (token tree) suffixes.
 
-Two engines per module (no speculation, ouroboros), each started once (~20-40 s on CPU).
+Four engines per module (no speculation, ouroboros K = 1, 2, 3), each started once (~20-40 s).
 The batch mixes prompt lengths, max_tokens 1..128, an end-of-sequence token and stop strings that
 the target emits mid-draft, all submitted together.
 """
@@ -114,6 +114,26 @@ def runs(scenario, tiny_models, pool_file):
             "pool_save_path": str(pool_file)}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec, extra)
     return base, ours, snaps
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["K2", "K3"])
+def tree_run(request, scenario, tiny_models):
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": request.param}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+    return request.param, ours, snaps
+
+
+def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
+    """K suffixes verified as one token tree: same tokens, text and finish reasons; suffixes
+    other than the first were accepted (so the tree rows, depth positions and the KV relocation
+    were exercised), also where EOS or a stop string ends a request inside a suffix."""
+    base, _, _ = runs
+    K, ours, snaps = tree_run
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"K={K} request {i} ({scenario['params'][i]}) differs"
+    s = snaps["main"]
+    assert s["tree_suffix_accepted"] > 0, s
+    assert s["suffix_accepted"] > s["tree_suffix_accepted"]
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

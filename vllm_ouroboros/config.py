@@ -37,8 +37,11 @@ class OuroborosConfig:
     window_size: int = 4
     # Pool phrases the draft verifies per draft forward (guess branch).
     num_guesses: int = 4
-    # Candidate suffixes appended to the sentence draft (K). Chain verification uses 1.
+    # Candidate suffixes appended to the sentence draft (K). K >= 2 are verified as a token tree
+    # in the same target forward; K = 1 is a plain chain.
     num_suffixes: int = 1
+    # Verify K >= 2 suffixes as a tree; false falls back to the chain draft + best suffix.
+    tree_verification: bool = True
     # Cap on tokens sent to the target per round (draft + suffix); None: derived.
     num_speculative_tokens: int | None = None
     # Device memory for the phrase pool, MiB.
@@ -74,9 +77,16 @@ class OuroborosConfig:
         """Longest sentence draft a round can produce: gamma - 1 + one last forward of beta."""
         return self.gamma - 1 + self.beta
 
+    @property
+    def tree_suffixes(self) -> int:
+        """Suffixes sent per round: K with the tree path, else at most the best one."""
+        if not self.use_suffixes:
+            return 0
+        return self.num_suffixes if self.tree_verification else min(self.num_suffixes, 1)
+
     def spec_tokens(self) -> int:
-        """Tokens per round sent to the target: draft plus the appended suffix, capped."""
-        derived = self.max_draft_len + (self.phrase_len if self.use_suffixes else 0)
+        """Tokens per round sent to the target: draft plus the appended suffixes, capped."""
+        derived = self.max_draft_len + self.tree_suffixes * self.phrase_len
         if self.num_speculative_tokens is None:
             return derived
         return self.num_speculative_tokens
@@ -127,6 +137,12 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
     if cfg.num_suffixes > cfg.window_size:
         raise OuroborosConfigError(
             f"ouroboros: num_suffixes={cfg.num_suffixes} exceeds window_size={cfg.window_size}"
+        )
+    if cfg.tree_suffixes >= 2 and cfg.spec_tokens() + 1 > 64:
+        raise OuroborosConfigError(
+            f"ouroboros: a tree of {cfg.spec_tokens() + 1} tokens (root + "
+            f"num_speculative_tokens={cfg.spec_tokens()}) exceeds 64, the tree attention's "
+            "limit; lower num_suffixes, gamma or beta, or set num_speculative_tokens"
         )
     if not isinstance(cfg.pool_budget_mb, (int, float)) or cfg.pool_budget_mb <= 0:
         raise OuroborosConfigError(

@@ -7,6 +7,8 @@ Definitions (per request, summed for the aggregate):
   drafted_tokens       tokens sent to the target for verification (draft + suffix)
   accepted_tokens      of those, accepted by the target
   suffix_accepted      accepted tokens that came from a candidate suffix
+  tree_suffix_accepted of those, tokens from a suffix other than the first (the tree's gain
+                       over chain verification)
   generated_tokens     tokens the request produced while it had a draft slot
   guess_tokens         draft tokens taken from pool guesses (phrase drafting at work)
   guess_lookups/hits   draft forwards that looked up guesses / took >= 1 token from one
@@ -24,7 +26,7 @@ import numpy as np
 
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
-    "suffix_accepted", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
+    "suffix_accepted", "tree_suffix_accepted", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
     "inspiration_inserts", "refinement_inserts",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}

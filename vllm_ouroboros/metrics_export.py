@@ -32,6 +32,7 @@ COUNTERS = {
     "drafted_tokens": "Tokens sent to the target for verification (draft + suffix)",
     "accepted_tokens": "Drafted tokens the target accepted",
     "suffix_accepted": "Accepted tokens that came from a candidate suffix",
+    "tree_suffix_accepted": "Accepted tokens from a candidate suffix other than the first (tree)",
     "generated_tokens": "Tokens produced by requests while drafting",
     "guess_tokens": "Draft tokens taken from pool phrases (phrase drafting)",
     "guess_lookups": "Draft forwards that verified pool phrases",

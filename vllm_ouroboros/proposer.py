@@ -1,11 +1,13 @@
 """The vLLM-facing Ouroboros proposer (loaded by vLLM's custom_class hook).
 
 One step, as vLLM drives it:
-  on_sample()  the target just verified last step's drafts: its tokens at every drafted position
-               feed the pool (candidate inspiration + refinement)      -> feedback.py, pool.py
+  on_verified() the target just verified last step's tree: its tokens at every node, also
+               after the first rejection and on every suffix, feed the pool (candidate
+               inspiration + refinement)                                -> feedback.py, pool.py
   propose()    draft a sentence phrase by phrase for every running request and lengthen it
-               with a candidate suffix from the pool                    -> draft/runtime.py
-vLLM then verifies the chain [draft | suffix] in one target forward.
+               with K candidate suffixes from the pool                  -> draft/runtime.py
+vLLM then verifies [draft | suffix 0 | suffix 1 | ...] as one token tree in one target forward
+(patches/tree_verify.py); with K = 1, or where the tree path is off, that is a plain chain.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class OuroborosProposer:
     """Ouroboros drafting for vLLM's V1 model runner (custom_class interface)."""
 
+    is_ouroboros = True  # the runner patches look for this
+
     def __init__(self, vllm_config):
         from vllm_ouroboros.patches import ADDITIONAL_CONFIG_KEY, model_runner
 
@@ -60,12 +64,18 @@ class OuroborosProposer:
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
         # What each slot was proposed last step, to read its verification (host arrays):
-        # sentence-draft length, the suffix sent after it and the token it hangs off.
-        L = self.cfg.phrase_len
+        # sentence-draft length, the suffixes sent after it (in flat order) and the token they
+        # hang off.
+        L, K = self.cfg.phrase_len, max(self.cfg.num_suffixes, 1)
         self._last_main = np.zeros(self.max_slots, np.int64)
-        self._last_suffix = np.zeros((self.max_slots, L), np.int64)
-        self._last_suffix_len = np.zeros(self.max_slots, np.int64)
+        self._last_suffix = np.zeros((self.max_slots, K, L), np.int64)
+        self._last_suffix_len = np.zeros((self.max_slots, K), np.int64)
         self._last_suffix_key = np.zeros(self.max_slots, np.int64)
+        # Tree verification: available (decided by the runner at its first step) and allowed
+        # for the current batch (no structured outputs; sampling features the walk honours).
+        self._tree_available = False
+        self._tree_ok_structured = True
+        self._tree_ok_sampling = True
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
         # Every TP rank drafts the same tokens: the first rank of each engine reports.
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -96,7 +106,7 @@ class OuroborosProposer:
         settings = DraftSettings(
             gamma=cfg.gamma, beta=cfg.beta, window_size=cfg.window_size,
             num_guesses=cfg.num_guesses,
-            num_suffixes=cfg.num_suffixes if cfg.use_suffixes else 0,
+            num_suffixes=cfg.tree_suffixes,
             use_lookahead=cfg.use_lookahead, use_guesses=cfg.use_guesses,
             max_draft_forwards=cfg.max_draft_forwards,
         )
@@ -132,67 +142,116 @@ class OuroborosProposer:
             for s in slots:
                 self.runtime.reset_slot(s)
                 self.stats.finish(s)
-                self._last_suffix_len[s] = self._last_main[s] = self._ctx_seen[s] = 0
+                self._last_suffix_len[s] = 0
+                self._last_main[s] = self._ctx_seen[s] = 0
             self._free_slots += slots
         for r in req_ids:
             if r is not None and r not in self._slot_of:
                 slot = self._slot_of[r] = self._free_slots.pop()
                 self.stats.start(slot, r)
 
-    # ---- verification feedback ---------------------------------------------------------------
-    def on_sample(self, req_ids: list[str], logits: torch.Tensor | None, spec_meta) -> None:
-        """Read the target's tokens at every verified position (called by the runner patch).
+    # ---- tree verification switches (set by the runner patches) --------------------------
+    def set_tree_available(self, ok: bool) -> None:
+        self._tree_available = ok
 
-        `spec_meta` is vLLM's SpecDecodeMetadata for this step (None without drafts); `logits`
-        are the target's raw logits, rows ordered as spec_meta's indices expect.
-        """
+    def set_tree_allowed(self, ok: bool) -> None:
+        self._tree_ok_structured = ok
+
+    def set_tree_allowed_for_sampling(self, ok: bool) -> None:
+        self._tree_ok_sampling = ok
+
+    @property
+    def sends_tree(self) -> bool:
+        """Whether the next proposals carry all K suffixes (else only the best one)."""
+        return self._tree_available and self._tree_ok_structured and self._tree_ok_sampling
+
+    def set_batch(self, req_ids: list[str]) -> None:
+        """The batch order of this step (propose() receives rows in this order)."""
         self._req_ids = list(req_ids)
-        if spec_meta is None or logits is None or self.runtime is None:
-            return
-        n = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64)
-        B, total = len(n), int(n.sum())
-        if total == 0:
-            return
-        top = logits.argmax(dim=-1)
-        t_draft = top[spec_meta.target_logits_indices.long()].cpu().numpy()
-        t_bonus = top[spec_meta.bonus_logits_indices.long()].cpu().numpy()
-        d_flat = spec_meta.draft_token_ids.cpu().numpy().astype(np.int64)
-        D = int(n.max())
-        row = np.repeat(np.arange(B), n)
-        col = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
-        draft = np.full((B, D), -1, np.int64)
-        target = np.full((B, D + 1), -1, np.int64)
-        draft[row, col] = d_flat
-        target[row, col] = t_draft
-        target[np.arange(B), n] = t_bonus
-        self._learn(req_ids[:B], draft, target, n)
 
-    def _learn(self, req_ids, draft, target, n) -> None:
-        """Pool updates and counters from one verification. Shapes: draft [B, D], target
-        [B, D+1], n [B] (tokens verified per request)."""
-        L = self.cfg.phrase_len
+    def layouts(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """What was proposed to each request: draft length [B] and suffix lengths [B, K]."""
         slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
-        ok = (n > 0) & (slots >= 0)
+        known = slots >= 0
+        s = np.where(known, slots, 0)
+        n = np.where(known, self._last_main[s], 0)
+        sl = np.where(known[:, None], self._last_suffix_len[s], 0)
+        return n, sl
+
+    # ---- verification feedback ---------------------------------------------------------------
+    def on_verified(self, req_ids: list[str], outcome) -> None:
+        """Read the target's tokens at every tree node (called by the runner patch).
+
+        `outcome` is patches/tree_verify.StepOutcome: the step's TokenTree, the target's argmax
+        after the root and after every node, and what each request accepted.
+        """
+        if self.runtime is None:
+            return
+        tree = outcome.tree
+        B = tree.B
+        slots = np.array([self._slot_of.get(r, -1) for r in req_ids[:B]], np.int64)
+        n = tree.draft_len.cpu().numpy()
+        num_nodes = tree.num_nodes.cpu().numpy()
+        ok = (num_nodes > 0) & (slots >= 0)
         if not ok.any():
             return
-        slots, draft, target, n = slots[ok], draft[ok], target[ok], n[ok]
-        n_main = np.minimum(self._last_main[slots], n)
-        s_len = np.minimum(self._last_suffix_len[slots], n - n_main)
-        l_d = feedback.accepted_lengths(draft, target, n)
+        paths = tree.paths.cpu().numpy()  # [B, K', D+L]
+        plen = tree.path_len.cpu().numpy()
+        slen = tree.suffix_len.cpu().numpy()
+        tokens = tree.tokens.cpu().numpy()
+        tn = outcome.target_next.cpu().numpy()
+        num_acc = outcome.num_accepted.cpu().numpy()
+        sfx_idx = outcome.suffix_index.cpu().numpy()
+        if paths.shape[1] == 0:  # no suffix slots: the draft chain alone
+            paths = np.where(np.arange(tree.D)[None, :] < n[:, None], np.arange(tree.D)[None, :], -1)[:, None]
+            plen, slen = n[:, None], np.zeros((B, 1), np.int64)
+        sel = np.nonzero(ok)[0]
+        self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
+                    tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+
+    def _learn(self, slots, n, num_nodes, paths, plen, slen, tokens, tn, num_acc, sfx_idx) -> None:
+        """Pool updates and counters from one verification, through one chain per suffix:
+        the draft followed by suffix k. Shapes: slots/n/num_nodes/num_acc/sfx_idx [B],
+        paths [B, K, P] (tree nodes, -1 pad), plen/slen [B, K], tokens [B, N], tn [B, N+1]."""
+        L = self.cfg.phrase_len
+        B, K, P = paths.shape
+        rows = np.arange(B)[:, None, None]
+        node = np.maximum(paths, 0)
+        real = paths >= 0
+        chain = np.where(real, tokens[rows, node], -1).reshape(B * K, P)
+        # The target's token at path position j is its prediction after the node before it
+        # (the root for j = 0); the last column is its prediction after the path's end.
+        after = np.concatenate([np.zeros((B, K, 1), np.int64), node + 1], axis=2)
+        target = tn[rows, after]
+        flat_len = plen.reshape(-1)
+        col = np.arange(P + 1)[None, :]
+        target = np.where(col <= flat_len[:, None], target.reshape(B * K, P + 1), -1)
+        owners = np.repeat(slots, K)
         insp = refn = feedback.Phrases.empty(L)
         if self.cfg.use_inspiration:
-            insp = feedback.inspiration(draft, target, n, slots, L, l_d=l_d)
+            # Along the accepted path (suffix 0's chain when no suffix token was accepted).
+            k_acc = np.maximum(sfx_idx, 0)
+            r = np.arange(B) * K + k_acc
+            l_d = feedback.accepted_lengths(chain[r], target[r], flat_len[r])
+            insp = feedback.inspiration(chain[r], target[r], flat_len[r], slots, L, l_d=l_d)
             if len(insp):
                 self.pool.insert(*self._to_device(insp.keys, insp.tokens, insp.owners))
         if self.cfg.use_refinement:
-            refn = feedback.refinement(target, n_main, s_len, self._last_suffix_key[slots], n, slots, L)
+            # Every suffix the target verified in full, whatever was accepted.
+            key = np.repeat(self._last_suffix_key[slots], K)
+            refn = feedback.refinement(target, np.repeat(n, K), slen.reshape(-1), key, flat_len,
+                                       owners, L)
             if len(refn):
-                old = self._last_suffix[refn.owners]
-                keys, old, new, owners = self._to_device(refn.keys, old, refn.tokens, refn.owners)
-                self.pool.replace(keys, old, new, owners)
+                # refinement returns rows in (b, k) order; find each one's k for the old phrase.
+                idx = np.nonzero((slen.reshape(-1) == L) & (np.repeat(n, K) + L <= flat_len))[0]
+                old = self._last_suffix[owners[idx], idx % K]
+                keys, old, new, own = self._to_device(refn.keys, old, refn.tokens, refn.owners)
+                self.pool.replace(keys, old, new, own)
         self.stats.add(
-            slots, target_forwards=np.ones_like(n), drafted_tokens=n, accepted_tokens=l_d,
-            suffix_accepted=np.where(s_len > 0, np.maximum(l_d - n_main, 0), 0))
+            slots, target_forwards=np.ones_like(n), drafted_tokens=num_nodes,
+            accepted_tokens=num_acc,
+            suffix_accepted=np.where(sfx_idx >= 0, np.maximum(num_acc - n, 0), 0),
+            tree_suffix_accepted=np.where(sfx_idx >= 1, np.maximum(num_acc - n, 0), 0))
         self.stats.add(insp.owners, inspiration_inserts=np.ones_like(insp.owners))
         self.stats.add(refn.owners, refinement_inserts=np.ones_like(refn.owners))
 
@@ -225,33 +284,42 @@ class OuroborosProposer:
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
-        lens = np.asarray(num_tokens_no_spec[rows], np.int64)
+        lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self.cfg.use_context_phrases:
-            self._learn_context(slots, token_ids_cpu, rows, lens)
-        out = self.runtime.run_round(slots, token_ids_cpu, rows, lens)
+            self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
+        out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
 
-        # Chain for the target: sentence draft, then the best suffix, within the token cap.
+        # For the target: the sentence draft, then the candidate suffixes (all K when the tree
+        # path is on, else the best one), within the token cap, in flat order.
         cap, L = self.num_spec_tokens, self.cfg.phrase_len
+        R = len(rows)
         n_main = np.minimum(out.draft_lens, cap)
-        has_suffix = out.suffix_valid[:, 0] if out.suffix_valid.shape[1] else np.zeros(len(rows), bool)
-        s_len = np.where(has_suffix, np.minimum(L, cap - n_main), 0)
-        chain = np.concatenate([out.drafts, out.suffixes[:, 0] if out.suffixes.shape[1]
-                                else np.zeros((len(rows), L), np.int64)], axis=1)
-        # Move each row's suffix right behind its draft.
-        col = np.arange(chain.shape[1])[None, :]
-        src = np.where(col < n_main[:, None], col, out.drafts.shape[1] + col - n_main[:, None])
-        chain = np.take_along_axis(chain, np.minimum(src, chain.shape[1] - 1), axis=1)
-        total = n_main + s_len
+        K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
+        valid = out.suffix_valid[:, :K]
+        order = np.argsort(~valid, axis=1, kind="stable")  # valid suffixes first, in pool order
+        sfx = np.take_along_axis(out.suffixes[:, :K], order[:, :, None], axis=1)
+        lens = np.where(np.take_along_axis(valid, order, axis=1), L, 0)
+        before = np.cumsum(lens, axis=1) - lens
+        lens = np.clip(cap - n_main[:, None] - before, 0, lens)
+        total = n_main + lens.sum(1)
+        Dd = out.drafts.shape[1]
+        src_mat = np.concatenate([out.drafts, sfx.reshape(R, K * L)], axis=1)
+        t = np.arange(max(int(total.max()), 1))[None, :]
+        u = t - n_main[:, None]
+        k = (u[:, :, None] >= (before + lens)[:, None, :]).sum(2).clip(max=max(K - 1, 0))
+        j = u - np.take_along_axis(before, k, axis=1) if K else u
+        src = np.where(u < 0, t, Dd + k * L + j)
+        chain = np.take_along_axis(src_mat, np.clip(src, 0, src_mat.shape[1] - 1), axis=1)
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
 
-        ctx_last = token_ids_cpu[rows, lens - 1].astype(np.int64)
+        ctx_last = token_ids_cpu[rows, lens_ctx - 1].astype(np.int64)
         self._last_main[slots] = n_main
-        self._last_suffix_len[slots] = s_len
-        if out.suffixes.shape[1]:
-            self._last_suffix[slots] = out.suffixes[:, 0]
+        self._last_suffix_len[slots] = 0
+        self._last_suffix_len[slots, :K] = lens
+        self._last_suffix[slots, :K] = sfx
         self._last_suffix_key[slots] = np.where(
-            n_main > 0, out.drafts[np.arange(len(rows)), np.maximum(n_main - 1, 0)], ctx_last)
+            n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,

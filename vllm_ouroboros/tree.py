@@ -150,6 +150,29 @@ def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Ten
                      path_len=n[:, None] + slen, D=D, K=K, L=L)
 
 
+def tree_from_flat(flat: torch.Tensor, draft_len: torch.Tensor, suffix_len: torch.Tensor,
+                   D: int, L: int) -> TokenTree:
+    """The tree of vLLM's flat layout: per request the draft, then suffix 0, suffix 1, ...
+
+    Shape: flat [B, F] int64 (request b's draft_len[b] + sum_k suffix_len[b, k] first are
+    real), draft_len [B], suffix_len [B, K]; D >= max(draft_len) and L >= max(suffix_len) are
+    the padded widths. Node i of the result is flat token i (see build_tree's numbering).
+    """
+    B, F = flat.shape
+    K = suffix_len.shape[1]
+    dev = flat.device
+    n = draft_len.long()
+    sl = suffix_len.long()
+    col = torch.arange(max(D, 1), device=dev)[None, :]
+    draft = flat.gather(1, col.expand(B, -1).clamp(max=max(F - 1, 0))) if F else flat.new_zeros(B, max(D, 1))
+    draft = draft[:, :D]
+    start = n[:, None] + sl.cumsum(1) - sl  # [B, K]
+    j = torch.arange(L, device=dev)[None, None, :]
+    idx = (start[:, :, None] + j).clamp(max=max(F - 1, 0)).view(B, -1)
+    suffixes = flat.gather(1, idx).view(B, K, L) if F else flat.new_zeros(B, K, L)
+    return build_tree(draft, n, suffixes, sl)
+
+
 @dataclass
 class FlatTree:
     """The tree as ragged query rows, for the attention side.

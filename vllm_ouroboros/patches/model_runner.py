@@ -1,9 +1,12 @@
-"""Model-runner area: hand the target's verification output to the Ouroboros proposer.
+"""Model-runner area: the target side of an Ouroboros step.
 
-vLLM's rejection sampler computes the target's token at every drafted position but returns
-only the accepted prefix. `_sample` sees the raw target logits and the SpecDecodeMetadata, and
-runs before `propose()` in the same step, so the pool learns from step t before drafting t+1.
-CPUModelRunner inherits from GPUModelRunner, so one patch serves both.
+`_prepare_inputs` (patched): after vLLM laid out the step, the scheduled draft + suffixes become
+    a token tree (tree_verify.begin_step: depth positions, tree rows for the attention).
+`_sample` (patched): the tree walk replaces vLLM's rejection sampler for ouroboros steps, the
+    accepted branch's KV is moved into place, and the target's tokens at every node go to the
+    proposer's pool feedback, all before `propose()` runs in the same step.
+CPUModelRunner inherits from GPUModelRunner, so one patch serves both. Runners whose drafter is
+not Ouroboros take vLLM's own path untouched.
 """
 
 from __future__ import annotations
@@ -11,12 +14,37 @@ from __future__ import annotations
 from vllm_ouroboros.patches._util import patch_method, require
 
 
+def _drafter(runner):
+    d = getattr(runner, "drafter", None)
+    return d if getattr(d, "is_ouroboros", False) else None
+
+
+def _prepare_inputs(original):
+    def prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        drafter = _drafter(self)
+        if drafter is not None:
+            from vllm_ouroboros.patches import tree_verify
+
+            self._ouroboros_step = tree_verify.begin_step(self, drafter, scheduler_output, out[1])
+        return out
+
+    return prepare_inputs
+
+
 def _sample(original):
     def sample(self, logits, spec_decode_metadata):
-        out = original(self, logits, spec_decode_metadata)
-        drafter = getattr(self, "drafter", None)
-        if drafter is not None and hasattr(drafter, "on_sample"):
-            drafter.on_sample(self.input_batch.req_ids, logits, spec_decode_metadata)
+        drafter = _drafter(self)
+        if drafter is None:
+            return original(self, logits, spec_decode_metadata)
+        drafter.set_batch(self.input_batch.req_ids)
+        step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
+        if step is None or spec_decode_metadata is None or logits is None:
+            return original(self, logits, spec_decode_metadata)
+        from vllm_ouroboros.patches import tree_verify
+
+        out, outcome = tree_verify.sample(self, original, logits, spec_decode_metadata, step)
+        drafter.on_verified(self.input_batch.req_ids, outcome)
         return out
 
     return sample
@@ -24,14 +52,24 @@ def _sample(original):
 
 def apply() -> None:
     """Patch the V1 GPU model runner (imported already: called from the proposer's __init__)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     require(SpecDecodeMetadata, "__dataclass_fields__")
     fields = set(SpecDecodeMetadata.__dataclass_fields__)
-    need = {"draft_token_ids", "num_draft_tokens", "target_logits_indices", "bonus_logits_indices"}
+    need = {"draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
+            "target_logits_indices", "bonus_logits_indices", "logits_indices"}
     if not need <= fields:
         require(SpecDecodeMetadata, *sorted(need - fields))
+    if "has_structured_output_requests" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+        require(SchedulerOutput, "has_structured_output_requests")
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.logits_processor import builtin
+
+    require(rejection_sampler, "apply_sampling_constraints")
+    require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
+    patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)
     # A named worker method: `collective_rpc("ouroboros_snapshot")` needs no pickled callable.
     from vllm.v1.worker.worker_base import WorkerBase

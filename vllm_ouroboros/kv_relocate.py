@@ -1,0 +1,48 @@
+"""Move the accepted branch's KV into the slots vLLM expects for the accepted tokens.
+
+vLLM wrote tree node i's key/value at the KV slot of flat query row 1 + i. After the step it
+believes the j-th accepted token sits right behind the root, in row 1 + j's slot. That holds on the
+draft part; when a suffix k >= 1 wins, its nodes are further right (behind the other suffixes)
+and are copied left (accept.py's kv_keep_src says from where). No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .accept import AcceptResult
+
+
+def relocation_slots(result: AcceptResult, root_rows: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV slots to copy, (src, dst), only where they differ.
+
+    Shape: root_rows [B] (query row of each request's root), slot_mapping [T] (the step's
+    query row -> KV slot) -> two [M] int64 tensors. One host sync (the moves are few and data
+    dependent; the runner reads the accepted tokens on the host right after anyway).
+    """
+    src_node = result.kv_keep_src
+    B, N = src_node.shape
+    j = torch.arange(N, device=src_node.device)[None, :]
+    keep = (j < result.num_accepted[:, None]) & (src_node != j)
+    base = root_rows.long()[:, None] + 1
+    src_row = (base + src_node.clamp(min=0))[keep]
+    dst_row = (base + j).expand(B, N)[keep]
+    return slot_mapping[src_row].long(), slot_mapping[dst_row].long()
+
+
+def move_kv(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
+            dst: torch.Tensor) -> None:
+    """Copy slot src[m] to slot dst[m] in every layer's key and value cache.
+
+    Shape: each cache [num_blocks, block_size, Hkv, D] (any strides: views of vLLM's layout);
+    src, dst [M] int64 slots (block * block_size + offset). Gather then scatter: src and dst of
+    one request may overlap (src >= dst, both increasing), so an in-place shift would not do.
+    """
+    if src.numel() == 0:
+        return
+    for k_cache, v_cache in caches:
+        bs = k_cache.shape[1]
+        sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+        for cache in (k_cache, v_cache):
+            cache[db, do] = cache[sb, so]

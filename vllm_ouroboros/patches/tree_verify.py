@@ -1,0 +1,225 @@
+"""Model-runner area: verify draft + K suffixes as one token tree (read with model_runner.py).
+
+Per step, for the ouroboros proposer:
+  begin_step()  after vLLM prepared the inputs: read the scheduled layout (step_plan.py), give
+                suffix k >= 1 nodes their depth positions, hand the tree rows to the attention
+                (tree_attention.py) and build the TokenTree for the acceptance walk.
+  sample()      instead of vLLM's rejection sampler: the tree walk (verify.py), then the KV of an
+                accepted suffix k >= 1 is moved behind the draft (kv_relocate.py). Where the walk
+                cannot honour the batch's sampling features (logprobs, penalties, bad words,
+                logit bias, min_p, min_tokens, allowed tokens, custom logits processors), the
+                tree is read as the chain draft + suffix 0 by vLLM's own rejection sampler:
+                still one forward, still lossless, and the other suffixes still feed the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from vllm_ouroboros.patches import tree_attention
+from vllm_ouroboros.step_plan import StepPlan, build_plan
+from vllm_ouroboros.tree import TokenTree, tree_from_flat
+
+logger = logging.getLogger("vllm_ouroboros")
+
+_SAMPLING_EPS = 1e-5  # vLLM's Sampler: temperature below this is greedy
+# Debugging aid (tests/test_tree_relocation.py): leave the accepted branch's KV where it is, to
+# show that outputs go wrong without the move. Never set it in production.
+_SKIP_RELOCATION = os.environ.get("VLLM_OUROBOROS_DEBUG_SKIP_KV_RELOCATION", "0") == "1"
+
+
+@dataclass
+class TargetStep:
+    """What one step's verification needs after the forward."""
+
+    plan: StepPlan
+    tree: TokenTree
+    row_start: torch.Tensor  # [B] first logit row (the root's) of each request
+    root_rows: torch.Tensor  # [B] query row of each request's root
+
+
+@dataclass
+class StepOutcome:
+    """For the pool feedback: target argmax per tree row and what each request accepted."""
+
+    tree: TokenTree
+    target_next: torch.Tensor   # [B, N + 1]
+    num_accepted: torch.Tensor  # [B] draft + suffix tokens accepted
+    suffix_index: torch.Tensor  # [B] suffix on the accepted path, -1 none
+
+
+class TreeState:
+    """Per-runner: whether the tree path is available (decided once, at the first step)."""
+
+    def __init__(self):
+        self.checked = False
+        self.reason: str | None = None
+
+    def check(self, runner, drafter) -> None:
+        self.checked = True
+        if not drafter.cfg.tree_verification:
+            self.reason = "tree_verification is off"
+        elif drafter.cfg.tree_suffixes < 2:
+            self.reason = "fewer than 2 suffixes: the chain is the tree"
+        else:
+            self.reason = tree_attention.install(runner)
+            if self.reason is not None:
+                logger.warning("ouroboros: tree verification unavailable, verifying the chain "
+                               "draft + best suffix instead: %s", self.reason)
+        drafter.set_tree_available(self.reason is None)
+
+
+def _state(runner) -> TreeState:
+    st = getattr(runner, "_ouroboros_tree", None)
+    if st is None:
+        st = runner._ouroboros_tree = TreeState()
+    return st
+
+
+def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | None:
+    """Plan the step vLLM just prepared (called right after `_prepare_inputs`)."""
+    st = _state(runner)
+    if not st.checked:
+        st.check(runner, drafter)
+    tree_attention.set_active(None)
+    drafter.set_tree_allowed(not scheduler_output.has_structured_output_requests)
+    if spec_meta is None:
+        return None
+    B = len(spec_meta.num_draft_tokens)
+    req_ids = runner.input_batch.req_ids[:B]
+    c = np.asarray(spec_meta.num_draft_tokens, np.int64)
+    n, sl = drafter.layouts(req_ids)
+    qs = runner.query_start_loc.np[:B + 1].astype(np.int64)
+    plan = build_plan(c, n, sl, qs, runner.input_batch.num_computed_tokens_cpu[:B])
+    dev = runner.device
+
+    def to_dev(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+
+    if plan.has_tree:
+        if st.reason is not None:  # cannot happen: the drafter sent no tree; stay lossless
+            raise RuntimeError(f"ouroboros: a tree was scheduled but the tree path is off ({st.reason})")
+        runner.positions[to_dev(plan.pos_rows)] -= to_dev(plan.pos_delta)
+        bt = runner.input_batch.block_table[0].block_table.gpu
+        write = np.nonzero(plan.write)[0]
+        tree_attention.set_active(tree_attention.TreeAttentionStep(
+            q_rows=to_dev(plan.q_rows), q_start=to_dev(plan.q_start),
+            prefix_lens=to_dev(plan.prefix_lens), bits=to_dev(plan.bits),
+            block_table=bt[to_dev(plan.tree_reqs)], write_local=to_dev(write),
+            write_rows=to_dev(plan.q_rows[write]), max_rows=plan.max_rows))
+
+    # The tree of every request (chains included): flat tokens padded per request.
+    F = max(int(c.max()), 1)
+    row = np.repeat(np.arange(B), c)
+    col = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+    flat = torch.zeros(B, F, dtype=torch.long, device=dev)
+    flat[to_dev(row), to_dev(col)] = spec_meta.draft_token_ids.long()
+    tree = tree_from_flat(flat, to_dev(plan.draft_len), to_dev(plan.suffix_len),
+                          D=max(int(plan.draft_len.max()), 0), L=drafter.cfg.phrase_len)
+    row_start = spec_meta.cu_num_sampled_tokens.long() - to_dev(c + 1)
+    return TargetStep(plan=plan, tree=tree, row_start=row_start, root_rows=to_dev(qs[:B]))
+
+
+def unsupported_sampling(sm) -> str | None:
+    """Why the tree walk cannot sample this batch exactly as vLLM would, or None."""
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                        MinPLogitsProcessor,
+                                                        MinTokensLogitsProcessor)
+
+    if sm.max_num_logprobs is not None or sm.logprob_token_ids:
+        return "logprobs"
+    if not sm.no_penalties:
+        return "penalties"
+    if sm.bad_words_token_ids:
+        return "bad_words"
+    if sm.allowed_token_ids_mask is not None:
+        return "allowed_token_ids"
+    holder = sm.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return "thinking token budget"
+    for p in sm.logitsprocs.all:
+        if isinstance(p, MinPLogitsProcessor):
+            if p.min_p_count:
+                return "min_p"
+        elif isinstance(p, LogitBiasLogitsProcessor):
+            if p.biases:
+                return "logit_bias"
+        elif isinstance(p, MinTokensLogitsProcessor):
+            if p.min_toks:
+                return "min_tokens"
+        else:
+            return f"logits processor {type(p).__name__}"
+    return None
+
+
+def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
+    """Verify the step's trees; returns (SamplerOutput, StepOutcome)."""
+    from vllm.v1.outputs import SamplerOutput
+
+    from vllm_ouroboros.kv_relocate import move_kv, relocation_slots
+    from vllm_ouroboros.verify import draw_uniforms, node_rows, verify
+
+    tree_attention.set_active(None)
+    sm = runner.input_batch.sampling_metadata
+    reason = unsupported_sampling(sm)
+    runner.drafter.set_tree_allowed_for_sampling(reason is None)
+    if step.plan.has_tree and reason is None:
+        greedy = processed = uniforms = None
+        if not sm.all_greedy:
+            from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+            greedy = sm.temperature < _SAMPLING_EPS
+            processed = apply_sampling_constraints(
+                logits.float().clone(), spec_meta.cu_num_sampled_tokens, sm)
+            uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
+        v = verify(step.tree, logits, step.row_start, greedy, processed, uniforms)
+        slots = runner.input_batch.block_table[0].slot_mapping.gpu
+        src, dst = relocation_slots(v.result, step.root_rows, slots)
+        if src.numel() and not _SKIP_RELOCATION:
+            move_kv([tree_attention.kv_views(layer)
+                     for layer in tree_attention.attention_layers(runner).values()
+                     if getattr(layer.impl, "kv_sharing_target_layer_name", None) is None],
+                    src, dst)
+        out = SamplerOutput(sampled_token_ids=v.token_ids, logprobs_tensors=None)
+        return out, StepOutcome(step.tree, v.target_next, v.result.num_accepted,
+                                v.result.suffix_index)
+
+    if step.plan.has_tree:
+        out = _chain_view_sample(runner, logits, spec_meta, step, sm)
+    else:
+        out = original_sample(runner, logits, spec_meta)
+    target_next = logits.argmax(dim=-1)[node_rows(step.tree, step.row_start)]
+    num_acc = (out.sampled_token_ids != -1).sum(1).long() - 1
+    sfx = torch.where(num_acc > step.tree.draft_len, 0, -1)
+    return out, StepOutcome(step.tree, target_next, num_acc, sfx)
+
+
+def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):
+    """vLLM's rejection sampler on draft + suffix 0 of every tree (the rows exist in logits)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    plan = step.plan
+    c = plan.num_drafts
+    c2 = plan.draft_len + plan.suffix_len[:, 0]
+    dev = logits.device
+    start = np.cumsum(c + 1) - (c + 1)  # vLLM's cu_num_sampled_tokens, exclusive, on the host
+    tgt = np.repeat(start, c2) + (np.arange(int(c2.sum())) - np.repeat(np.cumsum(c2) - c2, c2))
+    keep = np.repeat(np.cumsum(c) - c, c2) + (np.arange(int(c2.sum())) - np.repeat(np.cumsum(c2) - c2, c2))
+    meta = SpecDecodeMetadata(
+        draft_token_ids=spec_meta.draft_token_ids[torch.from_numpy(keep).to(dev)],
+        num_draft_tokens=c2.tolist(),
+        cu_num_draft_tokens=torch.from_numpy(np.cumsum(c2).astype(np.int32)).to(dev),
+        # Unchanged: each request's logit rows still start where the full tree's do.
+        cu_num_sampled_tokens=spec_meta.cu_num_sampled_tokens,
+        target_logits_indices=torch.from_numpy(tgt.astype(np.int32)).to(dev),
+        bonus_logits_indices=torch.from_numpy((start + c2).astype(np.int32)).to(dev),
+        logits_indices=spec_meta.logits_indices,
+    )
+    if sm.spec_token_ids is not None:
+        sm = replace(sm, spec_token_ids=[s[:k] for s, k in zip(sm.spec_token_ids, c2.tolist())])
+    return runner.rejection_sampler(meta, None, logits, sm)

@@ -4,8 +4,8 @@ Per step, for the ouroboros proposer:
   begin_step()  after vLLM prepared the inputs: read the scheduled layout (step_plan.py), give
                 suffix k >= 1 nodes their depth positions, hand the tree rows to the attention
                 (tree_attention.py) and build the TokenTree for the acceptance walk.
-  sample()      instead of vLLM's rejection sampler: the tree walk (verify.py), then the KV of an
-                accepted suffix k >= 1 is moved behind the draft (kv_relocate.py). Where the walk
+  sample()      instead of vLLM's rejection sampler: the tree walk (verify.py; chains too), then the
+                KV of an accepted suffix k >= 1 is moved behind the draft (kv_relocate.py). Where the walk
                 cannot honour the batch's sampling features (logprobs, penalties, bad words,
                 logit bias, min_p, min_tokens, allowed tokens, custom logits processors), the
                 tree is read as the chain draft + suffix 0 by vLLM's own rejection sampler:
@@ -168,14 +168,14 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     sm = runner.input_batch.sampling_metadata
     reason = unsupported_sampling(sm)
     runner.drafter.set_tree_allowed_for_sampling(reason is None)
-    if step.plan.has_tree and reason is None:
+    # The walk also verifies plain chains: one lossless sampler for every ouroboros step. (vLLM
+    # 0.32's rejection sampler on CPU draws from a sharper distribution than the target's at
+    # temperature > 0; tests/test_sampling_tree.py compares both against no speculation.)
+    if reason is None:
         greedy = processed = uniforms = None
         if not sm.all_greedy:
-            from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
-
-            greedy = sm.temperature < _SAMPLING_EPS
-            processed = apply_sampling_constraints(
-                logits.float().clone(), spec_meta.cu_num_sampled_tokens, sm)
+            greedy = sm.temperature[:step.tree.B] < _SAMPLING_EPS
+            processed = _processed_logits(logits, step.plan.num_drafts + 1, sm)
             uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
         v = verify(step.tree, logits, step.row_start, greedy, processed, uniforms)
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
@@ -197,6 +197,23 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     num_acc = (out.sampled_token_ids != -1).sum(1).long() - 1
     sfx = torch.where(num_acc > step.tree.draft_len, 0, -1)
     return out, StepOutcome(step.tree, target_next, num_acc, sfx)
+
+
+def _processed_logits(logits, rows_per_request: np.ndarray, sm) -> torch.Tensor:
+    """Temperature, then top-k / top-p, per logit row (float32 copy): what vLLM's sampler does
+    to a random request's logits when no other processor is active (unsupported_sampling)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    B = len(rows_per_request)
+    counts = torch.from_numpy(rows_per_request).to(logits.device)
+
+    def expand(x):
+        return None if x is None else x[:B].repeat_interleave(counts, output_size=logits.shape[0])
+
+    temp = sm.temperature[:B]
+    temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)  # greedy rows: unused
+    x = logits.float() / expand(temp)[:, None]
+    return apply_top_k_top_p(x, expand(sm.top_k), expand(sm.top_p))
 
 
 def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):

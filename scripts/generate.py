@@ -29,6 +29,9 @@ CONFIGS = {
     "ouroboros-no-phrases": {"use_lookahead": False, "use_guesses": False},
     # No n-grams of the confirmed text in the pool: the paper's pool sources only.
     "ouroboros-no-context": {"use_context_phrases": False},
+    # K candidate suffixes verified as one token tree in the same target forward.
+    "ouroboros-k2": {"num_suffixes": 2},
+    "ouroboros-k3": {"num_suffixes": 3},
 }
 
 
@@ -97,7 +100,8 @@ def compare(rows: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'config':<24}{'identical':>10}{'tok/s':>8}{'x no-spec':>10}{'tok/target fwd':>16}"
-            f"{'draft fwd/tok':>15}{'accept':>8}{'inspired':>10}{'refined':>9}")
+            f"{'draft fwd/tok':>15}{'accept':>8}{'inspired':>10}{'refined':>9}{'sfx acc':>9}"
+            f"{'of k>=1':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -107,7 +111,9 @@ def print_table(rows: list[dict]) -> None:
         c = r.get("counters", {})
         spec = (f"{r['tokens_per_target_forward']:>16.2f}{r['draft_forwards_per_token']:>15.2f}"
                 f"{r['acceptance_rate']:>8.2f}{c.get('inspiration_inserts', 0):>10}"
-                f"{c.get('refinement_inserts', 0):>9}") if c else f"{'-':>16}{'-':>15}{'-':>8}{'-':>10}{'-':>9}"
+                f"{c.get('refinement_inserts', 0):>9}{c.get('suffix_accepted', 0):>9}"
+                f"{c.get('tree_suffix_accepted', 0):>9}") if c else (
+                    f"{'-':>16}{'-':>15}{'-':>8}{'-':>10}{'-':>9}{'-':>9}{'-':>9}")
         print(f"{r['config']:<24}{'yes':>10}{r['tokens_per_s']:>8.2f}{r['speedup']:>10.2f}{spec}")
 
 

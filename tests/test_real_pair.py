@@ -1,7 +1,9 @@
 """The real Qwen2.5-Coder 1.5B (target) / 0.5B (draft) pair on HumanEval prompts.
 
-Slow (minutes on CPU): greedy output identical to no speculation, phrase drafting needs fewer
-draft forwards per token than one-token-per-forward drafting, and candidate inspiration fires.
+Slow (minutes on CPU): greedy output identical to no speculation with K = 1, 2 and 3 suffixes
+(chain, and token trees), K = 3 accepts more tokens per target forward than K = 1, phrase
+drafting needs fewer draft forwards per token than one-token-per-forward drafting, and candidate
+inspiration fires.
 Needs the models from scripts/setup.sh; skipped (with the reason printed) when they are absent.
 """
 
@@ -35,7 +37,8 @@ def rows():
             pytest.skip(f"real model {d} not fetched: run scripts/setup.sh")
     prompts = gen.humaneval_prompts(5)
     out = [gen.run_config(name, gen.CONFIGS[name], prompts, 64, 5, target, draft)
-           for name in ("no-spec", "ouroboros", "ouroboros-no-phrases")]
+           for name in ("no-spec", "ouroboros", "ouroboros-no-phrases", "ouroboros-k2",
+                        "ouroboros-k3")]
     gen.compare(out)
     gen.print_table(out)
     return {r["config"]: r for r in out}
@@ -59,3 +62,14 @@ def test_inspiration_fires_and_drafts_are_accepted(rows):
     c = rows["ouroboros"]["counters"]
     assert c["inspiration_inserts"] > 0
     assert rows["ouroboros"]["tokens_per_target_forward"] > 1.5
+
+
+def test_more_suffixes_accept_more_per_target_forward(rows):
+    k1, k3 = rows["ouroboros"], rows["ouroboros-k3"]
+    print(f"tokens per target forward: K=1 {k1['tokens_per_target_forward']:.3f}, "
+          f"K=3 {k3['tokens_per_target_forward']:.3f}; suffix tokens accepted K=3: "
+          f"{k3['counters']['suffix_accepted']} (from suffixes k >= 1: "
+          f"{k3['counters']['tree_suffix_accepted']})")
+    assert k3["counters"]["suffix_accepted"] > 0
+    assert k3["counters"]["tree_suffix_accepted"] > 0
+    assert k3["tokens_per_target_forward"] > k1["tokens_per_target_forward"]

@@ -118,3 +118,18 @@ def test_serve_speculative_config_json(tiny_models, expected):
     with serve(target, "--speculative-config", spec) as base:
         got = [complete(base, target, p) for p in PROMPTS]
     assert got == expected
+
+
+def test_serve_token_tree_k3(tiny_models, expected):
+    """K = 3 suffixes verified as one token tree through the server (with logprobs requested,
+    which the tree walk serves itself): same tokens, text and finish reasons."""
+    target, draft = tiny_models["target"], tiny_models["draft"]
+    spec = json.dumps({"method": "ouroboros", "model": str(draft), "num_suffixes": 3})
+    with serve(target, "--speculative-config", spec) as base:
+        got = [complete(base, target, p) for p in PROMPTS]
+        text = metrics(base)
+    assert got == expected
+    ours = {l.split()[0]: float(l.split()[-1]) for l in text.splitlines()
+            if l.startswith("vllm:ouroboros_")}
+    assert ours.get("vllm:ouroboros_suffix_accepted_total", 0) > 0, sorted(ours)
+    print("tree suffix tokens accepted:", ours.get("vllm:ouroboros_tree_suffix_accepted_total"))

@@ -130,6 +130,12 @@ def attention_layers(runner) -> dict[str, object]:
 
 def install(runner) -> str | None:
     """Wrap every attention layer of the target; return why the tree cannot run, or None."""
+    mode = getattr(runner.compilation_config, "cudagraph_mode", None)
+    if mode is not None and getattr(runner.device, "type", "cpu") == "cuda" \
+            and mode.has_full_cudagraphs():
+        # A captured graph replays the backend's attention without our tree rows.
+        return (f"cudagraph_mode {mode.name} captures attention in full CUDA graphs; use "
+                "-cc.cudagraph_mode=PIECEWISE or --enforce-eager for tree verification")
     layers = attention_layers(runner)
     if not layers:
         return "no attention layers found in the model runner"

@@ -125,14 +125,16 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
     return TargetStep(plan=plan, tree=tree, row_start=row_start, root_rows=to_dev(qs[:B]))
 
 
-def unsupported_sampling(sm) -> str | None:
+def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
     """Why the tree walk cannot sample this batch exactly as vLLM would, or None."""
     from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
                                                         MinPLogitsProcessor,
                                                         MinTokensLogitsProcessor)
 
-    if sm.max_num_logprobs is not None or sm.logprob_token_ids:
-        return "logprobs"
+    if sm.logprob_token_ids:
+        return "logprobs of chosen token ids"
+    if sm.max_num_logprobs is not None and logprobs_mode not in ("raw_logprobs", "raw_logits"):
+        return f"logprobs_mode {logprobs_mode}"
     if not sm.no_penalties:
         return "penalties"
     if sm.bad_words_token_ids:
@@ -166,7 +168,8 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
 
     tree_attention.set_active(None)
     sm = runner.input_batch.sampling_metadata
-    reason = unsupported_sampling(sm)
+    mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
+    reason = unsupported_sampling(sm, mode)
     runner.drafter.set_tree_allowed_for_sampling(reason is None)
     # The walk also verifies plain chains: one lossless sampler for every ouroboros step. (vLLM
     # 0.32's rejection sampler on CPU draws from a sharper distribution than the target's at
@@ -185,7 +188,10 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
                      for layer in tree_attention.attention_layers(runner).values()
                      if getattr(layer.impl, "kv_sharing_target_layer_name", None) is None],
                     src, dst)
-        out = SamplerOutput(sampled_token_ids=v.token_ids, logprobs_tensors=None)
+        logprobs = None
+        if sm.max_num_logprobs is not None:
+            logprobs = _path_logprobs(runner.sampler, mode, logits, step, v, sm.max_num_logprobs)
+        out = SamplerOutput(sampled_token_ids=v.token_ids, logprobs_tensors=logprobs)
         return out, StepOutcome(step.tree, v.target_next, v.result.num_accepted,
                                 v.result.suffix_index)
 
@@ -197,6 +203,25 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     num_acc = (out.sampled_token_ids != -1).sum(1).long() - 1
     sfx = torch.where(num_acc > step.tree.draft_len, 0, -1)
     return out, StepOutcome(step.tree, target_next, num_acc, sfx)
+
+
+def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):
+    """vLLM's LogprobsTensors for the emitted tokens, one row per emitted slot [B * (N + 1)].
+
+    Emitted token j of a request was predicted after the root (j = 0) or after accepted node
+    j - 1: those logit rows, not consecutive ones as on a chain. Padding slots read row 0 and
+    are filtered by vLLM with the -1 tokens.
+    """
+    res = v.result
+    B, N1 = v.token_ids.shape
+    prev = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=logits.device),
+                      res.accepted_nodes[:, :N1 - 1]], 1)
+    rows = step.row_start.long()[:, None] + 1 + prev.clamp(min=-1)
+    rows = torch.where(v.token_ids >= 0, rows, 0).reshape(-1)
+    x = logits[rows].float()
+    lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
+    tok = v.token_ids.reshape(-1).long().clamp(min=0)
+    return sampler.gather_logprobs(lp, num_logprobs, tok)
 
 
 def _processed_logits(logits, rows_per_request: np.ndarray, sm) -> torch.Tensor:

@@ -43,6 +43,8 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"gamma": 2.5}, "'gamma' must be an integer"),
     ({"draft_dtype": "int8"}, "'draft_dtype'='int8'"),
     ({"pool_load_path": "/nonexistent/pool.pt"}, "'pool_load_path' '/nonexistent/pool.pt' does not exist"),
+    ({"num_suffixes": 4, "gamma": 30, "beta": 8, "window_size": 8},
+     "a tree of 66 tokens .root \\+ num_speculative_tokens=65. exceeds 64"),
 ])
 def test_bad_values_name_the_key(tiny_models, spec_extra, message):
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), **spec_extra}
@@ -82,6 +84,19 @@ def test_spec_method_shorthand(tiny_models):
     assert cfg.speculative_config.method == "custom_class"
     assert cfg.speculative_config.num_speculative_tokens == 6
     assert cfg.additional_config["ouroboros"]["draft_model"] == str(tiny_models["draft"])
+
+
+def test_tree_sizes_the_token_cap(tiny_models):
+    # K suffixes verified as a tree: the scheduler must allocate a slot for every node.
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3}
+    cfg = engine_config(tiny_models["target"], spec)
+    ours = OuroborosConfig.from_dict(cfg.additional_config["ouroboros"])
+    assert cfg.speculative_config.num_speculative_tokens == ours.max_draft_len + 3 * ours.phrase_len
+    # The chain switch sends one suffix whatever K is.
+    cfg = engine_config(tiny_models["target"], {**spec, "tree_verification": False})
+    ours = OuroborosConfig.from_dict(cfg.additional_config["ouroboros"])
+    assert ours.tree_suffixes == 1
+    assert cfg.speculative_config.num_speculative_tokens == ours.max_draft_len + ours.phrase_len
 
 
 def test_validate_directly(tiny_models):

@@ -73,3 +73,19 @@ def test_more_suffixes_accept_more_per_target_forward(rows):
     assert k3["counters"]["suffix_accepted"] > 0
     assert k3["counters"]["tree_suffix_accepted"] > 0
     assert k3["tokens_per_target_forward"] > k1["tokens_per_target_forward"]
+
+
+def test_serve_token_tree_identical(rows):
+    """`vllm serve` with K = 3 on the real pair: the same tokens as the server without speculation."""
+    from test_server import complete, serve
+
+    gen = _generate_module()
+    root = gen.models_dir()
+    target, draft = root / "qwen2.5-coder-1.5b-instruct", root / "qwen2.5-coder-0.5b-instruct"
+    prompts = gen.humaneval_prompts(5)
+    spec = '{"method": "ouroboros", "model": "%s", "num_suffixes": 3}' % draft
+    results = []
+    for extra in ((), ("--speculative-config", spec)):
+        with serve(target, "--max-num-seqs", "5", *extra, timeout=600) as base:
+            results.append([complete(base, target, p, max_tokens=32) for p in prompts])
+    assert results[1] == results[0]

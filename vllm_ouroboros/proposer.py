@@ -239,11 +239,11 @@ class OuroborosProposer:
         if self.cfg.use_refinement:
             # Every suffix the target verified in full, whatever was accepted.
             key = np.repeat(self._last_suffix_key[slots], K)
-            refn = feedback.refinement(target, np.repeat(n, K), slen.reshape(-1), key, flat_len,
-                                       owners, L)
+            s_len = slen.reshape(-1)
+            refn = feedback.refinement(target, np.repeat(n, K), s_len, key, flat_len, owners, L)
             if len(refn):
                 # refinement returns rows in (b, k) order; find each one's k for the old phrase.
-                idx = np.nonzero((slen.reshape(-1) == L) & (np.repeat(n, K) + L <= flat_len))[0]
+                idx = np.nonzero((s_len == L) & (np.repeat(n, K) + L <= flat_len))[0]
                 old = self._last_suffix[owners[idx], idx % K]
                 keys, old, new, own = self._to_device(refn.keys, old, refn.tokens, refn.owners)
                 self.pool.replace(keys, old, new, own)

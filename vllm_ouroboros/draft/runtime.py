@@ -164,22 +164,9 @@ class DraftRuntime:
         suffix_valid = np.zeros((B, K), bool)
         if K:
             last = self._last_tokens(token_ids, rows, lens, drafts, dlen)
-            # Several suffixes: read every phrase of the key and keep the best K with distinct
-            # first tokens. Two suffixes that start alike are rejected together at their first
-            # token; distinct heads make each tree branch a real alternative.
-            n = self.pool.W if K > 1 else K
             phr, valid = self.pool.lookup(torch.from_numpy(last).to(self.device),
-                                          torch.from_numpy(slots).to(self.device), n)
-            phr, valid = phr.cpu().numpy(), valid.cpu().numpy()
-            if K > 1:
-                head = np.where(valid, phr[:, :, 0], -1)
-                earlier = np.tril(np.ones((n, n), bool), -1)[None]  # [1, i, j]: j < i
-                dup = ((head[:, :, None] == head[:, None, :]) & earlier & valid[:, None, :]).any(2)
-                keep = valid & ~dup
-                order = np.argsort(~keep, axis=1, kind="stable")[:, :K]
-                phr = np.take_along_axis(phr, order[:, :, None], axis=1)
-                valid = np.take_along_axis(keep, order, axis=1)
-            suffixes, suffix_valid = phr, valid
+                                          torch.from_numpy(slots).to(self.device), K)
+            suffixes, suffix_valid = phr.cpu().numpy(), valid.cpu().numpy()
         self.confirmed[slots] = lens
         return RoundOutput(drafts, dlen, suffixes, suffix_valid, forwards, prefill_forwards,
                            row_forwards, guess_tokens, guess_hit_forwards, row_prefills)

@@ -188,20 +188,20 @@ class OuroborosProposer:
         if self.runtime is None:
             return
         tree = outcome.tree
-        B = tree.B
+        B, K = tree.B, tree.K
         slots = np.array([self._slot_of.get(r, -1) for r in req_ids[:B]], np.int64)
-        n = tree.draft_len.cpu().numpy()
-        num_nodes = tree.num_nodes.cpu().numpy()
+        # One device -> host copy for everything the pool update reads (one sync on a GPU).
+        cols = [tree.draft_len[:, None], tree.num_nodes[:, None], outcome.num_accepted[:, None],
+                outcome.suffix_index[:, None], tree.path_len, tree.suffix_len, tree.tokens,
+                outcome.target_next, tree.paths.reshape(B, -1)]
+        host = torch.cat([c.long() for c in cols], 1).cpu().numpy()
+        widths = np.cumsum([c.shape[1] for c in cols])[:-1]
+        n, num_nodes, num_acc, sfx_idx, plen, slen, tokens, tn, paths = np.split(host, widths, 1)
+        n, num_nodes, num_acc, sfx_idx = n[:, 0], num_nodes[:, 0], num_acc[:, 0], sfx_idx[:, 0]
+        paths = paths.reshape(B, K, tree.D + tree.L)
         ok = (num_nodes > 0) & (slots >= 0)
         if not ok.any():
             return
-        paths = tree.paths.cpu().numpy()  # [B, K', D+L]
-        plen = tree.path_len.cpu().numpy()
-        slen = tree.suffix_len.cpu().numpy()
-        tokens = tree.tokens.cpu().numpy()
-        tn = outcome.target_next.cpu().numpy()
-        num_acc = outcome.num_accepted.cpu().numpy()
-        sfx_idx = outcome.suffix_index.cpu().numpy()
         if paths.shape[1] == 0:  # no suffix slots: the draft chain alone
             paths = np.where(np.arange(tree.D)[None, :] < n[:, None], np.arange(tree.D)[None, :], -1)[:, None]
             plen, slen = n[:, None], np.zeros((B, 1), np.int64)

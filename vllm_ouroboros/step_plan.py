@@ -22,6 +22,12 @@ import numpy as np
 MAX_TREE_ROWS = 64
 
 
+def ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """0..counts[0]-1, 0..counts[1]-1, ... concatenated. Shape: counts [B] -> [sum(counts)]."""
+    counts = np.asarray(counts, np.int64)
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def truncate_layout(num_scheduled: np.ndarray, draft_len: np.ndarray,
                     suffix_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The proposed layout cut to the first num_scheduled flat tokens.
@@ -95,11 +101,10 @@ def build_plan(num_scheduled: np.ndarray, draft_len: np.ndarray, suffix_len: np.
     if len(tree) and (c[tree] + 1).max() > MAX_TREE_ROWS:
         raise ValueError(f"a tree of {(c[tree] + 1).max()} rows exceeds {MAX_TREE_ROWS}")
     counts = c[tree] + 1
-    total = int(counts.sum())
     q_start = np.zeros(len(tree) + 1, np.int32)
     q_start[1:] = np.cumsum(counts)
     req = np.repeat(np.arange(len(tree)), counts)  # index into tree
-    f = np.arange(total) - np.repeat(q_start[:-1].astype(np.int64), counts)
+    f = ragged_arange(counts)
     nr = n[tree][req]
     cum = sl[tree].cumsum(1)  # [Bt, K] suffix ends, relative to the draft's end
     s = f - 1 - nr  # offset into the suffix region (>= 0 for suffix nodes)

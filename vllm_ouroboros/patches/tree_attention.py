@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from vllm_ouroboros.kernels.tree_attention import tree_attention
+
 logger = logging.getLogger("vllm_ouroboros")
 
 
@@ -178,8 +180,6 @@ def _wrap(impl) -> None:
 
 
 def _tree_rows(impl, query, kv_cache, output, step: TreeAttentionStep) -> None:
-    from vllm_ouroboros.kernels.tree_attention import tree_attention
-
     k_cache, v_cache = _LAYOUTS[type(impl).__name__](kv_cache, impl.head_size)
     q = query.view(query.shape[0], impl.num_heads, impl.head_size)[step.q_rows]
     o = tree_attention(q, k_cache, v_cache, step.block_table, step.prefix_lens, step.q_start,

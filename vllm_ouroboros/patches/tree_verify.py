@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros.patches import tree_attention
-from vllm_ouroboros.step_plan import StepPlan, build_plan
+from vllm_ouroboros.step_plan import StepPlan, build_plan, ragged_arange
 from vllm_ouroboros.tree import TokenTree, tree_from_flat
 
 logger = logging.getLogger("vllm_ouroboros")
@@ -116,7 +116,7 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
     # The tree of every request (chains included): flat tokens padded per request.
     F = max(int(c.max()), 1)
     row = np.repeat(np.arange(B), c)
-    col = np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c)
+    col = ragged_arange(c)
     flat = torch.zeros(B, F, dtype=torch.long, device=dev)
     flat[to_dev(row), to_dev(col)] = spec_meta.draft_token_ids.long()
     tree = tree_from_flat(flat, to_dev(plan.draft_len), to_dev(plan.suffix_len),
@@ -250,8 +250,9 @@ def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):
     c2 = plan.draft_len + plan.suffix_len[:, 0]
     dev = logits.device
     start = np.cumsum(c + 1) - (c + 1)  # vLLM's cu_num_sampled_tokens, exclusive, on the host
-    tgt = np.repeat(start, c2) + (np.arange(int(c2.sum())) - np.repeat(np.cumsum(c2) - c2, c2))
-    keep = np.repeat(np.cumsum(c) - c, c2) + (np.arange(int(c2.sum())) - np.repeat(np.cumsum(c2) - c2, c2))
+    j = ragged_arange(c2)
+    tgt = np.repeat(start, c2) + j
+    keep = np.repeat(np.cumsum(c) - c, c2) + j
     meta = SpecDecodeMetadata(
         draft_token_ids=spec_meta.draft_token_ids[torch.from_numpy(keep).to(dev)],
         num_draft_tokens=c2.tolist(),

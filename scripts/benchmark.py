@@ -12,8 +12,8 @@ under the measured curve and under a flat, memory-bound curve t(n) = t(1). A gre
 output differs from no speculation gets no speed reported.
 
 Modeled latency per output token of a method (per request, F = forwards, N = output tokens):
-    (F_draft * t_draft(n_draft) + F_target * t_target(n_target)) / N
-with n_target = tokens per target forward input (draft + 1) and n_draft = tokens per draft
+    (F_draft * t_draft(n_draft) + F_target * t_target(n_target) + F_plain * t_target(1)) / N
+with n_target = tokens per target forward input (draft + 1), F_plain = steps without a draft, n_draft = tokens per draft
 forward input; no speculation costs t_target(1). Writes JSON, a markdown table and plots.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -51,7 +52,8 @@ def methods(draft: Path) -> dict[str, dict | None]:
                   "prompt_lookup_min": 2},
         "draft_model-k3": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "draft_model-k5": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 5},
-        "ouroboros": o,
+        "ouroboros": o,  # defaults: phrase drafting and back-off decided from this device's curve
+        "ouroboros-phrases": {**o, "use_lookahead": True, "use_guesses": True},
         "ouroboros-no-phrases": {**o, "use_lookahead": False, "use_guesses": False},
         "ouroboros-no-suffix": {**o, "use_suffixes": False},
         "ouroboros-k3": {**o, "num_suffixes": 3},
@@ -62,7 +64,7 @@ def methods(draft: Path) -> dict[str, dict | None]:
     }
 
 
-ABLATIONS = {"ouroboros-no-phrases", "ouroboros-no-suffix", "ouroboros-k3", "ouroboros-no-inspiration",
+ABLATIONS = {"ouroboros-phrases", "ouroboros-no-phrases", "ouroboros-no-suffix", "ouroboros-k3", "ouroboros-no-inspiration",
              "ouroboros-no-refinement", "ouroboros-no-warm-start", "ouroboros-no-context"}
 
 
@@ -120,9 +122,13 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
                    "outputs": outputs, "tokens": sum(map(len, outputs)), "seconds": seconds,
                    "spec": c}
             if ours:
-                s = diff(engine_snapshot(llm), s0)
+                snap = engine_snapshot(llm)
+                s = diff(snap, s0)
                 row["draft_forwards"] = s["draft_forwards"]
-                row["draft_tokens_per_forward"] = None  # filled from the config below
+                row["backoff_steps"] = s["backoff_steps"]
+                row["ouroboros_tokens_per_target_forward"] = (
+                    (s["accepted_tokens"] + s["target_forwards"]) / max(s["target_forwards"], 1))
+                row["settings"] = snap["settings"]  # what "auto" resolved to
             rows.append(row)
             progress.update(1)
     finally:
@@ -209,15 +215,18 @@ def derive(rows, base_rows, ocfg_tokens, t_curve, d_curve) -> None:
         r["per_pos"] = [a / drafts for a in c["per_pos"]]
         n_target = 1 + c["num_draft_tokens"] / drafts
         if "draft_forwards" in r:
-            f_draft, n_draft = r["draft_forwards"], ocfg_tokens(r["method"])
+            f_draft, n_draft = r["draft_forwards"], ocfg_tokens(r)
         elif r["method"].startswith("draft_model"):
             k = int(r["method"].split("-k")[-1])
             f_draft, n_draft = k * drafts, 1
         else:  # ngram: no model forward
             f_draft, n_draft = 0, 1
         r["draft_forwards_per_token"] = f_draft / max(r["tokens"], 1)
+        # Steps that carried no draft (back-off, or nothing to propose) cost a plain decode step.
+        plain = max(r["tokens"] - drafts - c["num_accepted_tokens"], 0)
         for key, tc, dc in (("modeled", t_curve, d_curve), ("modeled_flat", flat_t, flat_d)):
-            per_tok = (f_draft * interp(dc, n_draft) + drafts * interp(tc, n_target)) / max(r["tokens"], 1)
+            per_tok = (f_draft * interp(dc, n_draft) + drafts * interp(tc, n_target)
+                       + plain * tc[1]) / max(r["tokens"], 1)
             # Per request: drafts counts request-steps, so this is the single-request latency model.
             r[key] = tc[1] / per_tok
 
@@ -238,6 +247,49 @@ def markdown(rows, t_curve, d_curve, header: str) -> str:
               "| t_target | " + " | ".join(f"{1000 * v:.0f}" for v in t_curve.values()) + " |",
               "| t_draft | " + " | ".join(f"{1000 * d_curve[n]:.0f}" for n in t_curve) + " |"]
     return "\n".join(lines) + "\n"
+
+
+def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
+    """The per-hardware defaults rule of vllm_ouroboros/cost_model.py applied to the curves this
+    run measured, and to a flat (memory-bound, GPU-like) curve: phrase drafting on or off, and
+    the largest batch at which a step still speculates (back-off under load)."""
+    from vllm_ouroboros import cost_model
+    from vllm_ouroboros.config import OuroborosConfig
+
+    cfg = OuroborosConfig(draft_model=str(draft))
+    measured = cost_model.CostCurve(tuple(d_curve), tuple(d_curve.values()))
+    flat = cost_model.CostCurve(tuple(d_curve), (d_curve[1],) * len(d_curve))
+    la = 2 + (cfg.window_size + cfg.num_guesses) * cfg.phrase_len
+    r = param_ratio(target, draft)
+    base = next((x for x in rows if x["method"] == "ouroboros" and x["concurrency"] == 1
+                 and x["workload"] == "humaneval" and x["temperature"] == 0), None)
+    E = base["ouroboros_tokens_per_target_forward"] if base else 4.0
+    F = base["draft_forwards"] / max(base["spec"]["num_drafts"], 1) if base else float(cfg.gamma)
+    s = cfg.spec_tokens()
+    lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each curve:", "",
+             "| curve | phrase drafting (t(%d)/t(1)) | largest batch that speculates (E=%.2f, F=%.2f, "
+             "r=%.2f, s=%d) |" % (la, E, F, r, s), "|---|---|---|"]
+    for name, curve in (("measured (this machine)", measured), ("flat (memory-bound)", flat)):
+        on = cost_model.phrase_drafting_pays(curve, la)
+        n_d = la if on else 2
+        b_max = max([b for b in range(1, 257) if cost_model.speculation_pays(curve, b, s, E, F, n_d, r)],
+                    default=0)
+        lines.append(f"| {name} | {'on' if on else 'off'} ({curve.ratio(la):.2f}) | "
+                     f"{b_max if b_max < 256 else '>= 256'} |")
+    return "\n".join(lines) + "\n"
+
+
+def param_ratio(target: Path, draft: Path) -> float:
+    """Draft / target parameters, from the safetensors headers (no weights loaded)."""
+    def count(d: Path) -> int:
+        from safetensors import safe_open
+
+        n = 0
+        for f in d.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as h:
+                n += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())
+        return n
+    return count(draft) / max(count(target), 1)
 
 
 def plots(rows, out_prefix: Path) -> list[Path]:
@@ -309,18 +361,13 @@ def main() -> int:
             rows += run_method(name, all_methods[name], workloads, cell_plan, args.max_tokens,
                                target, 16, progress)
     t_curve, d_curve = target_curve(target), draft_curve(draft)
-    from vllm_ouroboros.config import OuroborosConfig
-
-    def ocfg_tokens(method: str) -> float:
-        spec = {k: v for k, v in (all_methods[method] or {}).items() if k not in ("method", "model")}
-        cfg = OuroborosConfig(draft_model=str(draft), **spec)
-        W = cfg.window_size if cfg.use_lookahead else 0
-        G = cfg.num_guesses if cfg.use_guesses else 0
-        return 2 + (W + G) * cfg.phrase_len  # ~2 uncached tokens per forward
+    def ocfg_tokens(row) -> float:
+        st = row["settings"]  # the engine's resolved window and guesses
+        return 2 + (st["window_size"] + st["num_guesses"]) * st["phrase_len"]  # ~2 uncached tokens
 
     derive(rows, [r for r in rows if r["method"] == "no-spec"], ocfg_tokens, t_curve, d_curve)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows, t_curve, d_curve, header)
+    table = markdown(rows, t_curve, d_curve, header) + hardware_rule(rows, t_curve, d_curve, target, draft)
     print(table)
     args.out.with_suffix(".md").write_text(table)
     args.out.with_suffix(".json").write_text(json.dumps(

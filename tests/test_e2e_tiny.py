@@ -110,15 +110,21 @@ def runs(scenario, tiny_models, pool_file):
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
+    # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
-            "pool_save_path": str(pool_file)}
+            "pool_save_path": str(pool_file), "use_lookahead": True, "use_guesses": True,
+            "max_speculative_batch": 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec, extra)
     return base, ours, snaps
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["K2", "K3"])
 def tree_run(request, scenario, tiny_models):
-    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": request.param}
+    # K = 2 also backs off under load: no speculation while more than 8 requests decode, so the
+    # draft catches up on skipped tokens when speculation resumes. K = 3 speculates throughout.
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": request.param,
+            "use_lookahead": True, "use_guesses": True,
+            "max_speculative_batch": 8 if request.param == 2 else 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
     return request.param, ours, snaps
 
@@ -134,6 +140,7 @@ def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
     s = snaps["main"]
     assert s["tree_suffix_accepted"] > 0, s
     assert s["suffix_accepted"] > s["tree_suffix_accepted"]
+    assert (s["backoff_steps"] > 0) == (K == 2), s["backoff_steps"]
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

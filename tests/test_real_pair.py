@@ -36,7 +36,11 @@ def rows():
         if not (d / ".complete").exists():
             pytest.skip(f"real model {d} not fetched: run scripts/setup.sh")
     prompts = gen.humaneval_prompts(5)
-    out = [gen.run_config(name, gen.CONFIGS[name], prompts, 64, 5, target, draft)
+    # Mechanism checks: phrase drafting forced on and no back-off under load, so every config
+    # speculates at every step whatever this machine's cost curve says.
+    pinned = {"use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
+    out = [gen.run_config(name, None if name == "no-spec" else {**pinned, **gen.CONFIGS[name]},
+                          prompts, 64, 5, target, draft)
            for name in ("no-spec", "ouroboros", "ouroboros-no-phrases", "ouroboros-k2",
                         "ouroboros-k3")]
     gen.compare(out)
@@ -85,7 +89,8 @@ def test_serve_token_tree_identical(rows):
     root = gen.models_dir()
     target, draft = root / "qwen2.5-coder-1.5b-instruct", root / "qwen2.5-coder-0.5b-instruct"
     prompts = gen.humaneval_prompts(5)
-    spec = '{"method": "ouroboros", "model": "%s", "num_suffixes": 3}' % draft
+    spec = ('{"method": "ouroboros", "model": "%s", "num_suffixes": 3, "use_lookahead": true, '
+            '"use_guesses": true, "max_speculative_batch": 64}' % draft)
     results = []
     for extra in ((), ("--speculative-config", spec)):
         with serve(target, "--max-num-seqs", "5", *extra, timeout=600) as base:

@@ -79,7 +79,8 @@ def samples(tiny_models):
     # The target drafts for itself with short drafts and 2-token suffixes, so that sampled
     # requests get past the draft into the suffixes often enough to test them.
     spec = {"method": "ouroboros", "model": str(tiny_models["target"]), "num_suffixes": 3,
-            "gamma": 2, "beta": 3}
+            "gamma": 2, "beta": 3, "use_lookahead": True, "use_guesses": True,
+            "max_speculative_batch": 1024}
     tree, snap = sample(tiny_models["target"], spec, (T,))
     return base, tree[T], snap
 

@@ -66,7 +66,8 @@ def setting(tiny_models, tmp_path_factory):
     pool.save(str(path))
     spec = {"method": "ouroboros", "model": str(target), "num_suffixes": K, "window_size": W,
             "pool_load_path": str(path), "use_inspiration": False, "use_refinement": False,
-            "use_context_phrases": False}
+            "use_context_phrases": False, "use_lookahead": True, "use_guesses": True,
+            "max_speculative_batch": 1024}
     return target, base, spec
 
 

@@ -24,8 +24,9 @@ class OuroborosConfigError(ValueError):
 class OuroborosConfig:
     """Settings of one Ouroboros deployment (names follow algorithm.md).
 
-    CPU-friendly defaults: on a compute-bound device every extra token in a forward costs time,
-    so the lookahead window and guess set are small; see README for the GPU settings.
+    Settings that depend on the device default to None ("auto"): phrase drafting is switched on
+    or off at load from the draft's measured cost curve, and speculation backs off per step
+    under load (cost_model.py; README "Choosing settings per hardware").
     """
 
     draft_model: str
@@ -50,9 +51,13 @@ class OuroborosConfig:
     warm_start: bool = True
     pool_load_path: str | None = None
     pool_save_path: str | None = None
-    # Mechanism switches, for ablations.
-    use_lookahead: bool = True
-    use_guesses: bool = True
+    # Mechanism switches, for ablations. Phrase drafting (Jacobi window, pool guesses): None =
+    # decided at load from the draft's cost curve on this device (cost_model.py).
+    use_lookahead: bool | None = None
+    use_guesses: bool | None = None
+    # Back-off under load: a step with more decoding requests than this speculates for none of
+    # them. None = decided per step from the device's cost curve (cost_model.py).
+    max_speculative_batch: int | None = None
     use_suffixes: bool = True
     use_inspiration: bool = True
     use_refinement: bool = True
@@ -110,8 +115,12 @@ _INT_RANGES = {
     "max_draft_forwards": (1, 128),
     "draft_initial_len": (16, None),
     "context_phrase_window": (0, None),
+    "max_speculative_batch": (1, None),
 }
-_BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig) if f.type in ("bool", bool)}
+_OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch"}  # None = derived / auto
+_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses"}  # None = decided at load
+_BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
+              if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}
 
 
@@ -119,7 +128,7 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
     """Check every field; raise OuroborosConfigError naming the key and the allowed values."""
     for key, (lo, hi) in _INT_RANGES.items():
         value = getattr(cfg, key)
-        if value is None and key == "num_speculative_tokens":
+        if value is None and key in _OPTIONAL_INTS:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise OuroborosConfigError(f"ouroboros: '{key}' must be an integer, got {value!r}")
@@ -127,8 +136,11 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
             bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
             raise OuroborosConfigError(f"ouroboros: '{key}'={value} is out of range {bound}")
     for key in _BOOL_KEYS:
+        if key in _AUTO_BOOL_KEYS and getattr(cfg, key) is None:
+            continue
         if not isinstance(getattr(cfg, key), bool):
-            raise OuroborosConfigError(f"ouroboros: '{key}' must be true or false")
+            raise OuroborosConfigError(f"ouroboros: '{key}' must be true or false"
+                                       + (" (or null: auto)" if key in _AUTO_BOOL_KEYS else ""))
     if cfg.num_guesses > cfg.window_size:
         raise OuroborosConfigError(
             f"ouroboros: num_guesses={cfg.num_guesses} exceeds window_size={cfg.window_size}; "

@@ -16,6 +16,8 @@ Definitions (per request, summed for the aggregate):
 Aggregate only:
   draft_forward_calls  batched draft forward calls (one call serves every drafting request)
   rounds               propose() calls that drafted for at least one request
+  backoff_steps        propose() calls that drafted nothing because the batch was too large
+                       for speculation to pay on this device (cost_model.py)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class OuroborosStats:
         self.draft_forward_calls = 0
         self.prefill_forward_calls = 0
         self.rounds = 0
+        self.backoff_steps = 0
         self.max_forward_calls_per_round = 0
         self.max_batch_per_round = 0
 
@@ -83,6 +86,7 @@ class OuroborosStats:
             "draft_forward_calls": self.draft_forward_calls,
             "prefill_forward_calls": self.prefill_forward_calls,
             "rounds": self.rounds,
+            "backoff_steps": self.backoff_steps,
             "max_forward_calls_per_round": self.max_forward_calls_per_round,
             "max_batch_per_round": self.max_batch_per_round,
             "draft_forwards_per_token": t["draft_forwards"] / max(t["generated_tokens"], 1),

@@ -28,6 +28,7 @@ COUNTERS = {
     "draft_forward_calls": "Batched draft forward calls",
     "prefill_forwards": "Draft prefill forwards summed over requests",
     "rounds": "Drafting rounds (propose calls that drafted)",
+    "backoff_steps": "Steps without speculation: batch too large for it to pay (back-off under load)",
     "target_forwards": "Target verification steps that carried an ouroboros draft, per request",
     "drafted_tokens": "Tokens sent to the target for verification (draft + suffix)",
     "accepted_tokens": "Drafted tokens the target accepted",

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_ouroboros import feedback
+from vllm_ouroboros import cost_model, feedback
 from vllm_ouroboros.config import OuroborosConfig
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
@@ -31,6 +31,7 @@ from vllm_ouroboros.pool import PhrasePool
 logger = logging.getLogger("vllm_ouroboros")
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
+PROBE_EVERY = 32  # steps: while backing off under load, speculate once per this many
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -77,6 +78,14 @@ class OuroborosProposer:
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
+        # Back-off under load (cost_model.speculation_pays): the draft's cost curve, measured at
+        # load, and running means of what a step gives and costs. Optimistic priors, so that a
+        # deployment starts by speculating and measures.
+        self.cost: cost_model.CostCurve | None = None
+        self._param_ratio = 1.0
+        self._mean_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
+        self._mean_draft_forwards = float(self.cfg.gamma)
+        self._steps_off = 0
         # Every TP rank drafts the same tokens: the first rank of each engine reports.
         tp = vllm_config.parallel_config.tensor_parallel_size
         first_rank = (not torch.distributed.is_initialized()
@@ -95,6 +104,21 @@ class OuroborosProposer:
         init_slots = min(self.max_slots, 16)
         init_len = min(self.max_model_len, cfg.draft_initial_len)
         model.allocate_cache(init_slots, init_len)
+        self.cost = cost_model.measure_draft_curve(model, min(init_len, 256))
+        if target_model is not None:
+            n_target = sum(p.numel() for p in target_model.parameters())
+            self._param_ratio = sum(p.numel() for p in model.parameters()) / max(n_target, 1)
+        lookahead_tokens = 2 + (cfg.window_size + cfg.num_guesses) * cfg.phrase_len
+        auto = cost_model.phrase_drafting_pays(self.cost, lookahead_tokens)
+        use_lookahead = auto if cfg.use_lookahead is None else cfg.use_lookahead
+        use_guesses = auto if cfg.use_guesses is None else cfg.use_guesses
+        logger.info(
+            "ouroboros: draft forward t(n) on %s: %s ms; phrase drafting (%d tokens per row) costs "
+            "%.2fx a one-token forward -> Jacobi window %s, pool guesses %s%s", self.device.type,
+            ", ".join(f"{n}:{1000 * t:.1f}" for n, t in zip(self.cost.n, self.cost.seconds)),
+            lookahead_tokens, self.cost.ratio(lookahead_tokens), "on" if use_lookahead else "off",
+            "on" if use_guesses else "off",
+            "" if cfg.use_lookahead is None or cfg.use_guesses is None else " (as configured)")
         budget = int(cfg.pool_budget_mb * 2**20)
         if cfg.pool_load_path:
             self.pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
@@ -107,7 +131,7 @@ class OuroborosProposer:
             gamma=cfg.gamma, beta=cfg.beta, window_size=cfg.window_size,
             num_guesses=cfg.num_guesses,
             num_suffixes=cfg.tree_suffixes,
-            use_lookahead=cfg.use_lookahead, use_guesses=cfg.use_guesses,
+            use_lookahead=use_lookahead, use_guesses=use_guesses,
             max_draft_forwards=cfg.max_draft_forwards,
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
@@ -206,6 +230,7 @@ class OuroborosProposer:
             paths = np.where(np.arange(tree.D)[None, :] < n[:, None], np.arange(tree.D)[None, :], -1)[:, None]
             plen, slen = n[:, None], np.zeros((B, 1), np.int64)
         sel = np.nonzero(ok)[0]
+        self._mean_tokens_per_fwd += 0.1 * (float(num_acc[sel].mean()) + 1 - self._mean_tokens_per_fwd)
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
 
@@ -237,9 +262,11 @@ class OuroborosProposer:
             if len(insp):
                 self.pool.insert(*self._to_device(insp.keys, insp.tokens, insp.owners))
         if self.cfg.use_refinement:
-            # Every suffix the target verified in full, whatever was accepted.
+            # Every suffix the walk tried: all K once the sentence draft was accepted in full.
+            # Where the draft was rejected first, the target's tokens on a suffix continue a
+            # context it did not accept; writing them would replace phrases with noise.
             key = np.repeat(self._last_suffix_key[slots], K)
-            s_len = slen.reshape(-1)
+            s_len = np.where(np.repeat(num_acc >= n, K), slen.reshape(-1), 0)
             refn = feedback.refinement(target, np.repeat(n, K), s_len, key, flat_len, owners, L)
             if len(refn):
                 # refinement returns rows in (b, k) order; find each one's k for the old phrase.
@@ -285,6 +312,14 @@ class OuroborosProposer:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
+        if not self._speculate(len(rows)):
+            # Plain decoding this step: nothing sent, nothing drafted; the draft catches up on
+            # the skipped tokens (chunked prefill) when speculation resumes.
+            self._last_main[slots] = 0
+            self._last_suffix_len[slots] = 0
+            self.stats.backoff_steps += 1
+            self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+            return proposals
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
@@ -320,6 +355,7 @@ class OuroborosProposer:
         self._last_suffix[slots, :K] = sfx
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
+        self._mean_draft_forwards += 0.1 * (float(out.row_forwards.mean()) - self._mean_draft_forwards)
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
@@ -329,7 +365,28 @@ class OuroborosProposer:
         self._maybe_save_pool()
         return proposals
 
+    def _speculate(self, batch: int) -> bool:
+        """Whether a step with `batch` decoding requests should speculate: below the configured
+        max_speculative_batch, or where the cost model says it pays (cost_model.py). While the
+        cost model backs off, every PROBE_EVERY-th step speculates anyway to refresh its
+        estimates of tokens per target forward and draft forwards per step."""
+        if self.cfg.max_speculative_batch is not None:
+            return batch <= self.cfg.max_speculative_batch
+        if self.cost is None:
+            return True
+        rt = self.runtime
+        pays = cost_model.speculation_pays(
+            self.cost, batch, self.num_spec_tokens, self._mean_tokens_per_fwd,
+            self._mean_draft_forwards, 2 + (rt.W + rt.G) * rt.L, self._param_ratio)
+        self._steps_off = 0 if pays else self._steps_off + 1
+        return pays or self._steps_off % PROBE_EVERY == 0
+
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""
         pool = self.pool.stats() if self.pool is not None else None
-        return self.stats.snapshot(pool, per_request=per_request)
+        out = self.stats.snapshot(pool, per_request=per_request)
+        if self.runtime is not None:  # what "auto" resolved to on this device
+            out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
+                               "phrase_len": self.runtime.L,
+                               "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds)))}
+        return out

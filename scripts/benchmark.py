@@ -348,7 +348,11 @@ def main() -> int:
     plan = cells(args.quick)
     workloads = {"humaneval": humaneval_prompts(16), "mtbench": mtbench_prompts(16, AutoTokenizer.from_pretrained(target))}
     command = "python " + " ".join(sys.argv)
-    header = (f"Command: `{command}`\n\nTarget {target.name}, draft {draft.name}, {args.max_tokens} tokens per "
+    import subprocess
+
+    rev = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True).stdout.strip() or "unknown"
+    header = (f"Command: `{command}` at commit {rev}\n\nTarget {target.name}, draft {draft.name}, {args.max_tokens} tokens per "
               f"request, float32, greedy unless temp > 0. Cells per method: main methods {plan}; ablations "
               f"(humaneval, 1, 0.0). Prompt counts: 3 at concurrency 1, else = concurrency (reduced to fit "
               f"one hour on 2 CPU cores). K = 1 is the default; K = 3 verifies a token tree.")

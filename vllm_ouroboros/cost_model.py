@@ -2,23 +2,23 @@
 them (phrase drafting on/off at load; speculate or not per step under load).
 
 A forward over n tokens costs t(n). On a GPU at these sizes t(n) is nearly flat (memory-bound:
-the weights are read once whatever n is); on a CPU it grows with n (compute-bound). The knee of
-t(n) sits where arithmetic intensity (~n flops per weight byte) meets the device's flops/bandwidth
-ratio, which does not depend on the model's size, so the draft's curve measured on the device
-stands in for the shape of the target's: t_target(n) ~ t_draft(n) / r with r = draft/target
-parameters. Rules (README "Choosing settings per hardware"):
+the weights are read once whatever n is); on a CPU it grows with n (compute-bound). Both curves
+are measured when the engine loads: the draft's by running our draft model, the target's from
+its own weights (patches/target_cost.py: its linear layers and LM head on n rows). Rules
+(README "Choosing settings per hardware"):
 
   phrase drafting (Jacobi window + pool guesses) is on iff
-      t(n_lookahead) <= PHRASE_SAVING * t(1)
+      t_draft(n_lookahead) <= PHRASE_SAVING * t_draft(1)
   where n_lookahead = 2 + (W + G) * (beta - 1) tokens per row and PHRASE_SAVING = 1 / 0.63 is
   the draft forwards per token it saves, measured on the real pair (0.92 -> 0.58 draft forwards
   per token, results/README.md).
 
   a step with B decoding requests speculates (s tokens each) iff the extra target tokens are
-  almost free, t(B (1 + s)) <= FLAT * t(B), or the modeled rate beats no speculation:
-      E * t(B) / r  >  t(B (1 + s)) / r + F * t(B * n_d)
-  with E tokens per target forward, F draft forwards per step and n_d tokens per draft row per
-  forward, measured online (priors until a few steps have run).
+  almost free, t_target(B (1 + s)) <= FLAT * t_target(B), or the modeled rate beats plain
+  decoding:
+      B E / (t_target(B (1 + s)) + F t_draft(B n_d))  >  B / t_target(B)
+  with E tokens per target forward and F draft forwards per step, measured online (optimistic
+  priors until a few steps have run), n_d tokens per draft row per forward.
 """
 
 from __future__ import annotations
@@ -54,19 +54,18 @@ class CostCurve:
         return self(n) / max(self(base), 1e-12)
 
 
-def measure_draft_curve(model, max_tokens: int, reps: int = 2) -> CostCurve:
+STOP_RATIO = 3.0  # measuring stops once t(n) > STOP_RATIO t(1): past it t(n) is ~linear
+
+
+def measure_draft_curve(model, max_tokens: int, reps: int = 1) -> CostCurve:
     """Time the draft model's forward over n = 1, 2, 4, ... <= max_tokens new tokens (one row,
-    empty prefix, slot 0 of its KV cache; what was written there is overwritten later). Median of
-    `reps` after one warm-up; synchronises the device around each forward."""
+    empty prefix, slot 0 of its KV cache; what was written there is overwritten later), until
+    t(n) > STOP_RATIO t(1). Median of `reps` after one warm-up; synchronises around each."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    points, n = [], 1
-    while n <= max_tokens:
-        points.append(n)
-        n *= 2
-    times = []
+    points, times, n = [], [], 1
     slots = torch.zeros(1, dtype=torch.long, device=model.device)
     zero = torch.zeros(1, dtype=torch.long, device=model.device)
-    for n in points:
+    while n <= max_tokens and (not times or times[-1] <= STOP_RATIO * times[0]):
         ids = torch.full((1, n), 3, dtype=torch.long, device=model.device)
         pos = torch.arange(n, device=model.device)[None]
         mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()[None]
@@ -78,7 +77,9 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 2) -> CostCurve:
             sync()
             ts.append(time.perf_counter() - t0)
         ts = sorted(ts[1:])
+        points.append(n)
         times.append(ts[len(ts) // 2])
+        n *= 2
     # A later point measured faster than an earlier one is noise: keep the curve non-decreasing.
     for i in range(1, len(times)):
         times[i] = max(times[i], times[i - 1])
@@ -91,14 +92,13 @@ def phrase_drafting_pays(curve: CostCurve, lookahead_tokens: int) -> bool:
     return curve.ratio(lookahead_tokens) <= PHRASE_SAVING
 
 
-def speculation_pays(curve: CostCurve, batch: int, spec_tokens: float, tokens_per_forward: float,
-                     draft_forwards: float, draft_row_tokens: float, param_ratio: float) -> bool:
+def speculation_pays(target: CostCurve, draft: CostCurve, batch: int, spec_tokens: float,
+                     tokens_per_forward: float, draft_forwards: float, draft_row_tokens: float) -> bool:
     """Whether a step of `batch` requests with `spec_tokens` each beats plain decoding (module
-    docstring). tokens_per_forward: E >= 1; draft_forwards: F per step; draft_row_tokens: n_d;
-    param_ratio: r = draft / target parameters."""
-    t_plain = curve(batch)
-    t_spec = curve(batch * (1 + spec_tokens))
+    docstring). Curves in seconds; tokens_per_forward: E >= 1; draft_forwards: F per step;
+    draft_row_tokens: n_d."""
+    t_plain = target(batch)
+    t_spec = target(batch * (1 + spec_tokens))
     if t_spec <= FLAT * t_plain:
         return True
-    r = max(param_ratio, 1e-6)
-    return tokens_per_forward * t_plain / r > t_spec / r + draft_forwards * curve(batch * draft_row_tokens)
+    return tokens_per_forward * t_plain > t_spec + draft_forwards * draft(batch * draft_row_tokens)

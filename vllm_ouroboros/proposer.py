@@ -81,8 +81,8 @@ class OuroborosProposer:
         # Back-off under load (cost_model.speculation_pays): the draft's cost curve, measured at
         # load, and running means of what a step gives and costs. Optimistic priors, so that a
         # deployment starts by speculating and measures.
-        self.cost: cost_model.CostCurve | None = None
-        self._param_ratio = 1.0
+        self.cost: cost_model.CostCurve | None = None  # the draft's
+        self.target_cost: cost_model.CostCurve | None = None
         self._mean_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
         self._mean_draft_forwards = float(self.cfg.gamma)
         self._steps_off = 0
@@ -106,8 +106,16 @@ class OuroborosProposer:
         model.allocate_cache(init_slots, init_len)
         self.cost = cost_model.measure_draft_curve(model, min(init_len, 256))
         if target_model is not None:
-            n_target = sum(p.numel() for p in target_model.parameters())
-            self._param_ratio = sum(p.numel() for p in model.parameters()) / max(n_target, 1)
+            from vllm_ouroboros.patches.target_cost import measure_target_curve
+
+            self.target_cost = measure_target_curve(target_model, 256)
+            if self.target_cost is None:  # same shape as the draft's, scaled by the size ratio
+                r = sum(p.numel() for p in model.parameters()) / max(
+                    sum(p.numel() for p in target_model.parameters()), 1)
+                self.target_cost = cost_model.CostCurve(self.cost.n, tuple(t / r for t in self.cost.seconds))
+            logger.info("ouroboros: target forward t(n) (linear layers + LM head): %s ms",
+                        ", ".join(f"{n}:{1000 * t:.1f}" for n, t in
+                                  zip(self.target_cost.n, self.target_cost.seconds)))
         lookahead_tokens = 2 + (cfg.window_size + cfg.num_guesses) * cfg.phrase_len
         auto = cost_model.phrase_drafting_pays(self.cost, lookahead_tokens)
         use_lookahead = auto if cfg.use_lookahead is None else cfg.use_lookahead
@@ -367,19 +375,27 @@ class OuroborosProposer:
 
     def _speculate(self, batch: int) -> bool:
         """Whether a step with `batch` decoding requests should speculate: below the configured
-        max_speculative_batch, or where the cost model says it pays (cost_model.py). While the
-        cost model backs off, every PROBE_EVERY-th step speculates anyway to refresh its
-        estimates of tokens per target forward and draft forwards per step."""
+        max_speculative_batch, or where the cost model says it pays (cost_model.py). Where it
+        would not pay even for one request (acceptance too low), every PROBE_EVERY-th step
+        speculates anyway to refresh the estimates of tokens per target forward and draft
+        forwards per step; a back-off for load alone needs no probe (those do not depend on
+        the batch) and would pay for one with a draft catch-up over every skipped token."""
         if self.cfg.max_speculative_batch is not None:
             return batch <= self.cfg.max_speculative_batch
-        if self.cost is None:
+        if self.cost is None or self.target_cost is None:
             return True
         rt = self.runtime
-        pays = cost_model.speculation_pays(
-            self.cost, batch, self.num_spec_tokens, self._mean_tokens_per_fwd,
-            self._mean_draft_forwards, 2 + (rt.W + rt.G) * rt.L, self._param_ratio)
-        self._steps_off = 0 if pays else self._steps_off + 1
-        return pays or self._steps_off % PROBE_EVERY == 0
+        curves = (self.target_cost, self.cost)
+        args = (self.num_spec_tokens, self._mean_tokens_per_fwd, self._mean_draft_forwards,
+                2 + (rt.W + rt.G) * rt.L)
+        if cost_model.speculation_pays(*curves, batch, *args):
+            self._steps_off = 0
+            return True
+        if cost_model.speculation_pays(*curves, 1, *args):
+            return False  # load alone: E and F do not depend on the batch, nothing to re-measure
+        # Too few tokens accepted even for one request: probe now and then, acceptance may rise.
+        self._steps_off += 1
+        return self._steps_off % PROBE_EVERY == 0
 
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""
@@ -388,5 +404,8 @@ class OuroborosProposer:
         if self.runtime is not None:  # what "auto" resolved to on this device
             out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,
-                               "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds)))}
+                               "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
+                               "target_cost_ms": dict(zip(self.target_cost.n, (
+                                   1000 * t for t in self.target_cost.seconds)))
+                               if self.target_cost is not None else None}
         return out

@@ -7,8 +7,8 @@ Runs each configuration's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) u
 prints, per engine step, the milliseconds spent in: the target forward (vLLM's `_model_forward`),
 the draft (`OuroborosProposer.propose`: rollback, prefill and lookahead forwards of the draft
 model), the acceptance walk and KV relocation (`tree_verify.sample`), the pool feedback
-(`OuroborosProposer.on_verified`), the draft model's own forwards inside `propose`, and the rest
-of vLLM's step (input preparation, scheduling, output processing). Also writes the full profile
+(`OuroborosProposer.on_verified`), the draft's lookahead and prefill forwards inside `propose`,
+and the whole engine step (the rest is vLLM's input preparation, scheduling, output processing). Also writes the full profile
 (`--out`, pstats) for `python -m pstats` or snakeviz.
 """
 
@@ -31,7 +31,8 @@ PHASES = {
     # label: (file suffix, function name)
     "target forward": ("vllm/v1/worker/gpu_model_runner.py", "_model_forward"),
     "draft (propose)": ("vllm_ouroboros/proposer.py", "propose"),
-    "  of which draft model forwards": ("vllm_ouroboros/draft/model.py", "forward"),
+    "  of which draft lookahead forwards": ("vllm_ouroboros/draft/runtime.py", "_lookahead_forward"),
+    "  of which draft prefill (catch-up)": ("vllm_ouroboros/draft/runtime.py", "_prefill"),
     "walk + KV relocation": ("vllm_ouroboros/patches/tree_verify.py", "sample"),
     "pool feedback (on_verified)": ("vllm_ouroboros/proposer.py", "on_verified"),
     "engine step (all)": ("vllm/v1/engine/core.py", "step"),

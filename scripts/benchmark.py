@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import statistics
 import sys
 import time
@@ -164,12 +163,17 @@ def target_curve(target: Path, reps: int = 3) -> dict[int, float]:
 
 
 def draft_curve(draft: Path, prefix: int = 128, reps: int = 3) -> dict[int, float]:
-    """t_draft(n): one forward of our draft runtime over n new tokens after a cached prefix."""
+    """t_draft(n): one forward of our draft runtime over n new tokens after a cached prefix, with
+    the products the proposer uses by default on CPU (oneDNN from 4 rows, patches/cpu_gemm.py)."""
     import torch
 
     from vllm_ouroboros.draft.model import DraftModel
+    from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
 
     model = DraftModel.from_pretrained(str(draft), dtype=torch.float32, device="cpu")
+    factory = onednn_gemm_factory()
+    if factory is not None:
+        model.use_gemm(factory)
     model.allocate_cache(1, prefix + max(CURVE_POINTS) + 8)
     curve = {}
     for n in CURVE_POINTS:
@@ -251,45 +255,32 @@ def markdown(rows, t_curve, d_curve, header: str) -> str:
 
 def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     """The per-hardware defaults rule of vllm_ouroboros/cost_model.py applied to the curves this
-    run measured, and to a flat (memory-bound, GPU-like) curve: phrase drafting on or off, and
-    the largest batch at which a step still speculates (back-off under load)."""
+    run measured, and to flat (memory-bound, GPU-like) curves: phrase drafting on or off, and the
+    largest batch at which a step still speculates (back-off under load)."""
     from vllm_ouroboros import cost_model
     from vllm_ouroboros.config import OuroborosConfig
 
     cfg = OuroborosConfig(draft_model=str(draft))
-    measured = cost_model.CostCurve(tuple(d_curve), tuple(d_curve.values()))
-    flat = cost_model.CostCurve(tuple(d_curve), (d_curve[1],) * len(d_curve))
+    mk = lambda c: cost_model.CostCurve(tuple(c), tuple(c.values()))  # noqa: E731
+    flat = lambda c: cost_model.CostCurve(tuple(c), (c[1],) * len(c))  # noqa: E731
     la = 2 + (cfg.window_size + cfg.num_guesses) * cfg.phrase_len
-    r = param_ratio(target, draft)
     base = next((x for x in rows if x["method"] == "ouroboros" and x["concurrency"] == 1
                  and x["workload"] == "humaneval" and x["temperature"] == 0), None)
     E = base["ouroboros_tokens_per_target_forward"] if base else 4.0
     F = base["draft_forwards"] / max(base["spec"]["num_drafts"], 1) if base else float(cfg.gamma)
     s = cfg.spec_tokens()
-    lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each curve:", "",
-             "| curve | phrase drafting (t(%d)/t(1)) | largest batch that speculates (E=%.2f, F=%.2f, "
-             "r=%.2f, s=%d) |" % (la, E, F, r, s), "|---|---|---|"]
-    for name, curve in (("measured (this machine)", measured), ("flat (memory-bound)", flat)):
-        on = cost_model.phrase_drafting_pays(curve, la)
+    lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
+             "| curves | phrase drafting (t_draft(%d)/t_draft(1)) | largest batch that speculates "
+             "(E=%.2f, F=%.2f, s=%d) |" % (la, E, F, s), "|---|---|---|"]
+    for name, tc, dc in (("measured (this machine)", mk(t_curve), mk(d_curve)),
+                         ("flat (memory-bound)", flat(t_curve), flat(d_curve))):
+        on = cost_model.phrase_drafting_pays(dc, la)
         n_d = la if on else 2
-        b_max = max([b for b in range(1, 257) if cost_model.speculation_pays(curve, b, s, E, F, n_d, r)],
+        b_max = max([b for b in range(1, 257) if cost_model.speculation_pays(tc, dc, b, s, E, F, n_d)],
                     default=0)
-        lines.append(f"| {name} | {'on' if on else 'off'} ({curve.ratio(la):.2f}) | "
+        lines.append(f"| {name} | {'on' if on else 'off'} ({dc.ratio(la):.2f}) | "
                      f"{b_max if b_max < 256 else '>= 256'} |")
     return "\n".join(lines) + "\n"
-
-
-def param_ratio(target: Path, draft: Path) -> float:
-    """Draft / target parameters, from the safetensors headers (no weights loaded)."""
-    def count(d: Path) -> int:
-        from safetensors import safe_open
-
-        n = 0
-        for f in d.glob("*.safetensors"):
-            with safe_open(str(f), "pt") as h:
-                n += sum(math.prod(h.get_slice(k).get_shape()) for k in h.keys())
-        return n
-    return count(draft) / max(count(target), 1)
 
 
 def plots(rows, out_prefix: Path) -> list[Path]:
@@ -364,6 +355,8 @@ def main() -> int:
             cell_plan = [("humaneval", 1, 0.0)] if name in ABLATIONS else plan
             rows += run_method(name, all_methods[name], workloads, cell_plan, args.max_tokens,
                                target, 16, progress)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".raw.json").write_text(json.dumps(rows))  # in case a later step fails
     t_curve, d_curve = target_curve(target), draft_curve(draft)
     def ocfg_tokens(row) -> float:
         st = row["settings"]  # the engine's resolved window and guesses

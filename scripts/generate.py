@@ -140,7 +140,8 @@ def main() -> int:
     for v in args.variant:
         name, _, js = v.partition("=")
         CONFIGS[name] = json.loads(js)
-        names.append(name)
+        if name not in names:  # a variant runs once, whether or not --configs also names it
+            names.append(name)
     if names[0] != "no-spec":
         names.insert(0, "no-spec")
     prompts = humaneval_prompts(args.prompts)

@@ -284,3 +284,53 @@ def test_unsupported_configs_raise(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(NotImplementedError, match="yarn"):
         DraftModel.from_pretrained(str(tmp_path), torch.float32, "cpu")
+
+
+def _onednn_factory(min_rows):
+    pytest.importorskip("vllm", reason="vLLM's oneDNN GEMM needs vLLM installed")
+    from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
+
+    factory = onednn_gemm_factory(min_rows=min_rows)
+    if factory is None:
+        pytest.skip("this vLLM build has no oneDNN GEMM (non-x86 build)")
+    return factory
+
+
+@pytest.mark.parametrize("min_rows", [1, 4])
+def test_onednn_gemm_matches_f_linear(pair, min_rows):
+    """The draft's products through vLLM's oneDNN GEMM (every size, and from 4 rows on as the
+    proposer installs it) give the F.linear forward's hidden states and logits (float32)."""
+    _, path = pair
+    factory = _onednn_factory(min_rows)
+    ref, m = _load(path), _load(path)
+    m.use_gemm(factory)
+    g = torch.Generator().manual_seed(3)
+    for B, Q in ((1, 1), (2, 3), (3, 6)):  # 1, 6 and 18 rows: both sides of min_rows
+        ids = torch.randint(0, VOCAB, (B, Q), generator=g)
+        pos = torch.arange(Q).expand(B, Q)
+        slots, zero = torch.arange(B), torch.zeros(B, dtype=torch.long)
+        h_ref = ref.forward(ids, pos, slots, zero, _causal(B, Q))
+        h = m.forward(ids, pos, slots, zero, _causal(B, Q))
+        torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(m.logits(h), ref.logits(h), atol=ATOL, rtol=0)
+        assert torch.equal(m.greedy_tokens(h), ref.greedy_tokens(h))
+
+
+def test_use_gemm_routes_every_product(pair):
+    """Every projection of every layer and the LM head go through the installed factory's product."""
+    _, path = pair
+    m = _load(path)
+    calls = []
+
+    def factory(weight):
+        def gemm(x, bias):
+            calls.append(tuple(weight.shape))
+            return torch.nn.functional.linear(x, weight, bias)
+        return gemm
+
+    m.use_gemm(factory)
+    ids = torch.tensor([[1, 2, 3]])
+    m.greedy_tokens(m.forward(ids, torch.arange(3)[None], torch.zeros(1, dtype=torch.long),
+                              torch.zeros(1, dtype=torch.long), _causal(1, 3)))
+    assert len(calls) == 4 * m.num_layers + 1
+    assert calls[-1] == tuple(m.lm_head_weight.shape)

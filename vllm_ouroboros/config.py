@@ -67,6 +67,10 @@ class OuroborosConfig:
     context_phrase_window: int = 2048
     # Draft weights dtype; "auto" follows the target's dtype.
     draft_dtype: str = "auto"
+    # The draft's matrix products on CPU: "auto" uses vLLM's prepacked oneDNN GEMM for products of
+    # >= 4 rows where the build has it (a flatter cost curve, for a prepacked copy of the weights);
+    # "torch" keeps F.linear throughout. GPUs always use torch.
+    draft_cpu_gemm: str = "auto"
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16
     # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
@@ -163,6 +167,10 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
     if cfg.draft_dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise OuroborosConfigError(
             f"ouroboros: 'draft_dtype'={cfg.draft_dtype!r}; use auto, float32, float16 or bfloat16"
+        )
+    if cfg.draft_cpu_gemm not in ("auto", "torch"):
+        raise OuroborosConfigError(
+            f"ouroboros: 'draft_cpu_gemm'={cfg.draft_cpu_gemm!r}; use auto or torch"
         )
     if cfg.pool_load_path is not None and not os.path.isfile(cfg.pool_load_path):
         raise OuroborosConfigError(

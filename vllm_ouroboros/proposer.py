@@ -101,6 +101,12 @@ class OuroborosProposer:
         else:
             dtype = _DTYPES[cfg.draft_dtype]
         model = DraftModel.from_pretrained(cfg.draft_model, dtype=dtype, device=self.device)
+        if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
+            from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
+
+            factory = onednn_gemm_factory()
+            if factory is not None:
+                model.use_gemm(factory)
         init_slots = min(self.max_slots, 16)
         init_len = min(self.max_model_len, cfg.draft_initial_len)
         model.allocate_cache(init_slots, init_len)

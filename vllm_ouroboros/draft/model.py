@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,12 @@ from vllm_ouroboros.draft.attention import (
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# A matrix product y = x W^T + b with a given weight: (x [..., in], bias [out] | None) -> [..., out].
+Gemm = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+# Builds the product for one weight [out, in] (may prepack it); DraftModel.use_gemm installs one.
+GemmFactory = Callable[[torch.Tensor], Gemm]
+LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True)
@@ -149,22 +156,29 @@ class DraftLayer(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(2 * I)) if cfg.mlp_bias else None
         self.down_weight = nn.Parameter(torch.empty(H, I))
         self.down_bias = nn.Parameter(torch.empty(H)) if cfg.mlp_bias else None
+        self.gemms: dict[str, Gemm] = {}  # projection name -> product; F.linear where absent
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ {name}_weight^T + {name}_bias through the installed product (F.linear by default)."""
+        bias = getattr(self, name + "_bias")
+        gemm = self.gemms.get(name)
+        return F.linear(x, getattr(self, name + "_weight"), bias) if gemm is None else gemm(x, bias)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, scale):
         # h: [B, Q, H]; cos, sin: [B, Q, 1, D]; k_cache, v_cache: [num_slots, Hkv, max_len, D]
         B, Q, _ = h.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [B, Q, (Hq + 2 Hkv) D]
+        qkv = self.project("qkv", x)  # [B, Q, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q = apply_rope(q.view(B, Q, Hq, D), cos, sin)
         k = apply_rope(k.view(B, Q, Hkv, D), cos, sin)
         write_kv(k_cache, v_cache, k, v.view(B, Q, Hkv, D), meta)
         o = prefix_and_masked_attention(q.transpose(1, 2), k_cache, v_cache, meta, scale)  # [B, Hq, Q, D]
-        h = h + F.linear(o.transpose(1, 2).reshape(B, Q, Hq * D), self.o_weight, self.o_bias)
+        h = h + self.project("o", o.transpose(1, 2).reshape(B, Q, Hq * D))
         x = rms_norm(h, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate, up = self.project("gate_up", x).chunk(2, dim=-1)
+        return h + self.project("down", F.silu(gate) * up)
 
 
 class DraftModel(nn.Module):
@@ -191,6 +205,7 @@ class DraftModel(nn.Module):
         self.inv_freq: torch.Tensor | None = None  # [D/2] float32, set by from_pretrained
         self.k_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
         self.v_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
+        self.head_gemm: Gemm | None = None  # LM head product; F.linear where None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -207,6 +222,18 @@ class DraftModel(nn.Module):
         model.requires_grad_(False)
         model.inv_freq = rope_inv_freq(cfg, device)
         return model
+
+    def use_gemm(self, factory: GemmFactory) -> None:
+        """Route every projection and the LM head through `factory(weight)` (e.g. a prepacked CPU
+        GEMM from the patches). The weights stay: factories may fall back to them for small inputs."""
+        for layer in self.layers:
+            layer.gemms = {n: factory(getattr(layer, n + "_weight")) for n in LAYER_PROJECTIONS}
+        self.head_gemm = factory(self.lm_head_weight)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_gemm is None:
+            return F.linear(hidden, self.lm_head_weight)
+        return self.head_gemm(hidden, None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -290,7 +317,7 @@ class DraftModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shape: hidden [..., H] -> [..., vocab] float32 (LM head in the model dtype, then upcast)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self._head(hidden).float()
 
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -301,12 +328,11 @@ class DraftModel(nn.Module):
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, self.hidden_size)
         rows = max(1, self.logits_chunk_elems // self.vocab_size)
-        w = self.lm_head_weight
         if flat.shape[0] <= rows:
-            return F.linear(flat, w).argmax(-1).view(lead)
+            return self._head(flat).argmax(-1).view(lead)
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for s in range(0, flat.shape[0], rows):
-            out[s:s + rows] = F.linear(flat[s:s + rows], w).argmax(-1)
+            out[s:s + rows] = self._head(flat[s:s + rows]).argmax(-1)
         return out.view(lead)
 
 

@@ -138,6 +138,8 @@ def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o == b, f"K={K} request {i} ({scenario['params'][i]}) differs"
     s = snaps["main"]
+    print(f"K={K}: suffix tokens accepted {s['suffix_accepted']}, from suffixes k >= 1 "
+          f"{s['tree_suffix_accepted']}")
     assert s["tree_suffix_accepted"] > 0, s
     assert s["suffix_accepted"] > s["tree_suffix_accepted"]
     assert (s["backoff_steps"] > 0) == (K == 2), s["backoff_steps"]

@@ -7,10 +7,12 @@ combined counts pooled). Seeds are fixed (LLM(seed=0)), so the run is reproducib
 
 Level and power: each position is tested at alpha = 1e-3 (Bonferroni over the positions: family
 level <= 8e-3). Power is shown, not assumed: the same test must reject no-speculation samples at
-temperature 0.9 against those at 0.6 (the size of error a broken residual or a skipped rejection
+temperature 0.45 against those at 0.3 (the size of error a broken residual or a skipped rejection
 produces is larger; tests/test_accept.py measures those samplers directly). The run must also
 show that suffixes, including ones other than the first, were accepted, or it would not test the
-tree.
+tree. At T = 0.6 with gamma = 2 a later suffix was accepted 1 to 12 times per 4000 requests, so a
+machine whose rounding changed the samples could see none (a CI failure); at T = 0.3 with a
+one-token minimum draft it is ~240 times per 1200 requests, and the test asks for >= 50.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 
 pytestmark = pytest.mark.engine
 
-# A prompt the tiny random target continues with confidence, so that drafts (and suffixes) get
-# accepted at this temperature; on most prompts its next-token distribution is nearly flat.
+# A prompt the tiny random target continues with some confidence, so that drafts (and suffixes)
+# get accepted at this temperature; on most prompts its next-token distribution is nearly flat.
 PROMPT = "fox fox fox fox fox fox fox fox fox fox fox fox"
-T = 0.6
+T = 0.3
+T_POWER = 0.45  # same ratio to T as the 0.9 vs 0.6 control it replaces
 N = 1200
 POSITIONS = 8
 ALPHA = 1e-3
@@ -75,11 +78,11 @@ def sample(target, spec, temperatures):
 
 @pytest.fixture(scope="module")
 def samples(tiny_models):
-    base, _ = sample(tiny_models["target"], None, (T, 0.9))
-    # The target drafts for itself with short drafts and 2-token suffixes, so that sampled
+    base, _ = sample(tiny_models["target"], None, (T, T_POWER))
+    # The target drafts for itself with drafts of >= 1 token and 2-token suffixes, so that sampled
     # requests get past the draft into the suffixes often enough to test them.
     spec = {"method": "ouroboros", "model": str(tiny_models["target"]), "num_suffixes": 3,
-            "gamma": 2, "beta": 3, "use_lookahead": True, "use_guesses": True,
+            "gamma": 1, "beta": 3, "use_lookahead": True, "use_guesses": True,
             "max_speculative_batch": 1024}
     tree, snap = sample(tiny_models["target"], spec, (T,))
     return base, tree[T], snap
@@ -92,7 +95,9 @@ def per_position_p(x, y):
 def test_tree_sampling_matches_the_target(samples):
     base, tree, snap = samples
     assert all(len(s) == POSITIONS for s in tree)
-    assert snap["suffix_accepted"] > 0 and snap["tree_suffix_accepted"] > 0, snap
+    assert snap["suffix_accepted"] >= 50 and snap["tree_suffix_accepted"] >= 50, snap
+    print("suffix tokens accepted:", snap["suffix_accepted"], "from suffixes k >= 1:",
+          snap["tree_suffix_accepted"])
     p = per_position_p(tree, base[T])
     print(f"p-values per position (tree vs no speculation, T={T}):", [f"{x:.3g}" for x in p])
     assert min(p) > ALPHA, p
@@ -100,6 +105,6 @@ def test_tree_sampling_matches_the_target(samples):
 
 def test_the_check_has_power(samples):
     base, _, _ = samples
-    p = per_position_p(base[0.9], base[T])
-    print(f"p-values per position (T=0.9 vs T={T}):", [f"{x:.3g}" for x in p])
+    p = per_position_p(base[T_POWER], base[T])
+    print(f"p-values per position (T={T_POWER} vs T={T}):", [f"{x:.3g}" for x in p])
     assert min(p) < ALPHA, p

@@ -22,7 +22,7 @@ import torch
 
 from .reference import tree_attention_reference
 
-logger = logging.getLogger("vllm_ouroboros")
+logger = logging.getLogger("vllm.ouroboros")
 
 try:
     import triton

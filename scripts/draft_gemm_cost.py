@@ -39,7 +39,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from vllm_ouroboros.draft.model import LAYER_PROJECTIONS, DraftModel
-    from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
+    from vllm_ouroboros.patches.cpu_gemm import MIN_ROWS, onednn_gemm_factory
 
     torch.manual_seed(0)
     factory = onednn_gemm_factory(min_rows=1)  # oneDNN at every size, to show where it wins
@@ -57,7 +57,7 @@ def main() -> int:
     zero = torch.zeros(1, dtype=torch.long)
     print(f"draft {args.draft.name}, float32, torch threads {torch.get_num_threads()}; ms, median of "
           f"{args.reps}")
-    print("| n | forward F.linear | forward oneDNN (>= 4 rows) | layer products F.linear | "
+    print(f"| n | forward F.linear | forward oneDNN (>= {MIN_ROWS} rows) | layer products F.linear | "
           "layer products oneDNN | LM head F.linear | LM head oneDNN |")
     print("|---|---|---|---|---|---|---|")
     hybrid = onednn_gemm_factory()

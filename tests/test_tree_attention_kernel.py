@@ -276,7 +276,7 @@ def test_torch_path_reads_d_major_keys():
         tree_attention(**{**batch, "k_cache": d_major}, backend="triton")
 
 
-def test_fallback_to_reference(monkeypatch, caplog):
+def test_fallback_to_reference(monkeypatch):
     # as if the module had been imported without TRITON_INTERPRET: a compiled JITFunction that
     # cannot take CPU tensors
     import triton
@@ -288,14 +288,26 @@ def test_fallback_to_reference(monkeypatch, caplog):
     monkeypatch.setattr(ta, "tree_attention_kernel", triton.JITFunction(ta.tree_attention_kernel.fn))
     monkeypatch.setattr(ta, "_logged", set())
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with caplog.at_level(logging.INFO, logger="vllm_ouroboros"):
+    # "vllm" does not propagate to the root logger once vLLM has configured it (pytest's caplog
+    # listens there): listen on our logger itself.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    lg = logging.getLogger("vllm.ouroboros")
+    lg.addHandler(handler)
+    level = lg.level
+    lg.setLevel(logging.INFO)
+    try:
         out1 = tree_attention(**batch)
         out2 = tree_attention(**batch)
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # too late: read at import
         out3 = tree_attention(**batch)
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
     for out in (out1, out2, out3):  # the batched torch path
         assert (out - ref).abs().max().item() <= 1e-5
-    warnings = [r.getMessage() for r in caplog.records if "torch path" in r.getMessage()]
+    warnings = [r.getMessage() for r in records if "torch path" in r.getMessage()]
     assert len(warnings) == 2, warnings  # once per distinct reason
     assert "TRITON_INTERPRET was not set" in warnings[0] and "no effect" in warnings[1]
     with pytest.raises(RuntimeError, match="Triton cannot run"):

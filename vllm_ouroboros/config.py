@@ -67,8 +67,8 @@ class OuroborosConfig:
     context_phrase_window: int = 2048
     # Draft weights dtype; "auto" follows the target's dtype.
     draft_dtype: str = "auto"
-    # The draft's matrix products on CPU: "auto" uses vLLM's prepacked oneDNN GEMM for products of
-    # >= 4 rows where the build has it (a flatter cost curve, for a prepacked copy of the weights);
+    # The draft's matrix products on CPU: "auto" uses vLLM's prepacked oneDNN GEMM where the build
+    # has it (a flatter, lower cost curve, for a prepacked copy of the weights);
     # "torch" keeps F.linear throughout. GPUs always use torch.
     draft_cpu_gemm: str = "auto"
     # Upper bound on draft forwards in one round, whatever the draft's progress.

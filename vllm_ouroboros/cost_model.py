@@ -57,10 +57,11 @@ class CostCurve:
 STOP_RATIO = 3.0  # measuring stops once t(n) > STOP_RATIO t(1): past it t(n) is ~linear
 
 
-def measure_draft_curve(model, max_tokens: int, reps: int = 1) -> CostCurve:
+def measure_draft_curve(model, max_tokens: int, reps: int = 3) -> CostCurve:
     """Time the draft model's forward over n = 1, 2, 4, ... <= max_tokens new tokens (one row,
     empty prefix, slot 0 of its KV cache; what was written there is overwritten later), until
-    t(n) > STOP_RATIO t(1). Median of `reps` after one warm-up; synchronises around each."""
+    t(n) > STOP_RATIO t(1). Fastest of `reps` after one warm-up (the least disturbed: at engine
+    start other processes compete for the cores); synchronises around each."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     points, times, n = [], [], 1
     slots = torch.zeros(1, dtype=torch.long, device=model.device)
@@ -76,9 +77,8 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 1) -> CostCurve:
             model.greedy_tokens(model.forward(ids, pos, slots, zero, mask, max_cache_len=0))
             sync()
             ts.append(time.perf_counter() - t0)
-        ts = sorted(ts[1:])
         points.append(n)
-        times.append(ts[len(ts) // 2])
+        times.append(min(ts[1:]))
         n *= 2
     # A later point measured faster than an earlier one is noise: keep the curve non-decreasing.
     for i in range(1, len(times)):

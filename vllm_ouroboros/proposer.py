@@ -28,7 +28,7 @@ from vllm_ouroboros.metrics import OuroborosStats
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.pool import PhrasePool
 
-logger = logging.getLogger("vllm_ouroboros")
+logger = logging.getLogger("vllm.ouroboros")
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
 PROBE_EVERY = 32  # steps: while backing off under load, speculate once per this many

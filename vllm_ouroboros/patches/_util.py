@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-logger = logging.getLogger("vllm_ouroboros")
+logger = logging.getLogger("vllm.ouroboros")
 
 
 def require(obj: Any, *names: str) -> None:

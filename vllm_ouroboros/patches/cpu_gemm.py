@@ -1,12 +1,13 @@
 """vLLM's oneDNN GEMM for the draft model on CPU (vLLM internals: `vllm._custom_ops`).
 
 vLLM runs the target's linear layers on x86 CPUs through oneDNN with prepacked weights
-(`dispatch_cpu_unquantized_gemm`). Our draft runtime used torch's `F.linear`, whose cost jumps once
-a product has 4 or more rows: on the 2-core AVX2 machine, one Qwen2.5-0.5B decoder layer's four
-products take 3.2 / 4.8 / 8.5 ms for 1 / 4 / 16 rows with `F.linear` against 4.2 / 3.6 / 5.0 ms
-with oneDNN, and its LM head 37 / 67 / 90 ms against 34 / 35 / 55 ms (`scripts/draft_gemm_cost.py`).
-A flatter draft cost curve is what makes phrase drafting (many tokens per draft forward) pay on
-CPU, so the draft uses oneDNN from MIN_ROWS rows on and `F.linear` below, where it is faster.
+(`dispatch_cpu_unquantized_gemm`). Our draft runtime used torch's `F.linear`, whose cost for a few
+rows depends on the machine's BLAS path: on one 2-core AVX2 machine a Qwen2.5-0.5B draft forward
+of 1 / 2 tokens took 123 / 134 ms either way while 4+ rows doubled with F.linear only; on another
+(same image, a different host) F.linear took 193 / 391 / 540 ms for 1 / 2 / 3 tokens, its LM head
+47 / 104 / 167 ms against 26 / 32 / 35 ms with oneDNN (`scripts/draft_gemm_cost.py`). oneDNN was
+never measurably slower, so the draft uses it for every product (MIN_ROWS = 1). A flat draft cost
+curve is also what makes phrase drafting (many tokens per draft forward) pay on CPU.
 The price is a prepacked copy of the draft's weights (about 1.2x their size) beside the originals.
 """
 
@@ -19,10 +20,10 @@ import torch.nn.functional as F
 
 from vllm_ouroboros.draft.model import Gemm, GemmFactory
 
-logger = logging.getLogger("vllm_ouroboros")
+logger = logging.getLogger("vllm.ouroboros")
 
-# Rows (tokens in the product) from which oneDNN beats F.linear on the machines we measured.
-MIN_ROWS = 4
+# Rows (tokens in the product) from which the draft uses oneDNN; F.linear below (see above).
+MIN_ROWS = 1
 # oneDNN primitive cache entries per weight (vLLM's own choice in dispatch_cpu_unquantized_gemm).
 _PRIMITIVE_CACHE = 32
 

@@ -16,12 +16,13 @@ import torch
 
 from vllm_ouroboros.cost_model import STOP_RATIO, CostCurve
 
-logger = logging.getLogger("vllm_ouroboros")
+logger = logging.getLogger("vllm.ouroboros")
 
 
-def measure_target_curve(target_model, max_tokens: int, reps: int = 1) -> CostCurve | None:
+def measure_target_curve(target_model, max_tokens: int, reps: int = 3) -> CostCurve | None:
     """t_target(n) for n = 1, 2, 4, ... <= max_tokens in seconds (until t(n) > STOP_RATIO t(1);
-    median of `reps` after one warm-up), or None (logged) where the
+    fastest of `reps` after one warm-up: one layer's time is multiplied by the layer count, so a
+    single disturbed repetition would inflate the whole curve), or None (logged) where the
     model's layout is not the usual `model.layers[i]` with vLLM linear modules."""
     try:
         from vllm.model_executor.layers.linear import LinearBase
@@ -56,7 +57,7 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 1) -> CostCu
                 sync()
                 ts.append(layer * len(layers) + time.perf_counter() - t0)
             points.append(n)
-            times.append(sorted(ts[1:])[len(ts[1:]) // 2])
+            times.append(min(ts[1:]))
             n *= 2
         for i in range(1, len(times)):
             times[i] = max(times[i], times[i - 1])

@@ -20,7 +20,7 @@ import torch
 
 from vllm_ouroboros.kernels.tree_attention import tree_attention
 
-logger = logging.getLogger("vllm_ouroboros")
+logger = logging.getLogger("vllm.ouroboros")
 
 
 @dataclass

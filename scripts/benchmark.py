@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from generate import REPO, humaneval_prompts, models_dir
 
 CURVE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -127,6 +129,10 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
                 row["backoff_steps"] = s["backoff_steps"]
                 row["ouroboros_tokens_per_target_forward"] = (
                     (s["accepted_tokens"] + s["target_forwards"]) / max(s["target_forwards"], 1))
+                # The same steps with suffix 0 only (what chain verification would have taken).
+                row["chain_tokens_per_target_forward"] = (
+                    (s["accepted_tokens"] - s["tree_gain"] + s["target_forwards"])
+                    / max(s["target_forwards"], 1))
                 row["settings"] = snap["settings"]  # what "auto" resolved to
             rows.append(row)
             progress.update(1)
@@ -270,14 +276,14 @@ def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     F = base["draft_forwards"] / max(base["spec"]["num_drafts"], 1) if base else float(cfg.gamma)
     s = cfg.spec_tokens()
     lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
-             "| curves | phrase drafting (t_draft(%d)/t_draft(1)) | largest batch that speculates "
+             "| curves | phrase drafting (t_draft(%d)/t_draft(1)) | largest batch whose requests all speculate "
              "(E=%.2f, F=%.2f, s=%d) |" % (la, E, F, s), "|---|---|---|"]
     for name, tc, dc in (("measured (this machine)", mk(t_curve), mk(d_curve)),
                          ("flat (memory-bound)", flat(t_curve), flat(d_curve))):
         on = cost_model.phrase_drafting_pays(dc, la)
         n_d = la if on else 2
-        b_max = max([b for b in range(1, 257) if cost_model.speculation_pays(tc, dc, b, s, E, F, n_d)],
-                    default=0)
+        b_max = max([b for b in range(1, 257) if cost_model.rows_to_speculate(
+            tc, dc, s, np.full(b, E), np.full(b, F), n_d).all()], default=0)
         lines.append(f"| {name} | {'on' if on else 'off'} ({dc.ratio(la):.2f}) | "
                      f"{b_max if b_max < 256 else '>= 256'} |")
     return "\n".join(lines) + "\n"

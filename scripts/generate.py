@@ -105,7 +105,7 @@ def compare(rows: list[dict]) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     head = (f"{'config':<24}{'identical':>10}{'tok/s':>8}{'x no-spec':>10}{'tok/target fwd':>16}"
             f"{'draft fwd/tok':>15}{'accept':>8}{'inspired':>10}{'refined':>9}{'sfx acc':>9}"
-            f"{'of k>=1':>9}")
+            f"{'of k>=1':>9}{'tree gain':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -116,8 +116,8 @@ def print_table(rows: list[dict]) -> None:
         spec = (f"{r['tokens_per_target_forward']:>16.2f}{r['draft_forwards_per_token']:>15.2f}"
                 f"{r['acceptance_rate']:>8.2f}{c.get('inspiration_inserts', 0):>10}"
                 f"{c.get('refinement_inserts', 0):>9}{c.get('suffix_accepted', 0):>9}"
-                f"{c.get('tree_suffix_accepted', 0):>9}") if c else (
-                    f"{'-':>16}{'-':>15}{'-':>8}{'-':>10}{'-':>9}{'-':>9}{'-':>9}")
+                f"{c.get('tree_suffix_accepted', 0):>9}{c.get('tree_gain', 0):>10}") if c else (
+                    f"{'-':>16}{'-':>15}{'-':>8}{'-':>10}{'-':>9}{'-':>9}{'-':>9}{'-':>10}")
         print(f"{r['config']:<24}{'yes':>10}{r['tokens_per_s']:>8.2f}{r['speedup']:>10.2f}{spec}")
 
 

@@ -1,5 +1,6 @@
 """The cost rules that pick phrase drafting and back off speculation under load."""
 
+import numpy as np
 import torch
 
 from vllm_ouroboros import cost_model
@@ -29,19 +30,46 @@ def test_phrase_drafting_on_when_flat_off_when_compute_bound():
 
 def test_flat_curve_always_speculates():
     for batch in (1, 16, 256):
-        assert cost_model.speculation_pays(FLAT, FLAT, batch, 12, 1.0, 8, 34)
+        assert cost_model.rows_to_speculate(FLAT, FLAT, 12, np.ones(batch), np.full(batch, 8), 34).all()
+
+
+def _rows(E, F=4.3):
+    E = np.atleast_1d(np.asarray(E, float))
+    return cost_model.rows_to_speculate(CPU_TARGET, CPU, 12, E, np.full(len(E), F), 2)
 
 
 def test_compute_bound_backs_off_with_load():
     # Real-pair numbers with phrase drafting off: E = 3.75 tokens per target forward, 4.3 draft
     # forwards per step of ~2 tokens (results/benchmark.md). Measured there: draft_model k = 3
     # gains 1.37x at concurrency 1 and loses at 4 and 16.
-    args = dict(spec_tokens=12, tokens_per_forward=3.75, draft_forwards=4.3, draft_row_tokens=2)
-    assert cost_model.speculation_pays(CPU_TARGET, CPU, 1, **args)
-    assert not cost_model.speculation_pays(CPU_TARGET, CPU, 4, **args)
-    assert not cost_model.speculation_pays(CPU_TARGET, CPU, 16, **args)
+    assert _rows(3.75).all()
+    assert not _rows([3.75] * 4).any()
+    assert not _rows([3.75] * 16).any()
     # Poor acceptance: not worth it even alone.
-    assert not cost_model.speculation_pays(CPU_TARGET, CPU, 1, **{**args, "tokens_per_forward": 1.5})
+    assert not _rows(1.5).any()
+    # Requests are judged one by one: the one that accepts well speculates beside a poor one.
+    assert list(_rows([1.2, 6.0])) == [False, True]
+    assert list(_rows([9.0, 1.0, 9.0, 9.0, 2.0])) == [True, False, True, True, False]
+
+
+def test_rows_to_speculate_maximises_the_modeled_rate():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        B = int(rng.integers(1, 20))
+        E = rng.uniform(1, 9, B)
+        F = np.full(B, 4.3)
+        chosen = cost_model.rows_to_speculate(CPU_TARGET, CPU, 12, E, F, 2)
+
+        def rate(mask):
+            m = int(mask.sum())
+            t = CPU_TARGET(B + 12 * m) + (4.3 * CPU(2 * m) if m else 0)
+            return (B + (E[mask] - 1).sum()) / t
+        # No single request added or removed does better (with equal F, the best m of the
+        # requests sorted by E is a local optimum).
+        for i in range(B):
+            flip = chosen.copy()
+            flip[i] = not flip[i]
+            assert rate(chosen) >= rate(flip) - 1e-9, (E, chosen, i)
 
 
 def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread):
@@ -53,31 +81,45 @@ def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread):
     assert all(b >= a > 0 for a, b in zip(c.seconds, c.seconds[1:]))
 
 
-def _proposer(cap=None, tokens_per_fwd=3.75):
+def _proposer(cap=None, slots=16):
     """An OuroborosProposer reduced to what its per-step decision reads."""
     from types import SimpleNamespace
 
     from vllm_ouroboros.config import OuroborosConfig
-    from vllm_ouroboros.proposer import OuroborosProposer
+    from vllm_ouroboros.proposer import PROBE_GAP, OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost, p.runtime = CPU, CPU_TARGET, SimpleNamespace(W=0, G=0, L=4)
-    p.num_spec_tokens, p._steps_off = 12, 0
-    p._mean_tokens_per_fwd, p._mean_draft_forwards = tokens_per_fwd, 4.3
+    p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
+    p._tokens_per_fwd, p._draft_forwards = np.full(slots, 3.75), np.full(slots, 4.3)
+    p._probe_gap, p._probe_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     return p
 
 
 def test_fixed_cap_and_auto_backoff_decisions():
-    from vllm_ouroboros.proposer import PROBE_EVERY
+    from vllm_ouroboros.proposer import MAX_PROBE_GAP, PROBE_GAP
 
     p = _proposer(cap=4)
-    assert [p._speculate(b) for b in (1, 4, 5, 16)] == [True, True, False, False]
+    assert [p._speculate(np.arange(b)).all() for b in (1, 4, 5, 16)] == [True, True, False, False]
     p = _proposer()
-    assert p._speculate(1)
-    # Load alone: no probe steps however long the batch stays large.
-    assert not any(p._speculate(16) for _ in range(3 * PROBE_EVERY))
-    # Acceptance too low even for one request: one probe every PROBE_EVERY steps.
-    p = _proposer(tokens_per_fwd=1.2)
-    decisions = [p._speculate(1) for _ in range(2 * PROBE_EVERY)]
-    assert sum(decisions) == 2 and decisions[PROBE_EVERY - 1]
+    assert p._speculate(np.arange(1)).all()
+    # Load alone: no probe steps however long the batch stays large (a request that accepted
+    # as well as the prior would not pay at 16 either).
+    assert not any(p._speculate(np.arange(16)).any() for _ in range(3 * MAX_PROBE_GAP))
+    # Acceptance too low even for one request: probes after PROBE_GAP steps, the gap doubling
+    # while the probes find acceptance still low.
+    p = _proposer()
+    p._tokens_per_fwd[:] = 1.2
+    decisions = [bool(p._speculate(np.arange(1))[0]) for _ in range(8 * MAX_PROBE_GAP)]
+    probes = np.nonzero(decisions)[0]
+    gaps = np.diff(np.concatenate([[-1], probes])) - 1
+    assert list(gaps[:4]) == [PROBE_GAP, 2 * PROBE_GAP, 4 * PROBE_GAP, 8 * PROBE_GAP]
+    assert gaps.max() == MAX_PROBE_GAP
+    # A probe that finds good acceptance brings the request back at once, and resets the gap.
+    p._tokens_per_fwd[:] = 5.0
+    assert p._speculate(np.arange(1)).all() and p._probe_gap[0] == PROBE_GAP
+    # One poor request does not stop another (per-request estimates).
+    p = _proposer()
+    p._tokens_per_fwd[:2] = (1.2, 9.0)
+    assert list(p._speculate(np.arange(2))) == [False, True]

@@ -73,12 +73,16 @@ def test_token_tree_accepts_later_suffixes(rows):
     forward of K = 3 vs K = 1 are printed, not asserted: on these prompts K = 3 is still lower
     (see results/README.md), which the tree issue has to settle."""
     k1, k3 = rows["ouroboros"], rows["ouroboros-k3"]
+    c = k3["counters"]
+    # Paired: the same K = 3 steps with suffix 0 alone (what chain verification would have
+    # accepted there), free of the run-to-run divergence two separate runs have.
+    chain = (c["accepted_tokens"] - c["tree_gain"] + c["target_forwards"]) / c["target_forwards"]
     print(f"tokens per target forward: K=1 {k1['tokens_per_target_forward']:.3f}, "
-          f"K=3 {k3['tokens_per_target_forward']:.3f}; suffix tokens accepted K=3: "
-          f"{k3['counters']['suffix_accepted']} (from suffixes k >= 1: "
-          f"{k3['counters']['tree_suffix_accepted']})")
-    assert k3["counters"]["suffix_accepted"] > 0
-    assert k3["counters"]["tree_suffix_accepted"] > 0
+          f"K=3 {k3['tokens_per_target_forward']:.3f} (its steps with suffix 0 only: {chain:.3f}, "
+          f"tree gain {c['tree_gain']} tokens); suffix tokens accepted K=3: "
+          f"{c['suffix_accepted']} (from suffixes k >= 1: {c['tree_suffix_accepted']})")
+    assert c["suffix_accepted"] > 0
+    assert c["tree_suffix_accepted"] > 0
 
 
 def test_serve_token_tree_identical(rows):

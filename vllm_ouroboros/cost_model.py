@@ -13,19 +13,22 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
   the draft forwards per token it saves, measured on the real pair (0.92 -> 0.58 draft forwards
   per token, results/README.md).
 
-  a step with B decoding requests speculates (s tokens each) iff the extra target tokens are
-  almost free, t_target(B (1 + s)) <= FLAT * t_target(B), or the modeled rate beats plain
-  decoding:
-      B E / (t_target(B (1 + s)) + F t_draft(B n_d))  >  B / t_target(B)
-  with E tokens per target forward and F draft forwards per step, measured online (optimistic
-  priors until a few steps have run), n_d tokens per draft row per forward.
+  a step with B decoding requests speculates (s tokens each) for the m requests, best first,
+  that maximise the modeled rate
+      (B + sum_{i <= m} (E_i - 1)) / (t_target(B + m s) + F t_draft(m n_d))
+  (m = 0 is plain decoding, B / t_target(B)), or for all of them where their extra target
+  tokens are almost free, t_target(B + m s) <= FLAT * t_target(B). E_i: tokens per target
+  forward of request i, F: draft forwards per step (mean of the m), both measured online per
+  request (optimistic priors for a new request); n_d tokens per draft row per forward.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PHRASE_SAVING = 0.92 / 0.58
@@ -50,6 +53,13 @@ class CostCurve:
         slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) if len(xs) > 1 else 0.0
         return ys[-1] + slope * (n - xs[-1])
 
+    def at(self, n: np.ndarray) -> np.ndarray:
+        """t(n) for an array of n (same rule as calling the curve)."""
+        xs, ys = np.asarray(self.n, float), np.asarray(self.seconds, float)
+        n = np.asarray(n, float)
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) if len(xs) > 1 else 0.0
+        return np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), np.interp(n, xs, ys))
+
     def ratio(self, n: float, base: float = 1) -> float:
         return self(n) / max(self(base), 1e-12)
 
@@ -57,33 +67,49 @@ class CostCurve:
 STOP_RATIO = 3.0  # measuring stops once t(n) > STOP_RATIO t(1): past it t(n) is ~linear
 
 
-def measure_draft_curve(model, max_tokens: int, reps: int = 3) -> CostCurve:
-    """Time the draft model's forward over n = 1, 2, 4, ... <= max_tokens new tokens (one row,
-    empty prefix, slot 0 of its KV cache; what was written there is overwritten later), until
-    t(n) > STOP_RATIO t(1). Fastest of `reps` after one warm-up (the least disturbed: at engine
-    start other processes compete for the cores); synchronises around each."""
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+def measure_curve(timer_at: Callable[[int], Callable[[], float]], max_tokens: int,
+                  reps: int = 3) -> CostCurve:
+    """t(n) for n = 1, 2, 4, ... <= max_tokens, until t(n) > STOP_RATIO t(1).
+
+    timer_at(n) prepares inputs of n tokens and returns a callable that runs one forward (or
+    what stands for it) and returns its seconds, synchronising the device itself. Each point is
+    the fastest of `reps` after one warm-up: the least disturbed (at engine start other
+    processes compete for the cores, and one slow repetition once made a server stop
+    speculating). A later point measured faster than an earlier one is noise: the curve is
+    kept non-decreasing."""
     points, times, n = [], [], 1
+    while n <= max_tokens and (not times or times[-1] <= STOP_RATIO * times[0]):
+        run = timer_at(n)
+        ts = [run() for _ in range(reps + 1)]
+        points.append(n)
+        times.append(min(ts[1:]))
+        n *= 2
+    for i in range(1, len(times)):
+        times[i] = max(times[i], times[i - 1])
+    return CostCurve(tuple(points), tuple(times))
+
+
+def measure_draft_curve(model, max_tokens: int, reps: int = 3) -> CostCurve:
+    """The draft model's t(n) (measure_curve): a forward over n new tokens in one row, empty
+    prefix, slot 0 of its KV cache (what was written there is overwritten later)."""
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     slots = torch.zeros(1, dtype=torch.long, device=model.device)
     zero = torch.zeros(1, dtype=torch.long, device=model.device)
-    while n <= max_tokens and (not times or times[-1] <= STOP_RATIO * times[0]):
+
+    def timer_at(n: int) -> Callable[[], float]:
         ids = torch.full((1, n), 3, dtype=torch.long, device=model.device)
         pos = torch.arange(n, device=model.device)[None]
         mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()[None]
-        ts = []
-        for _ in range(reps + 1):
+
+        def run() -> float:
             sync()
             t0 = time.perf_counter()
             model.greedy_tokens(model.forward(ids, pos, slots, zero, mask, max_cache_len=0))
             sync()
-            ts.append(time.perf_counter() - t0)
-        points.append(n)
-        times.append(min(ts[1:]))
-        n *= 2
-    # A later point measured faster than an earlier one is noise: keep the curve non-decreasing.
-    for i in range(1, len(times)):
-        times[i] = max(times[i], times[i - 1])
-    return CostCurve(tuple(points), tuple(times))
+            return time.perf_counter() - t0
+        return run
+
+    return measure_curve(timer_at, max_tokens, reps)
 
 
 def phrase_drafting_pays(curve: CostCurve, lookahead_tokens: int) -> bool:
@@ -92,13 +118,33 @@ def phrase_drafting_pays(curve: CostCurve, lookahead_tokens: int) -> bool:
     return curve.ratio(lookahead_tokens) <= PHRASE_SAVING
 
 
-def speculation_pays(target: CostCurve, draft: CostCurve, batch: int, spec_tokens: float,
-                     tokens_per_forward: float, draft_forwards: float, draft_row_tokens: float) -> bool:
-    """Whether a step of `batch` requests with `spec_tokens` each beats plain decoding (module
-    docstring). Curves in seconds; tokens_per_forward: E >= 1; draft_forwards: F per step;
-    draft_row_tokens: n_d."""
-    t_plain = target(batch)
-    t_spec = target(batch * (1 + spec_tokens))
-    if t_spec <= FLAT * t_plain:
-        return True
-    return tokens_per_forward * t_plain > t_spec + draft_forwards * draft(batch * draft_row_tokens)
+def rows_to_speculate(target: CostCurve, draft: CostCurve, spec_tokens: float,
+                      tokens_per_forward: np.ndarray, draft_forwards: np.ndarray,
+                      draft_row_tokens: float, eligible: np.ndarray | None = None) -> np.ndarray:
+    """Which of a step's B decoding requests should speculate (module docstring).
+
+    tokens_per_forward (E_i >= 1) and draft_forwards (F_i) are [B] per-request estimates;
+    eligible [B] marks the requests that may (default all). Returns a bool mask [B]: the m
+    eligible requests with the largest E that maximise the modeled tokens per second (ties go
+    to fewer), or all eligible ones where their extra target tokens are almost free.
+    """
+    E = np.asarray(tokens_per_forward, float)
+    F = np.asarray(draft_forwards, float)
+    B = len(E)
+    ok = np.ones(B, bool) if eligible is None else np.asarray(eligible, bool)
+    cand = np.nonzero(ok)[0]
+    out = np.zeros(B, bool)
+    if len(cand) == 0:
+        return out
+    cand = cand[np.argsort(-E[cand], kind="stable")]
+    m = np.arange(len(cand) + 1)
+    t_plain = target(B)
+    if target(B + len(cand) * spec_tokens) <= FLAT * t_plain:
+        out[cand] = True
+        return out
+    gain = B + np.concatenate([[0.0], np.cumsum(E[cand] - 1)])
+    mean_f = np.concatenate([[0.0], np.cumsum(F[cand]) / m[1:]])
+    t = target.at(B + m * spec_tokens) + np.where(m > 0, mean_f * draft.at(np.maximum(m, 1) * draft_row_tokens), 0)
+    best = int(np.argmax(gain / t))
+    out[cand[:best]] = True
+    return out

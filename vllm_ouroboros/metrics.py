@@ -7,17 +7,20 @@ Definitions (per request, summed for the aggregate):
   drafted_tokens       tokens sent to the target for verification (draft + suffix)
   accepted_tokens      of those, accepted by the target
   suffix_accepted      accepted tokens that came from a candidate suffix
-  tree_suffix_accepted of those, tokens from a suffix other than the first (the tree's gain
-                       over chain verification)
+  tree_suffix_accepted of those, tokens from a suffix other than the first
+  tree_gain            tokens the tree's best suffix matched of the target's argmax beyond what
+                       suffix 0 alone (chain verification, K = 1) would have matched in the same
+                       step: the tree's own gain, paired (greedy: exactly the extra accepted
+                       tokens)
   generated_tokens     tokens the request produced while it had a draft slot
   guess_tokens         draft tokens taken from pool guesses (phrase drafting at work)
   guess_lookups/hits   draft forwards that looked up guesses / took >= 1 token from one
   inspiration_inserts, refinement_inserts: phrases written from verification output
+  backoff_steps        steps in which the request decoded without a draft because speculation
+                       would not pay for it on this device at that batch size (cost_model.py)
 Aggregate only:
   draft_forward_calls  batched draft forward calls (one call serves every drafting request)
   rounds               propose() calls that drafted for at least one request
-  backoff_steps        propose() calls that drafted nothing because the batch was too large
-                       for speculation to pay on this device (cost_model.py)
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import numpy as np
 
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
-    "suffix_accepted", "tree_suffix_accepted", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
-    "inspiration_inserts", "refinement_inserts",
+    "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
+    "inspiration_inserts", "refinement_inserts", "backoff_steps",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
 
@@ -48,7 +51,6 @@ class OuroborosStats:
         self.draft_forward_calls = 0
         self.prefill_forward_calls = 0
         self.rounds = 0
-        self.backoff_steps = 0
         self.max_forward_calls_per_round = 0
         self.max_batch_per_round = 0
 
@@ -86,7 +88,6 @@ class OuroborosStats:
             "draft_forward_calls": self.draft_forward_calls,
             "prefill_forward_calls": self.prefill_forward_calls,
             "rounds": self.rounds,
-            "backoff_steps": self.backoff_steps,
             "max_forward_calls_per_round": self.max_forward_calls_per_round,
             "max_batch_per_round": self.max_batch_per_round,
             "draft_forwards_per_token": t["draft_forwards"] / max(t["generated_tokens"], 1),

@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import os
 
-# Under "vllm": vLLM configures that logger's handler and level (VLLM_LOGGING_LEVEL) in every
-# process; a top-level name would have no handler and drop every INFO line (the cost curves, the
-# fallbacks' reasons) in servers and workers.
-logger = logging.getLogger("vllm.ouroboros")
+from vllm_ouroboros import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 _registered = False
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_ouroboros import cost_model, feedback
+from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
 from vllm_ouroboros.config import OuroborosConfig
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
@@ -28,10 +28,16 @@ from vllm_ouroboros.metrics import OuroborosStats
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.pool import PhrasePool
 
-logger = logging.getLogger("vllm.ouroboros")
+logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
-PROBE_EVERY = 32  # steps: while backing off under load, speculate once per this many
+# Back-off per request (cost_model.rows_to_speculate): running means move by ESTIMATE_RATE of
+# each new measurement; a request left without a draft is retried with the optimistic prior
+# after PROBE_GAP steps, the gap doubling after each probe that did not bring it back (up to
+# MAX_PROBE_GAP), so a stretch of poor acceptance costs little and a recovery is seen soon.
+ESTIMATE_RATE = 0.3
+PROBE_GAP = 4
+MAX_PROBE_GAP = 32
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -78,14 +84,17 @@ class OuroborosProposer:
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
-        # Back-off under load (cost_model.speculation_pays): the draft's cost curve, measured at
-        # load, and running means of what a step gives and costs. Optimistic priors, so that a
-        # deployment starts by speculating and measures.
+        # Back-off (cost_model.rows_to_speculate): both cost curves, measured at load, and per
+        # request running means of what a step gives (tokens per target forward) and costs
+        # (draft forwards). Optimistic priors, so that a request starts by speculating and
+        # measures; one hard request does not stop the others.
         self.cost: cost_model.CostCurve | None = None  # the draft's
         self.target_cost: cost_model.CostCurve | None = None
-        self._mean_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
-        self._mean_draft_forwards = float(self.cfg.gamma)
-        self._steps_off = 0
+        self._prior_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
+        self._tokens_per_fwd = np.full(self.max_slots, self._prior_tokens_per_fwd)
+        self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
+        self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
+        self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
         # Every TP rank drafts the same tokens: the first rank of each engine reports.
         tp = vllm_config.parallel_config.tensor_parallel_size
         first_rank = (not torch.distributed.is_initialized()
@@ -187,6 +196,9 @@ class OuroborosProposer:
             if r is not None and r not in self._slot_of:
                 slot = self._slot_of[r] = self._free_slots.pop()
                 self.stats.start(slot, r)
+                self._tokens_per_fwd[slot] = self._prior_tokens_per_fwd
+                self._draft_forwards[slot] = self.cfg.gamma
+                self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
 
     # ---- tree verification switches (set by the runner patches) --------------------------
     def set_tree_available(self, ok: bool) -> None:
@@ -244,7 +256,8 @@ class OuroborosProposer:
             paths = np.where(np.arange(tree.D)[None, :] < n[:, None], np.arange(tree.D)[None, :], -1)[:, None]
             plen, slen = n[:, None], np.zeros((B, 1), np.int64)
         sel = np.nonzero(ok)[0]
-        self._mean_tokens_per_fwd += 0.1 * (float(num_acc[sel].mean()) + 1 - self._mean_tokens_per_fwd)
+        s = slots[sel]
+        self._tokens_per_fwd[s] += ESTIMATE_RATE * (num_acc[sel] + 1 - self._tokens_per_fwd[s])
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
 
@@ -288,8 +301,12 @@ class OuroborosProposer:
                 old = self._last_suffix[owners[idx], idx % K]
                 keys, old, new, own = self._to_device(refn.keys, old, refn.tokens, refn.owners)
                 self.pool.replace(keys, old, new, own)
+        # What the tree added over chain verification in this very step: suffix 0's chain is
+        # what K = 1 would have sent. Against the argmax, so exact for greedy requests.
+        along = feedback.accepted_lengths(chain, target, flat_len).reshape(B, K)
+        tree_gain = along.max(1) - along[:, 0]
         self.stats.add(
-            slots, target_forwards=np.ones_like(n), drafted_tokens=num_nodes,
+            slots, target_forwards=np.ones_like(n), drafted_tokens=num_nodes, tree_gain=tree_gain,
             accepted_tokens=num_acc,
             suffix_accepted=np.where(sfx_idx >= 0, np.maximum(num_acc - n, 0), 0),
             tree_suffix_accepted=np.where(sfx_idx >= 1, np.maximum(num_acc - n, 0), 0))
@@ -325,15 +342,19 @@ class OuroborosProposer:
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
+        spec = self._speculate(slots)
+        if not spec.all():
+            # Plain decoding this step for these: nothing sent, nothing drafted; the draft
+            # catches up on the skipped tokens (chunked prefill) when speculation resumes.
+            off = slots[~spec]
+            self._last_main[off] = 0
+            self._last_suffix_len[off] = 0
+            self.stats.add(off, backoff_steps=np.ones_like(off))
+            rows, slots = rows[spec], slots[spec]
+            if len(rows) == 0:
+                self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+                return proposals
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
-        if not self._speculate(len(rows)):
-            # Plain decoding this step: nothing sent, nothing drafted; the draft catches up on
-            # the skipped tokens (chunked prefill) when speculation resumes.
-            self._last_main[slots] = 0
-            self._last_suffix_len[slots] = 0
-            self.stats.backoff_steps += 1
-            self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
-            return proposals
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
@@ -369,7 +390,7 @@ class OuroborosProposer:
         self._last_suffix[slots, :K] = sfx
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
-        self._mean_draft_forwards += 0.1 * (float(out.row_forwards.mean()) - self._mean_draft_forwards)
+        self._draft_forwards[slots] += ESTIMATE_RATE * (out.row_forwards - self._draft_forwards[slots])
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
@@ -379,29 +400,37 @@ class OuroborosProposer:
         self._maybe_save_pool()
         return proposals
 
-    def _speculate(self, batch: int) -> bool:
-        """Whether a step with `batch` decoding requests should speculate: below the configured
-        max_speculative_batch, or where the cost model says it pays (cost_model.py). Where it
-        would not pay even for one request (acceptance too low), every PROBE_EVERY-th step
-        speculates anyway to refresh the estimates of tokens per target forward and draft
-        forwards per step; a back-off for load alone needs no probe (those do not depend on
-        the batch) and would pay for one with a draft catch-up over every skipped token."""
+    def _speculate(self, slots: np.ndarray) -> np.ndarray:
+        """Which of this step's decoding requests (by slot, [B]) get a draft, as a bool mask [B]:
+        all of them up to max_speculative_batch when it is set, else those for which the cost
+        model says speculation pays at this batch size (cost_model.rows_to_speculate), from
+        their own estimates. A request left out is a probe candidate every few steps (gap
+        doubling, module constants): its estimates are then replaced by the optimistic prior
+        for the decision, so it is retried wherever a request that accepts well would pay
+        (not under heavy load), and the probe's verification refreshes them."""
+        B = len(slots)
         if self.cfg.max_speculative_batch is not None:
-            return batch <= self.cfg.max_speculative_batch
+            return np.full(B, B <= self.cfg.max_speculative_batch)
         if self.cost is None or self.target_cost is None:
-            return True
+            return np.ones(B, bool)
         rt = self.runtime
-        curves = (self.target_cost, self.cost)
-        args = (self.num_spec_tokens, self._mean_tokens_per_fwd, self._mean_draft_forwards,
-                2 + (rt.W + rt.G) * rt.L)
-        if cost_model.speculation_pays(*curves, batch, *args):
-            self._steps_off = 0
-            return True
-        if cost_model.speculation_pays(*curves, 1, *args):
-            return False  # load alone: E and F do not depend on the batch, nothing to re-measure
-        # Too few tokens accepted even for one request: probe now and then, acceptance may rise.
-        self._steps_off += 1
-        return self._steps_off % PROBE_EVERY == 0
+        E, F = self._tokens_per_fwd[slots], self._draft_forwards[slots]
+        n_d = 2 + (rt.W + rt.G) * rt.L
+        curves = (self.target_cost, self.cost, self.num_spec_tokens)
+        spec = cost_model.rows_to_speculate(*curves, E, F, n_d)
+        due = ~spec & (self._probe_wait[slots] <= 0)
+        if due.any():
+            probe = cost_model.rows_to_speculate(
+                *curves, np.where(due, np.maximum(E, self._prior_tokens_per_fwd), E), F, n_d)
+            probing = probe & due
+            s = slots[probing]
+            self._probe_gap[s] = np.minimum(2 * self._probe_gap[s], MAX_PROBE_GAP)
+            self._probe_wait[s] = self._probe_gap[s]
+            spec = spec | probing
+        on, off = slots[spec & ~due], slots[~spec]
+        self._probe_gap[on] = self._probe_wait[on] = PROBE_GAP
+        self._probe_wait[off] -= 1
+        return spec
 
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-logger = logging.getLogger("vllm.ouroboros")
+from vllm_ouroboros import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def require(obj: Any, *names: str) -> None:

@@ -18,9 +18,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.draft.model import Gemm, GemmFactory
 
-logger = logging.getLogger("vllm.ouroboros")
+logger = logging.getLogger(LOGGER_NAME)
 
 # Rows (tokens in the product) from which the draft uses oneDNN; F.linear below (see above).
 MIN_ROWS = 1

@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
+from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.kernels.tree_attention import tree_attention
 
-logger = logging.getLogger("vllm.ouroboros")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass

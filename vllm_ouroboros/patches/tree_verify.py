@@ -21,11 +21,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.patches import tree_attention
 from vllm_ouroboros.step_plan import StepPlan, build_plan, ragged_arange
 from vllm_ouroboros.tree import TokenTree, tree_from_flat
 
-logger = logging.getLogger("vllm.ouroboros")
+logger = logging.getLogger(LOGGER_NAME)
 
 _SAMPLING_EPS = 1e-5  # vLLM's Sampler: temperature below this is greedy
 # Debugging aid (tests/test_tree_relocation.py): leave the accepted branch's KV where it is, to

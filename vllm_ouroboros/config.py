@@ -26,7 +26,7 @@ class OuroborosConfig:
 
     Settings that depend on the device default to None ("auto"): phrase drafting is switched on
     or off at load from the draft's measured cost curve, and speculation backs off per step
-    under load (cost_model.py; README "Choosing settings per hardware").
+    and request (load, poor acceptance) (cost_model.py; README "Choosing settings per hardware").
     """
 
     draft_model: str
@@ -55,8 +55,9 @@ class OuroborosConfig:
     # decided at load from the draft's cost curve on this device (cost_model.py).
     use_lookahead: bool | None = None
     use_guesses: bool | None = None
-    # Back-off under load: a step with more decoding requests than this speculates for none of
-    # them. None = decided per step from the device's cost curve (cost_model.py).
+    # Back-off: a step with more decoding requests than this speculates for none of them.
+    # None = decided per step and request from the device's cost curves and each request's
+    # acceptance (cost_model.rows_to_speculate).
     max_speculative_batch: int | None = None
     use_suffixes: bool = True
     use_inspiration: bool = True

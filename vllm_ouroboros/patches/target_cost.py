@@ -4,7 +4,8 @@ the decoder layers and linear modules of vLLM's model classes).
 A vLLM forward cannot be run outside the runner's forward context, but at these sizes its cost is
 its matrix products: time the linear modules of one decoder layer on n tokens, times the number
 of layers, plus the LM head over n rows. Attention over short contexts, norms and activations are
-left out (small next to the products). Used by the back-off under load (cost_model.py).
+left out (small next to the products). The LM head runs over all n rows, as in a verification
+step (not once, as in a prefill). Used by the back-off (cost_model.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3) -> CostCu
         p = next(target_model.parameters())
         dev, dtype = p.device, p.dtype if p.dtype.is_floating_point else torch.float16
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        # The LM head as vLLM's LogitsProcessor runs it (its quant method: on CPU the prepacked
+        # GEMM). F.linear stood in before and, on a host where it costs 2-3x per extra row,
+        # made the curve 1.4x steeper than the real verification step's from 4 tokens on.
+        apply = getattr(getattr(head, "quant_method", None), "apply", None)
+        head_product = ((lambda x: apply(head, x, bias=None)) if apply is not None
+                        else (lambda x: torch.nn.functional.linear(x, head_w)))
 
         def timer_at(n: int):
             xs = [torch.randn(n, getattr(m, "input_size_per_partition", m.input_size), device=dev,
@@ -53,7 +60,7 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3) -> CostCu
                 layer = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if hx is not None:
-                    torch.nn.functional.linear(hx, head_w)
+                    head_product(hx)
                 sync()
                 return layer * len(layers) + time.perf_counter() - t0
             return run

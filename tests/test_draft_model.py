@@ -316,6 +316,30 @@ def test_onednn_gemm_matches_f_linear(pair, min_rows):
         assert torch.equal(m.greedy_tokens(h), ref.greedy_tokens(h))
 
 
+def test_onednn_factory_for_bfloat16_works_or_declines(pair, caplog):
+    """A bfloat16 draft (dtype "auto" under a bfloat16 target) on a CPU whose oneDNN has no
+    bfloat16 product (AVX2) must fall back to F.linear with a logged reason, not fail at load;
+    where oneDNN has one, its products agree with F.linear to bfloat16 precision."""
+    pytest.importorskip("vllm", reason="vLLM's oneDNN GEMM needs vLLM installed")
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
+
+    if onednn_gemm_factory() is None:
+        pytest.skip("this vLLM build has no oneDNN GEMM (non-x86 build)")
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        factory = onednn_gemm_factory(dtype=torch.bfloat16)
+    if factory is None:
+        print("oneDNN declined bfloat16 on this CPU:", caplog.text.strip().splitlines()[-1])
+        assert "no torch.bfloat16 GEMM" in caplog.text
+        return
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(factory(w)(x, None).float(), torch.nn.functional.linear(x, w).float(),
+                               atol=0.1, rtol=0.02)
+
+
 def test_use_gemm_routes_every_product(pair):
     """Every projection of every layer and the LM head go through the installed factory's product."""
     _, path = pair

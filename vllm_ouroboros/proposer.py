@@ -113,7 +113,7 @@ class OuroborosProposer:
         if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
             from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
 
-            factory = onednn_gemm_factory()
+            factory = onednn_gemm_factory(dtype=model.dtype)
             if factory is not None:
                 model.use_gemm(factory)
         init_slots = min(self.max_slots, 16)

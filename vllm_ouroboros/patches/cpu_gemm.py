@@ -29,9 +29,12 @@ MIN_ROWS = 1
 _PRIMITIVE_CACHE = 32
 
 
-def onednn_gemm_factory(min_rows: int = MIN_ROWS) -> GemmFactory | None:
-    """A GemmFactory using vLLM's oneDNN product for inputs of >= min_rows rows, or None (logged)
-    where this vLLM build has no oneDNN GEMM (non-x86 builds, other vLLM versions)."""
+def onednn_gemm_factory(min_rows: int = MIN_ROWS,
+                        dtype: torch.dtype = torch.float32) -> GemmFactory | None:
+    """A GemmFactory using vLLM's oneDNN product for `dtype` weights and inputs of >= min_rows
+    rows, or None (logged) where this vLLM build has no oneDNN GEMM (non-x86 builds, other vLLM
+    versions) or this CPU has none for `dtype` (bfloat16 without AVX-512: oneDNN cannot create
+    the primitive, seen on this repository's AVX2 machines)."""
     try:
         from vllm import _custom_ops as ops
 
@@ -41,6 +44,12 @@ def onednn_gemm_factory(min_rows: int = MIN_ROWS) -> GemmFactory | None:
         create, run = ops.create_onednn_mm, ops.onednn_mm
     except (ImportError, AttributeError) as e:
         logger.info("ouroboros: no oneDNN GEMM in this vLLM (%s); the draft uses torch F.linear", e)
+        return None
+    try:
+        create(torch.zeros(16, 16, dtype=dtype).t(), 1)
+    except RuntimeError as e:
+        logger.info("ouroboros: oneDNN has no %s GEMM on this CPU (%s); the draft uses torch "
+                    "F.linear", dtype, str(e).splitlines()[0])
         return None
 
     def make(weight: torch.Tensor) -> Gemm:

@@ -70,8 +70,9 @@ def test_inspiration_fires_and_drafts_are_accepted(rows):
 
 def test_token_tree_accepts_later_suffixes(rows):
     """The tree is exercised on the real pair (suffixes k >= 1 accepted). Tokens per target
-    forward of K = 3 vs K = 1 are printed, not asserted: on these prompts K = 3 is still lower
-    (see results/README.md), which the tree issue has to settle."""
+    forward of K = 3 vs K = 1 are printed, not asserted: two separate runs diverge after their
+    first different step, so on 5 prompts either can be ahead by noise; the paired tree gain
+    (K = 3's own steps with suffix 0 only) is the exact comparison (results/README.md)."""
     k1, k3 = rows["ouroboros"], rows["ouroboros-k3"]
     c = k3["counters"]
     # Paired: the same K = 3 steps with suffix 0 alone (what chain verification would have

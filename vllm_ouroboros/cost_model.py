@@ -43,18 +43,12 @@ class CostCurve:
     seconds: tuple[float, ...]
 
     def __call__(self, n: float) -> float:
-        """t(n) by linear interpolation; beyond the last point, linear in n (compute-bound)."""
-        xs, ys = self.n, self.seconds
-        if n <= xs[0]:
-            return ys[0]
-        for a, b, ya, yb in zip(xs, xs[1:], ys, ys[1:]):
-            if n <= b:
-                return ya + (yb - ya) * (n - a) / (b - a)
-        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) if len(xs) > 1 else 0.0
-        return ys[-1] + slope * (n - xs[-1])
+        """t(n) by linear interpolation (the first point's time below it); beyond the last
+        point, linear in n with the last segment's slope (compute-bound)."""
+        return float(self.at(n))
 
     def at(self, n: np.ndarray) -> np.ndarray:
-        """t(n) for an array of n (same rule as calling the curve)."""
+        """t(n) for an array of n (the rule of calling the curve)."""
         xs, ys = np.asarray(self.n, float), np.asarray(self.seconds, float)
         n = np.asarray(n, float)
         slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) if len(xs) > 1 else 0.0
@@ -120,27 +114,25 @@ def phrase_drafting_pays(curve: CostCurve, lookahead_tokens: int) -> bool:
 
 def rows_to_speculate(target: CostCurve, draft: CostCurve, spec_tokens: float,
                       tokens_per_forward: np.ndarray, draft_forwards: np.ndarray,
-                      draft_row_tokens: float, eligible: np.ndarray | None = None) -> np.ndarray:
+                      draft_row_tokens: float) -> np.ndarray:
     """Which of a step's B decoding requests should speculate (module docstring).
 
-    tokens_per_forward (E_i >= 1) and draft_forwards (F_i) are [B] per-request estimates;
-    eligible [B] marks the requests that may (default all). Returns a bool mask [B]: the m
-    eligible requests with the largest E that maximise the modeled tokens per second (ties go
-    to fewer), or all eligible ones where their extra target tokens are almost free.
+    tokens_per_forward (E_i >= 1) and draft_forwards (F_i) are [B] per-request estimates.
+    Returns a bool mask [B]: the m requests with the largest E that maximise the modeled
+    tokens per second (ties go to fewer), or all of them where their extra target tokens are
+    almost free.
     """
     E = np.asarray(tokens_per_forward, float)
     F = np.asarray(draft_forwards, float)
     B = len(E)
-    ok = np.ones(B, bool) if eligible is None else np.asarray(eligible, bool)
-    cand = np.nonzero(ok)[0]
     out = np.zeros(B, bool)
-    if len(cand) == 0:
+    if B == 0:
         return out
-    cand = cand[np.argsort(-E[cand], kind="stable")]
-    m = np.arange(len(cand) + 1)
+    cand = np.argsort(-E, kind="stable")
+    m = np.arange(B + 1)
     t_plain = target(B)
-    if target(B + len(cand) * spec_tokens) <= FLAT * t_plain:
-        out[cand] = True
+    if target(B + B * spec_tokens) <= FLAT * t_plain:
+        out[:] = True
         return out
     gain = B + np.concatenate([[0.0], np.cumsum(E[cand] - 1)])
     mean_f = np.concatenate([[0.0], np.cumsum(F[cand]) / m[1:]])

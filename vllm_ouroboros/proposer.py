@@ -279,13 +279,16 @@ class OuroborosProposer:
         col = np.arange(P + 1)[None, :]
         target = np.where(col <= flat_len[:, None], target.reshape(B * K, P + 1), -1)
         owners = np.repeat(slots, K)
+        # Greedy accepted length along each chain (draft + suffix k): the accepted path's feeds
+        # inspiration; suffix 0's is what K = 1 would have accepted (the tree's gain below).
+        along = feedback.accepted_lengths(chain, target, flat_len).reshape(B, K)
         insp = refn = feedback.Phrases.empty(L)
         if self.cfg.use_inspiration:
             # Along the accepted path (suffix 0's chain when no suffix token was accepted).
             k_acc = np.maximum(sfx_idx, 0)
             r = np.arange(B) * K + k_acc
-            l_d = feedback.accepted_lengths(chain[r], target[r], flat_len[r])
-            insp = feedback.inspiration(chain[r], target[r], flat_len[r], slots, L, l_d=l_d)
+            insp = feedback.inspiration(chain[r], target[r], flat_len[r], slots, L,
+                                        l_d=along[np.arange(B), k_acc])
             if len(insp):
                 self.pool.insert(*self._to_device(insp.keys, insp.tokens, insp.owners))
         if self.cfg.use_refinement:
@@ -301,9 +304,8 @@ class OuroborosProposer:
                 old = self._last_suffix[owners[idx], idx % K]
                 keys, old, new, own = self._to_device(refn.keys, old, refn.tokens, refn.owners)
                 self.pool.replace(keys, old, new, own)
-        # What the tree added over chain verification in this very step: suffix 0's chain is
-        # what K = 1 would have sent. Against the argmax, so exact for greedy requests.
-        along = feedback.accepted_lengths(chain, target, flat_len).reshape(B, K)
+        # What the tree added over chain verification in this very step (against the argmax, so
+        # exact for greedy requests).
         tree_gain = along.max(1) - along[:, 0]
         self.stats.add(
             slots, target_forwards=np.ones_like(n), drafted_tokens=num_nodes, tree_gain=tree_gain,

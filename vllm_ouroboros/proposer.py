@@ -110,6 +110,7 @@ class OuroborosProposer:
         else:
             dtype = _DTYPES[cfg.draft_dtype]
         model = DraftModel.from_pretrained(cfg.draft_model, dtype=dtype, device=self.device)
+        model.attention_backend = cfg.draft_attention
         if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
             from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
 

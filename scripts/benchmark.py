@@ -54,7 +54,9 @@ def methods(draft: Path) -> dict[str, dict | None]:
         "draft_model-k3": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "draft_model-k5": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 5},
         "ouroboros": o,  # defaults: phrase drafting and back-off decided from this device's curve
-        "ouroboros-phrases": {**o, "use_lookahead": True, "use_guesses": True},
+        # Speculation pinned on: on a compute-bound CPU the back-off declines every phrase-drafting
+        # step (a 34-token draft forward costs ~5 one-token ones), which would measure nothing.
+        "ouroboros-phrases": {**o, "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64},
         "ouroboros-no-phrases": {**o, "use_lookahead": False, "use_guesses": False},
         "ouroboros-no-suffix": {**o, "use_suffixes": False},
         "ouroboros-k3": {**o, "num_suffixes": 3},
@@ -329,7 +331,7 @@ def main() -> int:
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--methods", default=None, help="comma-separated subset (no-spec is always run)")
-    ap.add_argument("--quick", action="store_true", help="two cells, main methods only: a plumbing check")
+    ap.add_argument("--quick", action="store_true", help="two cells for the main methods; ablations only where --methods names them (one cell each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "benchmark")
     args = ap.parse_args()
     from tqdm import tqdm
@@ -340,7 +342,7 @@ def main() -> int:
     all_methods = methods(draft)
     names = list(all_methods) if not args.methods else ["no-spec"] + [
         m for m in args.methods.split(",") if m != "no-spec"]
-    if args.quick:
+    if args.quick and not args.methods:  # ablations named in --methods still run (one cell each)
         names = [n for n in names if n not in ABLATIONS]
     plan = cells(args.quick)
     workloads = {"humaneval": humaneval_prompts(16), "mtbench": mtbench_prompts(16, AutoTokenizer.from_pretrained(target))}

@@ -10,6 +10,10 @@ model), the acceptance walk and KV relocation (`tree_verify.sample`), the pool f
 (`OuroborosProposer.on_verified`), the draft's lookahead and prefill forwards inside `propose`,
 and the whole engine step (the rest is vLLM's input preparation, scheduling, output processing). Also writes the full profile
 (`--out`, pstats) for `python -m pstats` or snakeviz.
+
+`--torch-step N` also records engine step N of the first prompt (1 = its prefill) with the torch
+profiler and prints its operators by self CPU time (and CUDA time where there is a GPU), and writes
+a Chrome trace (`--out`/NAME.step-N.trace.json, for chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
@@ -52,12 +56,49 @@ def calls(stats: pstats.Stats, path_suffix: str, func: str) -> int:
                if name == func and file.endswith(path_suffix))
 
 
+def torch_profile_step(llm, prompt: str, sp, step: int, rows: int, trace: Path) -> None:
+    """Record engine step `step` (1-based) of generating `prompt` alone with torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    # The in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): its step function is bound
+    # at construction, so the wrapper goes on the instance.
+    core = llm.llm_engine.engine_core.engine_core
+    inner = core.step_fn
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    seen = 0
+    with profile(activities=activities, schedule=schedule(wait=step - 1, warmup=0, active=1, repeat=1),
+                 record_shapes=False) as prof:
+        def step_fn():
+            nonlocal seen
+            out = inner()
+            seen += 1
+            prof.step()
+            return out
+
+        core.step_fn = step_fn
+        try:
+            llm.generate([prompt], sp, use_tqdm=False)
+        finally:
+            core.step_fn = inner
+    if seen < step:
+        print(f"\n(torch profiler: the prompt took {seen} engine steps, fewer than --torch-step {step})")
+        return
+    prof.export_chrome_trace(str(trace))
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"\n-- torch profiler, engine step {step} of the first prompt (trace: {trace})")
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--spec", default="{}", help="ouroboros keys as JSON for the ouroboros run")
     ap.add_argument("--out", type=Path, default=Path("/tmp/ouroboros-profile"))
+    ap.add_argument("--torch-step", type=int, default=0,
+                    help="also record this engine step of the first prompt with the torch profiler")
+    ap.add_argument("--torch-rows", type=int, default=25, help="operators printed for --torch-step")
     args = ap.parse_args()
     import json
 
@@ -74,6 +115,9 @@ def main() -> int:
                   max_num_seqs=1, speculative_config=spec)
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         llm.generate(["def warm_up():"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        if args.torch_step > 0:
+            torch_profile_step(llm, prompts[0], sp, args.torch_step, args.torch_rows,
+                               args.out / f"{name}.step-{args.torch_step}.trace.json")
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()

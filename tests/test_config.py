@@ -42,6 +42,7 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"use_lookahead": "yes"}, "'use_lookahead' must be true or false"),
     ({"gamma": 2.5}, "'gamma' must be an integer"),
     ({"draft_dtype": "int8"}, "'draft_dtype'='int8'"),
+    ({"draft_attention": "flash"}, "'draft_attention'='flash'"),
     ({"draft_cpu_gemm": "mkl"}, "'draft_cpu_gemm'='mkl'"),
     ({"pool_load_path": "/nonexistent/pool.pt"}, "'pool_load_path' '/nonexistent/pool.pt' does not exist"),
     ({"num_suffixes": 4, "gamma": 30, "beta": 8, "window_size": 8},

@@ -52,6 +52,47 @@ def test_compute_bound_backs_off_with_load():
     assert list(_rows([9.0, 1.0, 9.0, 9.0, 2.0])) == [True, False, True, True, False]
 
 
+def test_step_overhead_makes_a_marginal_request_pay():
+    # The engine's own time per step is paid by plain and speculative steps alike: a request
+    # just below break-even on forward times alone pays once it is counted.
+    E = np.array([2.4])  # break-even on these curves: ~2.5 without the overhead, ~2.3 with
+    F = np.full(1, 4.3)
+    assert not cost_model.rows_to_speculate(CPU_TARGET, CPU, 12, E, F, 2).any()
+    assert cost_model.rows_to_speculate(CPU_TARGET, CPU, 12, E, F, 2, step_overhead=0.1).all()
+    # Under load it does not change the answer.
+    E16, F16 = np.full(16, 3.75), np.full(16, 4.3)
+    assert not cost_model.rows_to_speculate(CPU_TARGET, CPU, 12, E16, F16, 2, step_overhead=0.1).any()
+
+
+def test_step_overhead_samples_only_unchanged_decoding_batches():
+    curve = CostCurve((1, 2, 4, 8, 16), (0.3, 0.3, 0.4, 0.5, 0.8))
+    o = cost_model.StepOverhead(curve)
+    o.start(None, 0.0)  # first call: nothing pending
+    # Steps of the same two requests: 0.35 s target forward (5 tokens) + 0.1 s engine.
+    t = 0.0
+    for _ in range(60):
+        o.end(("a", "b"), 5, t)
+        t += curve(5) + 0.1
+        o.start(("a", "b"), t)
+        t += 0.2  # our own drafting: not part of the sample
+    assert abs(o.value - 0.1) < 1e-3 and o.samples == 60
+    # A request joined (its prefill ran in that step), a chunked prefill (key None), an idle
+    # gap before a new batch: no sample.
+    for key_before, key_after in ((("a", "b"), ("a", "b", "c")), (("a", "b"), None), (("a",), ("d",))):
+        o.end(key_before, 5, t)
+        o.start(key_after, t + 30.0)
+    assert o.samples == 60 and abs(o.value - 0.1) < 1e-3
+    # Samples below the curve (its own noise) count as zero, not negative.
+    o.end(("a",), 16, t)
+    o.start(("a",), t + 0.5)
+    assert o.value >= 0 and o.samples == 61
+    # Without a target curve nothing is estimated.
+    none = cost_model.StepOverhead(None)
+    none.end(("a",), 1, 0.0)
+    none.start(("a",), 5.0)
+    assert none.value == 0.0 and none.samples == 0
+
+
 def test_rows_to_speculate_maximises_the_modeled_rate():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -94,6 +135,7 @@ def _proposer(cap=None, slots=16):
     p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
     p._tokens_per_fwd, p._draft_forwards = np.full(slots, 3.75), np.full(slots, 4.3)
     p._probe_gap, p._probe_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
+    p._overhead = cost_model.StepOverhead(CPU_TARGET)
     return p
 
 

@@ -371,6 +371,99 @@ def test_ancestor_bitmask_matches_python_walk():
     assert got == want
 
 
+# ---------------------------------------------------------------------------------------------
+# The draft runtime's attention through the same kernel (draft/attention.masked_attention): slot
+# cache [num_slots, Hkv, max_len, D] as one page per slot, the new-token mask as the bitmask.
+# ---------------------------------------------------------------------------------------------
+def _draft_case(seed):
+    from vllm_ouroboros.draft.attention import build_attention_metadata, write_kv
+
+    rng = random.Random(f"draft-{seed}")
+    g = torch.Generator().manual_seed(seed)
+    hkv, group = rng.randint(1, 2), rng.choice((1, 2, 4, 7))
+    head_dim = rng.choice((16, 32, 64, 80, 128))
+    Q = (1, 2, 7, 17, 34, 64)[seed % 6]
+    B = rng.randint(1, 3) if Q < 34 else 1  # the interpreter's time grows with B * Q
+    num_slots, max_len = B + 2, 100
+    slots = torch.randperm(num_slots, generator=g)[:B]
+    cache_lens = torch.tensor([rng.randint(0, max_len - Q) for _ in range(B)])
+    # Random visibility among the new tokens (not only trees: the lookahead window's mask is
+    # not an ancestor relation), diagonal always on; a density near 0 is padding (self only).
+    new_mask = torch.rand(B, Q, Q, generator=g) < rng.random()
+    new_mask |= torch.eye(Q, dtype=torch.bool)
+    # Finite garbage everywhere: a column read that the mask hides changes the output.
+    k_cache = torch.randn(num_slots, hkv, max_len, head_dim, generator=g)
+    v_cache = torch.randn(num_slots, hkv, max_len, head_dim, generator=g)
+    k, v = (torch.randn(B, Q, hkv, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(B, Q, hkv * group, head_dim, generator=g)
+    # any upper bound is correct (within the cache)
+    max_cache_len = min(int(cache_lens.max()) + rng.randint(0, 5), max_len - Q)
+    metas = {b: build_attention_metadata(slots, cache_lens, new_mask, max_cache_len, backend=b)
+             for b in ("torch", "triton")}
+    write_kv(k_cache, v_cache, k, v, metas["torch"])
+    return q, k_cache, v_cache, metas, head_dim ** -0.5
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_draft_attention_kernel_matches_torch_path(seed):
+    from vllm_ouroboros.draft.attention import masked_attention
+
+    q, k_cache, v_cache, metas, scale = _draft_case(seed)
+    assert metas["triton"].use_kernel and not metas["torch"].use_kernel
+    ref = masked_attention(q, k_cache, v_cache, metas["torch"], scale)
+    args = [t.to(DEVICE) for t in (q, k_cache, v_cache)]
+    meta = metas["triton"]
+    for name in ("slots", "cache_lens", "new_mask", "write_pos"):
+        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    out = masked_attention(*args, meta, scale).cpu()
+    err = (out - ref).abs().max().item()
+    assert err <= 1e-3, f"max abs error {err:.3g}"
+
+
+def test_draft_model_forward_through_kernel(tiny_models):
+    """A whole draft forward (prefill, then a lookahead-shaped masked forward) gives the same
+    hidden states through the kernel as through the torch path."""
+    from vllm_ouroboros.draft.model import DraftModel
+
+    outs = {}
+    for backend in ("torch", "triton"):
+        m = DraftModel.from_pretrained(tiny_models["draft"], dtype=torch.float32, device=DEVICE)
+        m.allocate_cache(3, 96)
+        m.attention_backend = backend
+        g = torch.Generator().manual_seed(0)
+        B, P, Q = 2, 20, 12
+        ids = torch.randint(0, m.vocab_size, (B, P), generator=g)
+        causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
+        mask = (torch.rand(B, Q, Q, generator=g) < 0.4) | torch.eye(Q, dtype=torch.bool)
+        new = torch.randint(0, m.vocab_size, (B, Q), generator=g)
+        slots, zero, lens = (torch.tensor(x, device=DEVICE) for x in ([2, 0], [0, 0], [20, 17]))
+        pre = m.forward(ids.to(DEVICE), torch.arange(P, device=DEVICE).expand(B, P), slots, zero,
+                        causal.to(DEVICE), max_cache_len=0)
+        h = m.forward(new.to(DEVICE), lens[:, None] + torch.arange(Q, device=DEVICE), slots, lens,
+                      mask.to(DEVICE), max_cache_len=P)
+        outs[backend] = (pre.cpu(), h.cpu())
+    for a, b in zip(outs["torch"], outs["triton"]):
+        assert (a - b).abs().max().item() <= 1e-3
+
+
+def test_draft_attention_backend_choice():
+    from vllm_ouroboros.draft.attention import build_attention_metadata
+
+    one = torch.zeros(1, dtype=torch.long)
+    mask = lambda Q: torch.eye(Q, dtype=torch.bool)[None]  # noqa: E731
+    # auto: the torch path for CPU tensors; on CUDA the kernel up to 64 new tokens per row
+    assert not build_attention_metadata(one, one, mask(8), 0).use_kernel
+    if DEVICE == "cuda":
+        c = one.cuda()
+        assert build_attention_metadata(c, c, mask(8).cuda(), 0).use_kernel
+        assert not build_attention_metadata(c, c, mask(65).cuda(), 0).use_kernel
+    assert not build_attention_metadata(one, one, mask(65), 0).use_kernel
+    with pytest.raises(ValueError, match="at most 64"):
+        build_attention_metadata(one, one, mask(65), 0, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        build_attention_metadata(one, one, mask(8), 0, backend="cuda")
+
+
 def test_triton_path_is_active():
     # guards every parity test above: they must have run the kernel, not a fallback
     if DEVICE == "cpu":

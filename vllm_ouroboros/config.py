@@ -72,6 +72,9 @@ class OuroborosConfig:
     # has it (a flatter, lower cost curve, for a prepacked copy of the weights);
     # "torch" keeps F.linear throughout. GPUs always use torch.
     draft_cpu_gemm: str = "auto"
+    # The draft's attention: "auto" runs the Triton tree-attention kernel on CUDA for forwards of
+    # at most 64 new tokens per row (torch SDPA with a dense mask elsewhere); "torch" keeps SDPA.
+    draft_attention: str = "auto"
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16
     # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
@@ -172,6 +175,10 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
     if cfg.draft_cpu_gemm not in ("auto", "torch"):
         raise OuroborosConfigError(
             f"ouroboros: 'draft_cpu_gemm'={cfg.draft_cpu_gemm!r}; use auto or torch"
+        )
+    if cfg.draft_attention not in ("auto", "torch"):
+        raise OuroborosConfigError(
+            f"ouroboros: 'draft_attention'={cfg.draft_attention!r}; use auto or torch"
         )
     if cfg.pool_load_path is not None and not os.path.isfile(cfg.pool_load_path):
         raise OuroborosConfigError(

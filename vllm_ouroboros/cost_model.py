@@ -15,11 +15,14 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
 
   a step with B decoding requests speculates (s tokens each) for the m requests, best first,
   that maximise the modeled rate
-      (B + sum_{i <= m} (E_i - 1)) / (t_target(B + m s) + F t_draft(m n_d))
-  (m = 0 is plain decoding, B / t_target(B)), or for all of them where their extra target
-  tokens are almost free, t_target(B + m s) <= FLAT * t_target(B). E_i: tokens per target
-  forward of request i, F: draft forwards per step (mean of the m), both measured online per
-  request (optimistic priors for a new request); n_d tokens per draft row per forward.
+      (B + sum_{i <= m} (E_i - 1)) / (t_target(B + m s) + c + F t_draft(m n_d))
+  (m = 0 is plain decoding, B / (t_target(B) + c)), or for all of them where their extra target
+  tokens are almost free, t_target(B + m s) + c <= FLAT * (t_target(B) + c). E_i: tokens per
+  target forward of request i, F: draft forwards per step (mean of the m), both measured online
+  per request (optimistic priors for a new request); n_d tokens per draft row per forward; c the
+  engine's own time per step beyond the target forward (scheduling, sampling, output
+  processing), measured online too: every step pays it, so it makes speculation's longer step
+  relatively cheaper (on this CPU ~60-100 ms against a 316 ms one-token forward).
 """
 
 from __future__ import annotations
@@ -112,12 +115,43 @@ def phrase_drafting_pays(curve: CostCurve, lookahead_tokens: int) -> bool:
     return curve.ratio(lookahead_tokens) <= PHRASE_SAVING
 
 
+class StepOverhead:
+    """Running estimate of the engine's time per step beyond the target forward, in seconds.
+
+    The proposer marks the end of each of its calls (`end`, with the tokens the target gets next
+    step) and the start of the next (`start`): in between run the target forward and the rest of
+    vLLM's step. That interval minus t_target(tokens) is one sample, taken only when the batch
+    is unchanged (same requests, no prefill in the step, no idle gap: a new or finished request
+    or a chunked prefill would charge its own work to the overhead)."""
+
+    RATE = 0.2
+
+    def __init__(self, target: CostCurve | None):
+        self.target = target
+        self.value = 0.0
+        self.samples = 0
+        self._pending: tuple[tuple, float, float] | None = None  # (batch key, tokens, time)
+
+    def start(self, batch_key: tuple, now: float) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or self.target is None or pending[0] != batch_key:
+            return
+        sample = now - pending[2] - self.target(pending[1])
+        # A sample below zero is the curve's own noise; clip, so the estimate stays >= 0.
+        self.value += self.RATE * (max(sample, 0.0) - self.value)
+        self.samples += 1
+
+    def end(self, batch_key: tuple, tokens: float, now: float) -> None:
+        self._pending = (batch_key, tokens, now)
+
+
 def rows_to_speculate(target: CostCurve, draft: CostCurve, spec_tokens: float,
                       tokens_per_forward: np.ndarray, draft_forwards: np.ndarray,
-                      draft_row_tokens: float) -> np.ndarray:
+                      draft_row_tokens: float, step_overhead: float = 0.0) -> np.ndarray:
     """Which of a step's B decoding requests should speculate (module docstring).
 
-    tokens_per_forward (E_i >= 1) and draft_forwards (F_i) are [B] per-request estimates.
+    tokens_per_forward (E_i >= 1) and draft_forwards (F_i) are [B] per-request estimates;
+    step_overhead (c, seconds) is the engine's time per step beyond the target forward.
     Returns a bool mask [B]: the m requests with the largest E that maximise the modeled
     tokens per second (ties go to fewer), or all of them where their extra target tokens are
     almost free.
@@ -130,13 +164,13 @@ def rows_to_speculate(target: CostCurve, draft: CostCurve, spec_tokens: float,
         return out
     cand = np.argsort(-E, kind="stable")
     m = np.arange(B + 1)
-    t_plain = target(B)
-    if target(B + B * spec_tokens) <= FLAT * t_plain:
+    t_plain = target(B) + step_overhead
+    if target(B + B * spec_tokens) + step_overhead <= FLAT * t_plain:
         out[:] = True
         return out
     gain = B + np.concatenate([[0.0], np.cumsum(E[cand] - 1)])
     mean_f = np.concatenate([[0.0], np.cumsum(F[cand]) / m[1:]])
-    t = target.at(B + m * spec_tokens) + np.where(m > 0, mean_f * draft.at(np.maximum(m, 1) * draft_row_tokens), 0)
+    t = target.at(B + m * spec_tokens) + step_overhead + np.where(m > 0, mean_f * draft.at(np.maximum(m, 1) * draft_row_tokens), 0)
     best = int(np.argmax(gain / t))
     out[cand[:best]] = True
     return out

@@ -95,6 +95,7 @@ class OuroborosProposer:
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
+        self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
         # Every TP rank drafts the same tokens: the first rank of each engine reports.
         tp = vllm_config.parallel_config.tensor_parallel_size
         first_rank = (not torch.distributed.is_initialized()
@@ -110,6 +111,7 @@ class OuroborosProposer:
         else:
             dtype = _DTYPES[cfg.draft_dtype]
         model = DraftModel.from_pretrained(cfg.draft_model, dtype=dtype, device=self.device)
+        model.attention_backend = cfg.draft_attention
         if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
             from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
 
@@ -131,6 +133,7 @@ class OuroborosProposer:
             logger.info("ouroboros: target forward t(n) (linear layers + LM head): %s ms",
                         ", ".join(f"{n}:{1000 * t:.1f}" for n, t in
                                   zip(self.target_cost.n, self.target_cost.seconds)))
+            self._overhead = cost_model.StepOverhead(self.target_cost)
         lookahead_tokens = 2 + (cfg.window_size + cfg.num_guesses) * cfg.phrase_len
         auto = cost_model.phrase_drafting_pays(self.cost, lookahead_tokens)
         use_lookahead = auto if cfg.use_lookahead is None else cfg.use_lookahead
@@ -336,6 +339,17 @@ class OuroborosProposer:
         e.g. a chunked prefill in progress); its context is token_ids_cpu[i, :num_tokens_no_spec[i]].
         """
         B = len(sampled_token_ids)
+        req_ids = tuple(self._req_ids[:B])
+        # The time since our last call is the target's step: a sample of the engine's overhead
+        # when that step had the same requests, all decoding (cost_model.StepOverhead).
+        decoding = all(len(t) for t in sampled_token_ids)
+        self._overhead.start(req_ids if decoding else None, time.perf_counter())
+        proposals = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
+        return proposals
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        B = len(sampled_token_ids)
         req_ids = self._req_ids[:B]
         self._sync_requests(req_ids)
         n_new = np.fromiter((len(t) for t in sampled_token_ids), np.int64, B)
@@ -419,11 +433,12 @@ class OuroborosProposer:
         E, F = self._tokens_per_fwd[slots], self._draft_forwards[slots]
         n_d = 2 + (rt.W + rt.G) * rt.L
         curves = (self.target_cost, self.cost, self.num_spec_tokens)
-        spec = cost_model.rows_to_speculate(*curves, E, F, n_d)
+        c = self._overhead.value
+        spec = cost_model.rows_to_speculate(*curves, E, F, n_d, c)
         due = ~spec & (self._probe_wait[slots] <= 0)
         if due.any():
             probe = cost_model.rows_to_speculate(
-                *curves, np.where(due, np.maximum(E, self._prior_tokens_per_fwd), E), F, n_d)
+                *curves, np.where(due, np.maximum(E, self._prior_tokens_per_fwd), E), F, n_d, c)
             probing = probe & due
             s = slots[probing]
             self._probe_gap[s] = np.minimum(2 * self._probe_gap[s], MAX_PROBE_GAP)
@@ -444,5 +459,7 @@ class OuroborosProposer:
                                "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))
-                               if self.target_cost is not None else None}
+                               if self.target_cost is not None else None,
+                               "step_overhead_ms": 1000 * self._overhead.value,
+                               "step_overhead_samples": self._overhead.samples}
         return out

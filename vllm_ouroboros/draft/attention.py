@@ -5,8 +5,12 @@ Row b of a forward owns slot slots[b]; its committed prefix is cache indices [0,
 Q new tokens are written (by `write_kv`) at indices cache_lens[b] .. cache_lens[b]+Q-1, a scratch area
 that the caller commits later, or not, by advancing its own cache_lens.
 
-`prefix_and_masked_attention` is the plain-torch reference; a Triton kernel replaces it under the same
-contract. Everything that does not depend on the layer (indices, the dense mask) lives in
+`prefix_and_masked_attention` is the plain-torch path (dense mask, SDPA) and the reference. On CUDA,
+forwards of at most 64 new tokens per row (the lookahead and decode forwards; not long prefills) run
+through the target's tree-attention kernel instead (kernels/tree_attention.py): a slot is one page of
+max_len tokens, the row's new-token mask is its ancestor bitmask, and the kernel reads K/V in place
+where the torch path gathers every row's [0, kv_len) columns. `masked_attention` picks between them.
+Everything that does not depend on the layer (indices, the dense mask or the bitmask) lives in
 `DraftAttentionMetadata`, built once per forward.
 """
 
@@ -28,6 +32,7 @@ class DraftAttentionMetadata:
     new_mask: torch.Tensor  # [B, Q, Q] bool: query j sees new token j' iff new_mask[b, j, j']
     write_pos: torch.Tensor  # [B, Q] int64: cache index of new token j, cache_lens[b] + j
     kv_len: int  # max(cache_lens) + Q: the cache columns [0, kv_len) any row can read
+    use_kernel: bool = False  # masked_attention runs the Triton tree-attention kernel
 
     @functools.cached_property
     def dense_mask(self) -> torch.Tensor:
@@ -44,26 +49,64 @@ class DraftAttentionMetadata:
         sees_new = torch.gather(self.new_mask, 2, rel_idx) & in_new[:, None, :]  # [B, Q, kv_len]
         return ((rel < 0)[:, None, :] | sees_new)[:, None]
 
+    @functools.cached_property
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tree-attention kernel's batch description (kernels/tree_attention.py): block_table
+        [B, 1] int32 (a slot is one page), prefix_lens [B] int32, query_start [B+1] int32 (Q rows
+        each) and tree_mask [B*Q] int64 (bit j' of query j = new_mask[b, j, j']; Q <= 64)."""
+        B, Q, _ = self.new_mask.shape
+        dev = self.new_mask.device
+        bit = torch.ones(Q, dtype=torch.int64, device=dev) << torch.arange(Q, device=dev)
+        # Distinct powers of two: the sum is their OR (bit 63 wraps to the sign, as intended).
+        tree_mask = (self.new_mask.long() * bit).sum(-1).reshape(B * Q)
+        query_start = torch.arange(B + 1, dtype=torch.int32, device=dev) * Q
+        return (self.slots.to(torch.int32)[:, None], self.cache_lens.to(torch.int32), query_start,
+                tree_mask)
+
 
 def build_attention_metadata(
     slots: torch.Tensor,
     cache_lens: torch.Tensor,
     new_mask: torch.Tensor,
     max_cache_len: int | None = None,
+    backend: str = "auto",
 ) -> DraftAttentionMetadata:
     """Shape: slots [B] int64, cache_lens [B] int64, new_mask [B, Q, Q] bool.
 
     max_cache_len: max(cache_lens) if the caller knows it on the host; otherwise it is read from the
     device (one synchronisation). Any value >= max(cache_lens) is correct (the extra columns are masked).
+    backend: "auto" (the Triton kernel on CUDA when Q <= 64, else torch), "torch", or "triton"
+    (the kernel wherever Triton can run it, e.g. its CPU interpreter in tests; Q <= 64).
     """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"draft attention backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     B, Q, Q2 = new_mask.shape
     assert Q == Q2 and slots.shape == (B,) and cache_lens.shape == (B,), (
         slots.shape, cache_lens.shape, new_mask.shape)
     if max_cache_len is None:
         max_cache_len = int(cache_lens.max().item()) if B > 0 else 0
     write_pos = cache_lens[:, None] + torch.arange(Q, device=cache_lens.device)  # [B, Q]
+    if backend == "triton" and Q > MAX_KERNEL_QUERIES:
+        raise ValueError(f"the tree-attention kernel takes at most {MAX_KERNEL_QUERIES} new tokens per "
+                         f"row, got {Q}")
+    use_kernel = backend == "triton" or (
+        backend == "auto" and new_mask.is_cuda and Q <= MAX_KERNEL_QUERIES and _kernel_importable())
     return DraftAttentionMetadata(slots, cache_lens, new_mask.to(torch.bool), write_pos,
-                                  max_cache_len + Q)
+                                  max_cache_len + Q, use_kernel)
+
+
+# The kernel's ancestor bitmask is one int64 per query (kernels/tree_attention.MAX_TREE_NODES).
+MAX_KERNEL_QUERIES = 64
+
+
+@functools.cache
+def _kernel_importable() -> bool:
+    # Imported on first use, not with this module: triton reads TRITON_INTERPRET at import.
+    try:
+        from vllm_ouroboros.kernels import tree_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def write_kv(
@@ -116,3 +159,28 @@ def prefix_and_masked_attention(
         mask = mask[:, :, None].expand(B, 1, G, Q, kv_len).reshape(B, 1, G * Q, kv_len)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
     return out.view(B, Hq, Q, D)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DraftAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """`prefix_and_masked_attention` in token-major layout, through the path `meta` chose.
+
+    Shape: q [B, Q, Hq, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, max_len, D] (one
+           layer); returns [B, Q, Hq, D] in q's dtype.
+    """
+    if not meta.use_kernel:
+        return prefix_and_masked_attention(q.transpose(1, 2), k_cache, v_cache, meta, scale).transpose(1, 2)
+    from vllm_ouroboros.kernels.tree_attention import tree_attention
+
+    B, Q, Hq, D = q.shape
+    block_table, prefix_lens, query_start, tree_mask = meta.kernel_inputs
+    # [num_slots, max_len, Hkv, D] views: a slot is one page of max_len positions.
+    out = tree_attention(q.reshape(B * Q, Hq, D), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                         block_table, prefix_lens, query_start, tree_mask, scale,
+                         max_query_len=Q, backend="triton")
+    return out.view(B, Q, Hq, D)

@@ -23,7 +23,7 @@ from torch import nn
 
 from vllm_ouroboros.draft.attention import (
     build_attention_metadata,
-    prefix_and_masked_attention,
+    masked_attention,
     write_kv,
 )
 
@@ -174,8 +174,8 @@ class DraftLayer(nn.Module):
         q = apply_rope(q.view(B, Q, Hq, D), cos, sin)
         k = apply_rope(k.view(B, Q, Hkv, D), cos, sin)
         write_kv(k_cache, v_cache, k, v.view(B, Q, Hkv, D), meta)
-        o = prefix_and_masked_attention(q.transpose(1, 2), k_cache, v_cache, meta, scale)  # [B, Hq, Q, D]
-        h = h + self.project("o", o.transpose(1, 2).reshape(B, Q, Hq * D))
+        o = masked_attention(q, k_cache, v_cache, meta, scale)  # [B, Q, Hq, D]
+        h = h + self.project("o", o.reshape(B, Q, Hq * D))
         x = rms_norm(h, self.post_norm, self.eps)
         gate, up = self.project("gate_up", x).chunk(2, dim=-1)
         return h + self.project("down", F.silu(gate) * up)
@@ -206,6 +206,9 @@ class DraftModel(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
         self.v_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
         self.head_gemm: Gemm | None = None  # LM head product; F.linear where None
+        # Attention path (draft/attention.build_attention_metadata): "auto" runs the Triton
+        # tree-attention kernel on CUDA for forwards of <= 64 new tokens per row.
+        self.attention_backend = "auto"
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -305,7 +308,8 @@ class DraftModel(nn.Module):
         """
         if self.k_cache is None:
             raise RuntimeError("DraftModel.forward before allocate_cache")
-        meta = build_attention_metadata(slots, cache_lens, new_mask, max_cache_len)
+        meta = build_attention_metadata(slots, cache_lens, new_mask, max_cache_len,
+                                        self.attention_backend)
         freqs = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)

@@ -276,16 +276,18 @@ def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
                  and x["workload"] == "humaneval" and x["temperature"] == 0), None)
     E = base["ouroboros_tokens_per_target_forward"] if base else 4.0
     F = base["draft_forwards"] / max(base["spec"]["num_drafts"], 1) if base else float(cfg.gamma)
+    # The engine's own time per step, as that run's proposer measured it (0 where unknown).
+    c = (base.get("settings") or {}).get("step_overhead_ms", 0.0) / 1000 if base else 0.0
     s = cfg.spec_tokens()
     lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
              "| curves | phrase drafting (t_draft(%d)/t_draft(1)) | largest batch whose requests all speculate "
-             "(E=%.2f, F=%.2f, s=%d) |" % (la, E, F, s), "|---|---|---|"]
+             "(E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) |" % (la, E, F, s, 1000 * c), "|---|---|---|"]
     for name, tc, dc in (("measured (this machine)", mk(t_curve), mk(d_curve)),
                          ("flat (memory-bound)", flat(t_curve), flat(d_curve))):
         on = cost_model.phrase_drafting_pays(dc, la)
         n_d = la if on else 2
         b_max = max([b for b in range(1, 257) if cost_model.rows_to_speculate(
-            tc, dc, s, np.full(b, E), np.full(b, F), n_d).all()], default=0)
+            tc, dc, s, np.full(b, E), np.full(b, F), n_d, c).all()], default=0)
         lines.append(f"| {name} | {'on' if on else 'off'} ({dc.ratio(la):.2f}) | "
                      f"{b_max if b_max < 256 else '>= 256'} |")
     return "\n".join(lines) + "\n"

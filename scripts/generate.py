@@ -27,8 +27,10 @@ CONFIGS = {
     "no-spec": None,
     # Defaults: phrase drafting and back-off under load decided from this device's cost curve.
     "ouroboros": {},
-    # Phrase drafting forced on: Jacobi window + pool guesses, several draft tokens per forward.
-    "ouroboros-phrases": {"use_lookahead": True, "use_guesses": True},
+    # Phrase drafting forced on: Jacobi window + pool guesses, several draft tokens per forward;
+    # speculation pinned on, since on a compute-bound CPU the back-off declines nearly every such
+    # step (a 34-token draft forward costs ~5 one-token ones), which would measure nothing.
+    "ouroboros-phrases": {"use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64},
     # Phrase drafting off: no Jacobi window, no pool guesses -> one draft token per forward.
     "ouroboros-no-phrases": {"use_lookahead": False, "use_guesses": False},
     # No n-grams of the confirmed text in the pool: the paper's pool sources only.

@@ -182,7 +182,7 @@ class OuroborosProposer:
             self.save_pool()
 
     # ---- request lifetime -------------------------------------------------------------------
-    def _sync_requests(self, req_ids: list[str]) -> None:
+    def _sync_requests(self, req_ids) -> None:
         """Give new requests a slot; release the slots (and pool ownership) of finished ones."""
         live = set(req_ids)
         gone = [r for r in self._slot_of if r not in live]
@@ -344,13 +344,13 @@ class OuroborosProposer:
         # when that step had the same requests, all decoding (cost_model.StepOverhead).
         decoding = all(len(t) for t in sampled_token_ids)
         self._overhead.start(req_ids if decoding else None, time.perf_counter())
-        proposals = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        proposals = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
         return proposals
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        B = len(sampled_token_ids)
-        req_ids = self._req_ids[:B]
+    def _propose(self, req_ids: tuple[str, ...], sampled_token_ids, num_tokens_no_spec,
+                 token_ids_cpu) -> list[list[int]]:
+        B = len(req_ids)
         self._sync_requests(req_ids)
         n_new = np.fromiter((len(t) for t in sampled_token_ids), np.int64, B)
         rows = np.nonzero(n_new)[0]

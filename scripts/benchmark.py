@@ -58,8 +58,11 @@ def methods(draft: Path) -> dict[str, dict | None]:
         # step (a 34-token draft forward costs ~5 one-token ones), which would measure nothing.
         "ouroboros-phrases": {**o, "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64},
         "ouroboros-no-phrases": {**o, "use_lookahead": False, "use_guesses": False},
+        # Defaults send the suffix only where its measured acceptance pays for its target tokens;
+        # these send them at every step: K = 1 (a chain), K = 3 (a token tree).
         "ouroboros-no-suffix": {**o, "use_suffixes": False},
-        "ouroboros-k3": {**o, "num_suffixes": 3},
+        "ouroboros-k1": {**o, "use_suffixes": True},
+        "ouroboros-k3": {**o, "num_suffixes": 3, "use_suffixes": True},
         "ouroboros-no-inspiration": {**o, "use_inspiration": False},
         "ouroboros-no-refinement": {**o, "use_refinement": False},
         "ouroboros-no-warm-start": {**o, "warm_start": False},
@@ -67,8 +70,12 @@ def methods(draft: Path) -> dict[str, dict | None]:
     }
 
 
-ABLATIONS = {"ouroboros-phrases", "ouroboros-no-phrases", "ouroboros-no-suffix", "ouroboros-k3", "ouroboros-no-inspiration",
-             "ouroboros-no-refinement", "ouroboros-no-warm-start", "ouroboros-no-context"}
+# Run in the full table (the mechanisms). "ouroboros-no-context" (pool phrases from the
+# confirmed text off) runs when --methods names it: the full table must stay under an hour here.
+ABLATIONS = {"ouroboros-phrases", "ouroboros-no-phrases", "ouroboros-no-suffix", "ouroboros-k1", "ouroboros-k3",
+             "ouroboros-no-inspiration", "ouroboros-no-refinement", "ouroboros-no-warm-start"}
+EXTRA = {"ouroboros-no-context"}  # one cell, only when named
+ONE_CELL = ABLATIONS | EXTRA
 
 
 def cells(quick: bool) -> list[tuple[str, int, float]]:
@@ -129,6 +136,8 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
                 s = diff(snap, s0)
                 row["draft_forwards"] = s["draft_forwards"]
                 row["backoff_steps"] = s["backoff_steps"]
+                for k in ("target_forwards", "suffix_accepted", "suffix_skipped"):
+                    row[k] = s[k]
                 row["ouroboros_tokens_per_target_forward"] = (
                     (s["accepted_tokens"] + s["target_forwards"]) / max(s["target_forwards"], 1))
                 # The same steps with suffix 0 only (what chain verification would have taken).
@@ -279,17 +288,24 @@ def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     # The engine's own time per step, as that run's proposer measured it (0 where unknown).
     c = (base.get("settings") or {}).get("step_overhead_ms", 0.0) / 1000 if base else 0.0
     s = cfg.spec_tokens()
+    # Suffix tokens accepted per step where the suffix went at every step (the K = 1 row).
+    k1 = next((x for x in rows if x["method"] == "ouroboros-k1"), None)
+    a = k1["suffix_accepted"] / max(k1["target_forwards"], 1) if k1 else 0.5 * cfg.phrase_len
     lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
              "| curves | phrase drafting (t_draft(%d)/t_draft(1)) | largest batch whose requests all speculate "
-             "(E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) |" % (la, E, F, s, 1000 * c), "|---|---|---|"]
+             "(E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) | one request sends its suffix (%d tokens, "
+             "a=%.2f accepted per step) |" % (la, E, F, s, 1000 * c, cfg.phrase_len, a), "|---|---|---|---|"]
     for name, tc, dc in (("measured (this machine)", mk(t_curve), mk(d_curve)),
                          ("flat (memory-bound)", flat(t_curve), flat(d_curve))):
         on = cost_model.phrase_drafting_pays(dc, la)
         n_d = la if on else 2
         b_max = max([b for b in range(1, 257) if cost_model.rows_to_speculate(
             tc, dc, s, np.full(b, E), np.full(b, F), n_d, c).all()], default=0)
+        n = 1 + cfg.gamma  # the step's target tokens without the suffix
+        sfx = cost_model.rows_sending_suffixes(tc, n, np.array([cfg.phrase_len]), E - a, np.array([a]),
+                                               F * dc(n_d) + c)[0]
         lines.append(f"| {name} | {'on' if on else 'off'} ({dc.ratio(la):.2f}) | "
-                     f"{b_max if b_max < 256 else '>= 256'} |")
+                     f"{b_max if b_max < 256 else '>= 256'} | {'yes' if sfx else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,7 +358,7 @@ def main() -> int:
     target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
     draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
     all_methods = methods(draft)
-    names = list(all_methods) if not args.methods else ["no-spec"] + [
+    names = [n for n in all_methods if n not in EXTRA] if not args.methods else ["no-spec"] + [
         m for m in args.methods.split(",") if m != "no-spec"]
     if args.quick and not args.methods:  # ablations named in --methods still run (one cell each)
         names = [n for n in names if n not in ABLATIONS]
@@ -356,13 +372,14 @@ def main() -> int:
     header = (f"Command: `{command}` at commit {rev}\n\nTarget {target.name}, draft {draft.name}, {args.max_tokens} tokens per "
               f"request, float32, greedy unless temp > 0. Cells per method: main methods {plan}; ablations "
               f"(humaneval, 1, 0.0). Prompt counts: 3 at concurrency 1, else = concurrency (reduced to fit "
-              f"one hour on 2 CPU cores). K = 1 is the default; K = 3 verifies a token tree.")
+              f"one hour on 2 CPU cores). Defaults send K = 1 suffix where its measured acceptance pays for "
+              f"its target tokens; the K = 1 and K = 3 rows send them at every step (K = 3: a token tree).")
     print(header.replace("\n\n", "\n"), flush=True)
-    total = sum(1 if n in ABLATIONS else len(plan) for n in names)
+    total = sum(1 if n in ONE_CELL else len(plan) for n in names)
     rows = []
     with tqdm(total=total, desc="cells") as progress:
         for name in names:
-            cell_plan = [("humaneval", 1, 0.0)] if name in ABLATIONS else plan
+            cell_plan = [("humaneval", 1, 0.0)] if name in ONE_CELL else plan
             rows += run_method(name, all_methods[name], workloads, cell_plan, args.max_tokens,
                                target, 16, progress)
     args.out.parent.mkdir(parents=True, exist_ok=True)

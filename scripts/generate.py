@@ -35,9 +35,11 @@ CONFIGS = {
     "ouroboros-no-phrases": {"use_lookahead": False, "use_guesses": False},
     # No n-grams of the confirmed text in the pool: the paper's pool sources only.
     "ouroboros-no-context": {"use_context_phrases": False},
-    # K candidate suffixes verified as one token tree in the same target forward.
-    "ouroboros-k2": {"num_suffixes": 2},
-    "ouroboros-k3": {"num_suffixes": 3},
+    # K candidate suffixes verified as one token tree in the same target forward, sent at every
+    # step (the defaults send K = 1 only where its measured acceptance pays for its tokens).
+    "ouroboros-k1": {"use_suffixes": True},
+    "ouroboros-k2": {"num_suffixes": 2, "use_suffixes": True},
+    "ouroboros-k3": {"num_suffixes": 3, "use_suffixes": True},
 }
 
 

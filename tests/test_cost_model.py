@@ -14,6 +14,10 @@ CPU_TARGET = CostCurve((1, 2, 4, 8, 16, 32, 64, 128),
                        (0.403, 0.434, 0.424, 0.479, 0.573, 0.829, 1.271, 2.257))
 
 
+# The target's curve on this repository's current CPU machine (full benchmark at 056db21).
+CPU_NOW_TARGET = CostCurve((1, 2, 4, 8, 16, 32), (0.273, 0.284, 0.356, 0.514, 0.798, 1.342))
+
+
 def test_curve_interpolates_and_extrapolates_linearly():
     c = CostCurve((1, 2, 4), (1.0, 2.0, 2.0))
     assert c(0) == 1.0 and c(1.5) == 1.5 and c(3) == 2.0
@@ -122,11 +126,64 @@ def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread):
     assert all(b >= a > 0 for a, b in zip(c.seconds, c.seconds[1:]))
 
 
+def test_curve_measurement_stops_where_agree_says():
+    """Under tensor parallelism every rank times the target's collectives together, so the
+    points measured follow agree() (the first rank's decision), not this process's timings."""
+    def timer_at(n):
+        return lambda: 1e-3 * n  # alone: stops after n = 4 (t(4) > STOP_RATIO t(1))
+
+    assert cost_model.measure_curve(timer_at, 64, reps=1).n == (1, 2, 4)
+    assert cost_model.measure_curve(timer_at, 64, reps=1, agree=lambda go: True).n == (1, 2, 4, 8, 16, 32, 64)
+    first_rank = iter([True, True, False])
+    assert cost_model.measure_curve(timer_at, 64, reps=1, agree=lambda go: next(first_rank)).n == (1, 2)
+
+
+def _suffixes(curve, gain, tokens=4, E=4.2, draft_s=0.48, overhead=0.04):
+    gain = np.atleast_1d(np.asarray(gain, float))
+    R = len(gain)
+    tokens = np.broadcast_to(np.asarray(tokens, float), (R,))
+    return cost_model.rows_sending_suffixes(curve, R * 5, tokens, R * E - gain.sum(), gain,
+                                            draft_s + overhead)
+
+
+def test_suffixes_sent_where_their_acceptance_pays():
+    # The real pair at one request on this CPU (056db21, K = 1 sent at every step): 4 suffix
+    # tokens took a 5-token forward to 9 (+40%) and added ~0.2 accepted tokens per step.
+    assert not _suffixes(CPU_NOW_TARGET, 0.2).any()
+    assert _suffixes(CPU_NOW_TARGET, 2.0).all()
+    # Rows are judged by their own gain; a row with no suffix never sends one.
+    assert list(_suffixes(CPU_NOW_TARGET, [0.1, 3.0])) == [False, True]
+    assert list(_suffixes(CPU_NOW_TARGET, [3.0, 3.0], tokens=[0, 4])) == [False, True]
+    # On a flat curve they cost nothing: sent whatever they gained (refinement learns from them).
+    assert _suffixes(FLAT, [0.0, 0.2]).all()
+
+
+def test_suffix_decisions_probe_and_count():
+    """A request whose suffixes do not pay sends them again after PROBE_GAP steps, the gap
+    doubling while probes find them still poor; skipped steps are counted."""
+    from vllm_ouroboros.proposer import MAX_PROBE_GAP, PROBE_GAP
+
+    p = _proposer()
+    p.target_cost = CPU_NOW_TARGET
+    p._suffix_gain[:2] = (0.1, 3.0)
+    one = np.array([4])
+    decide = lambda: p._send_suffixes(np.arange(1), one, np.array([4]), 1, 0.48)  # noqa: E731
+    sent = [bool(decide()[0]) for _ in range(6 * MAX_PROBE_GAP)]
+    probes = np.nonzero(sent)[0]
+    gaps = np.diff(np.concatenate([[-1], probes])) - 1
+    assert list(gaps[:3]) == [PROBE_GAP, 2 * PROBE_GAP, 4 * PROBE_GAP] and gaps.max() == MAX_PROBE_GAP
+    assert p.stats.snapshot()["suffix_skipped"] == len(sent) - len(probes)
+    # Per request: the one whose suffixes accept well sends them beside the poor one.
+    p._suffix_wait[:] = PROBE_GAP
+    assert list(p._send_suffixes(np.arange(2), np.array([4, 4]), np.array([4, 4]), 2, 0.48)) == [False, True]
+
+
 def _proposer(cap=None, slots=16):
     """An OuroborosProposer reduced to what its per-step decision reads."""
     from types import SimpleNamespace
 
     from vllm_ouroboros.config import OuroborosConfig
+    from vllm_ouroboros.metrics import OuroborosStats
     from vllm_ouroboros.proposer import PROBE_GAP, OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
@@ -136,6 +193,9 @@ def _proposer(cap=None, slots=16):
     p._tokens_per_fwd, p._draft_forwards = np.full(slots, 3.75), np.full(slots, 4.3)
     p._probe_gap, p._probe_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     p._overhead = cost_model.StepOverhead(CPU_TARGET)
+    p.stats = OuroborosStats(slots)
+    p._base_tokens, p._suffix_gain = np.full(slots, 7.0), np.full(slots, 2.0)
+    p._suffix_gap, p._suffix_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     return p
 
 

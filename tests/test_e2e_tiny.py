@@ -113,7 +113,7 @@ def runs(scenario, tiny_models, pool_file):
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
             "pool_save_path": str(pool_file), "use_lookahead": True, "use_guesses": True,
-            "max_speculative_batch": 64}
+            "max_speculative_batch": 64, "use_suffixes": True}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec, extra)
     return base, ours, snaps
 
@@ -123,7 +123,7 @@ def tree_run(request, scenario, tiny_models):
     # K = 2 also backs off under load: no speculation while more than 8 requests decode, so the
     # draft catches up on skipped tokens when speculation resumes. K = 3 speculates throughout.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": request.param,
-            "use_lookahead": True, "use_guesses": True,
+            "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
             "max_speculative_batch": 8 if request.param == 2 else 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
     return request.param, ours, snaps

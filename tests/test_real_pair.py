@@ -38,7 +38,8 @@ def rows():
     prompts = gen.humaneval_prompts(5)
     # Mechanism checks: phrase drafting forced on and no back-off under load, so every config
     # speculates at every step whatever this machine's cost curve says.
-    pinned = {"use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
+    pinned = {"use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64,
+              "use_suffixes": True}
     out = [gen.run_config(name, None if name == "no-spec" else {**pinned, **gen.CONFIGS[name]},
                           prompts, 64, 5, target, draft)
            for name in ("no-spec", "ouroboros", "ouroboros-no-phrases", "ouroboros-k2",
@@ -95,7 +96,7 @@ def test_serve_token_tree_identical(rows):
     target, draft = root / "qwen2.5-coder-1.5b-instruct", root / "qwen2.5-coder-0.5b-instruct"
     prompts = gen.humaneval_prompts(5)
     spec = ('{"method": "ouroboros", "model": "%s", "num_suffixes": 3, "use_lookahead": true, '
-            '"use_guesses": true, "max_speculative_batch": 64}' % draft)
+            '"use_guesses": true, "max_speculative_batch": 64, "use_suffixes": true}' % draft)
     results = []
     for extra in ((), ("--speculative-config", spec)):
         with serve(target, "--max-num-seqs", "5", *extra, timeout=600) as base:

@@ -83,7 +83,7 @@ def samples(tiny_models):
     # requests get past the draft into the suffixes often enough to test them.
     spec = {"method": "ouroboros", "model": str(tiny_models["target"]), "num_suffixes": 3,
             "gamma": 1, "beta": 3, "use_lookahead": True, "use_guesses": True,
-            "max_speculative_batch": 1024}
+            "max_speculative_batch": 1024, "use_suffixes": True}
     tree, snap = sample(tiny_models["target"], spec, (T,))
     return base, tree[T], snap
 

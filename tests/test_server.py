@@ -125,7 +125,8 @@ def test_serve_token_tree_k3(tiny_models, expected):
     """K = 3 suffixes verified as one token tree through the server (with logprobs requested,
     which the tree walk serves itself): same tokens, text and finish reasons."""
     target, draft = tiny_models["target"], tiny_models["draft"]
-    spec = json.dumps({"method": "ouroboros", "model": str(draft), "num_suffixes": 3})
+    spec = json.dumps({"method": "ouroboros", "model": str(draft), "num_suffixes": 3,
+                       "use_suffixes": True})
     with serve(target, "--speculative-config", spec) as base:
         got = [complete(base, target, p) for p in PROMPTS]
         text = metrics(base)

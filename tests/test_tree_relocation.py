@@ -67,7 +67,7 @@ def setting(tiny_models, tmp_path_factory):
     spec = {"method": "ouroboros", "model": str(target), "num_suffixes": K, "window_size": W,
             "pool_load_path": str(path), "use_inspiration": False, "use_refinement": False,
             "use_context_phrases": False, "use_lookahead": True, "use_guesses": True,
-            "max_speculative_batch": 1024}
+            "max_speculative_batch": 1024, "use_suffixes": True}
     return target, base, spec
 
 

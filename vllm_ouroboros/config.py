@@ -59,7 +59,10 @@ class OuroborosConfig:
     # None = decided per step and request from the device's cost curves and each request's
     # acceptance (cost_model.rows_to_speculate).
     max_speculative_batch: int | None = None
-    use_suffixes: bool = True
+    # Candidate suffixes sent to the target: None = per step and request, where their measured
+    # acceptance pays for their target tokens on this device (cost_model.rows_sending_suffixes);
+    # true = always (K of them, as num_suffixes says); false = never (the draft alone).
+    use_suffixes: bool | None = None
     use_inspiration: bool = True
     use_refinement: bool = True
     # Phrases from the confirmed text itself (prompt + accepted tokens), see feedback.py.
@@ -93,7 +96,7 @@ class OuroborosConfig:
     @property
     def tree_suffixes(self) -> int:
         """Suffixes sent per round: K with the tree path, else at most the best one."""
-        if not self.use_suffixes:
+        if self.use_suffixes is False:
             return 0
         return self.num_suffixes if self.tree_verification else min(self.num_suffixes, 1)
 
@@ -126,7 +129,7 @@ _INT_RANGES = {
     "max_speculative_batch": (1, None),
 }
 _OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch"}  # None = derived / auto
-_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses"}  # None = decided at load
+_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_suffixes"}  # None = decided on the device
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
               if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}

@@ -29,6 +29,7 @@ COUNTERS = {
     "prefill_forwards": "Draft prefill forwards summed over requests",
     "rounds": "Drafting rounds (propose calls that drafted)",
     "backoff_steps": "Request-steps decoded without a draft: speculation would not pay (load or low acceptance)",
+    "suffix_skipped": "Request-steps whose draft went without its candidate suffixes: they would not pay",
     "target_forwards": "Target verification steps that carried an ouroboros draft, per request",
     "drafted_tokens": "Tokens sent to the target for verification (draft + suffix)",
     "accepted_tokens": "Drafted tokens the target accepted",

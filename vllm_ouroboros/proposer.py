@@ -26,6 +26,7 @@ from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.metrics import OuroborosStats
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
+from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -96,16 +97,34 @@ class OuroborosProposer:
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
-        # Every TP rank drafts the same tokens: the first rank of each engine reports.
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        first_rank = (not torch.distributed.is_initialized()
-                      or torch.distributed.get_rank() % tp == 0)
-        self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if first_rank else None)
+        # Suffixes on auto (cost_model.rows_sending_suffixes): per request, running means of the
+        # tokens a step gives from the draft alone (+1) and of those its suffixes add when sent;
+        # a new request starts from the mean over all requests (optimistic before any), and one
+        # whose suffixes are off sends them again as a probe (same gaps as the back-off).
+        self._base_tokens = np.full(self.max_slots, self._prior_tokens_per_fwd)
+        self._suffix_gain_all = 0.5 * self.cfg.phrase_len
+        self._suffix_gain = np.full(self.max_slots, self._suffix_gain_all)
+        self._suffix_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
+        self._suffix_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
+        # Under tensor parallelism the first rank of the group drafts and the others take its
+        # proposals (patches/distributed.py); it alone reports.
+        self._tp = TensorParallel.current()
+        self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if self._tp.leads else None)
 
     # ---- set-up ------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
-        """Load the draft and allocate its KV and the pool (inside vLLM's memory profiling)."""
+        """Load the draft and allocate its KV and the pool (inside vLLM's memory profiling).
+        A TP rank other than the first loads nothing: it only joins the collectives of the
+        target's cost curve."""
         cfg = self.cfg
+        if not self._tp.leads:
+            if target_model is not None:
+                from vllm_ouroboros.patches.target_cost import measure_target_curve
+
+                measure_target_curve(target_model, 256, agree=self._tp.agree)
+            logger.info("ouroboros: TP rank %d of %d takes the first rank's drafts (no draft "
+                        "model loaded here)", self._tp.rank, self._tp.size)
+            return
         if cfg.draft_dtype == "auto":
             dtype = self.vllm_config.model_config.dtype
         else:
@@ -125,7 +144,7 @@ class OuroborosProposer:
         if target_model is not None:
             from vllm_ouroboros.patches.target_cost import measure_target_curve
 
-            self.target_cost = measure_target_curve(target_model, 256)
+            self.target_cost = measure_target_curve(target_model, 256, agree=self._tp.agree)
             if self.target_cost is None:  # same shape as the draft's, scaled by the size ratio
                 r = sum(p.numel() for p in model.parameters()) / max(
                     sum(p.numel() for p in target_model.parameters()), 1)
@@ -188,9 +207,11 @@ class OuroborosProposer:
         gone = [r for r in self._slot_of if r not in live]
         if gone:
             slots = [self._slot_of.pop(r) for r in gone]
-            self.pool.release(torch.tensor(slots, dtype=torch.long, device=self.device))
+            if self.pool is not None:  # None on a TP rank that follows the first
+                self.pool.release(torch.tensor(slots, dtype=torch.long, device=self.device))
             for s in slots:
-                self.runtime.reset_slot(s)
+                if self.runtime is not None:
+                    self.runtime.reset_slot(s)
                 self.stats.finish(s)
                 self._last_suffix_len[s] = 0
                 self._last_main[s] = self._ctx_seen[s] = 0
@@ -202,6 +223,9 @@ class OuroborosProposer:
                 self._tokens_per_fwd[slot] = self._prior_tokens_per_fwd
                 self._draft_forwards[slot] = self.cfg.gamma
                 self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
+                self._base_tokens[slot] = self._prior_tokens_per_fwd
+                self._suffix_gain[slot] = self._suffix_gain_all
+                self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
     # ---- tree verification switches (set by the runner patches) --------------------------
     def set_tree_available(self, ok: bool) -> None:
@@ -261,6 +285,13 @@ class OuroborosProposer:
         sel = np.nonzero(ok)[0]
         s = slots[sel]
         self._tokens_per_fwd[s] += ESTIMATE_RATE * (num_acc[sel] + 1 - self._tokens_per_fwd[s])
+        self._base_tokens[s] += ESTIMATE_RATE * (
+            np.minimum(num_acc[sel], n[sel]) + 1 - self._base_tokens[s])
+        sent = slen[sel].sum(1) > 0
+        if sent.any():  # suffix tokens accepted in a step that sent them (0 if the draft failed)
+            gain = np.maximum(num_acc[sel] - n[sel], 0)[sent]
+            self._suffix_gain[s[sent]] += ESTIMATE_RATE * (gain - self._suffix_gain[s[sent]])
+            self._suffix_gain_all += ESTIMATE_RATE * (gain.mean() - self._suffix_gain_all)
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
 
@@ -340,12 +371,27 @@ class OuroborosProposer:
         """
         B = len(sampled_token_ids)
         req_ids = tuple(self._req_ids[:B])
+        if not self._tp.leads:
+            return self._follow(req_ids)
         # The time since our last call is the target's step: a sample of the engine's overhead
         # when that step had the same requests, all decoding (cost_model.StepOverhead).
         decoding = all(len(t) for t in sampled_token_ids)
         self._overhead.start(req_ids if decoding else None, time.perf_counter())
         proposals = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
+        if self._tp.size > 1:
+            self._tp.share((proposals, *self.layouts(req_ids)))
+        return proposals
+
+    def _follow(self, req_ids: tuple[str, ...]) -> list[list[int]]:
+        """A TP rank other than the first: the first rank's proposals, and what it records of
+        them for the next step's tree (layouts()), so that every rank builds the same tree."""
+        self._sync_requests(req_ids)
+        proposals, n, sl = self._tp.share(None)
+        slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
+        known = slots >= 0
+        self._last_main[slots[known]] = n[known]
+        self._last_suffix_len[slots[known]] = sl[known]
         return proposals
 
     def _propose(self, req_ids: tuple[str, ...], sampled_token_ids, num_tokens_no_spec,
@@ -373,7 +419,9 @@ class OuroborosProposer:
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
+        t_draft = time.perf_counter()
         out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
+        t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
         # path is on, else the best one), within the token cap, in flat order.
@@ -387,6 +435,9 @@ class OuroborosProposer:
         lens = np.where(np.take_along_axis(valid, order, axis=1), L, 0)
         before = np.cumsum(lens, axis=1) - lens
         lens = np.clip(cap - n_main[:, None] - before, 0, lens)
+        if self.cfg.use_suffixes is None and lens.any():
+            send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft)
+            lens[~send] = 0
         total = n_main + lens.sum(1)
         Dd = out.drafts.shape[1]
         src_mat = np.concatenate([out.drafts, sfx.reshape(R, K * L)], axis=1)
@@ -449,6 +500,31 @@ class OuroborosProposer:
         self._probe_wait[off] -= 1
         return spec
 
+    def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
+                       batch: int, draft_seconds: float) -> np.ndarray:
+        """Which drafting requests (by slot, [R]) send their candidate suffixes this step, as a
+        bool mask [R] (cost_model.rows_sending_suffixes, from their own estimates; a request
+        whose suffixes stayed off sends them again every few steps, gap doubling, to measure).
+        n_main [R]: draft tokens per row; suffix_tokens [R]: suffix tokens per row; batch: the
+        step's requests (plain rows give one token each); draft_seconds: this step's drafting."""
+        if self.target_cost is None:
+            return suffix_tokens > 0
+        base = self._base_tokens[slots].sum() + (batch - len(slots))
+        send = cost_model.rows_sending_suffixes(
+            self.target_cost, batch + n_main.sum(), suffix_tokens, base, self._suffix_gain[slots],
+            draft_seconds + self._overhead.value)
+        has = suffix_tokens > 0
+        due = has & ~send & (self._suffix_wait[slots] <= 0)
+        skipped = has & ~send & ~due
+        s = slots[due]
+        self._suffix_gap[s] = np.minimum(2 * self._suffix_gap[s], MAX_PROBE_GAP)
+        self._suffix_wait[s] = self._suffix_gap[s]
+        on, off = slots[send], slots[skipped]
+        self._suffix_gap[on] = self._suffix_wait[on] = PROBE_GAP
+        self._suffix_wait[off] -= 1
+        self.stats.add(off, suffix_skipped=np.ones_like(off))
+        return send | due
+
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""
         pool = self.pool.stats() if self.pool is not None else None
@@ -461,5 +537,6 @@ class OuroborosProposer:
                                    1000 * t for t in self.target_cost.seconds)))
                                if self.target_cost is not None else None,
                                "step_overhead_ms": 1000 * self._overhead.value,
-                               "step_overhead_samples": self._overhead.samples}
+                               "step_overhead_samples": self._overhead.samples,
+                               "suffix_gain_mean": self._suffix_gain_all}
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -21,10 +22,13 @@ from vllm_ouroboros.cost_model import CostCurve, measure_curve
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def measure_target_curve(target_model, max_tokens: int, reps: int = 3) -> CostCurve | None:
+def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
+                         agree: Callable[[bool], bool] = bool) -> CostCurve | None:
     """t_target(n) in seconds (cost_model.measure_curve; fastest of `reps` matters most here:
     one layer's time is multiplied by the layer count), or None (logged) where the model's
-    layout is not the usual `model.layers[i]` with vLLM linear modules."""
+    layout is not the usual `model.layers[i]` with vLLM linear modules. Under tensor parallelism
+    every rank must call this (the row-parallel layers all-reduce) with `agree` taking the first
+    rank's decision to go on (patches/distributed.TensorParallel.agree)."""
     try:
         from vllm.model_executor.layers.linear import LinearBase
 
@@ -65,7 +69,7 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3) -> CostCu
                 return layer * len(layers) + time.perf_counter() - t0
             return run
 
-        return measure_curve(timer_at, max_tokens, reps)
+        return measure_curve(timer_at, max_tokens, reps, agree)
     except Exception as e:  # any unexpected layout: the back-off falls back to the draft's curve
         logger.info("ouroboros: target cost curve not measured (%s); back-off uses the draft's "
                     "curve scaled by the parameter ratio", e)

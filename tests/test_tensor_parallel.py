@@ -1,0 +1,68 @@
+"""Tensor parallelism in the real engine: two TP ranks on this CPU (vLLM's multiprocessing
+executor, gloo), tiny models, the token tree on (K = 3).
+
+Under TP each rank runs its own proposer and builds the target's tree from it; the first rank
+drafts and hands its proposals and their layouts to the other (patches/distributed.py), so the
+ranks cannot disagree on a tree even where decisions come from timings. Greedy output must equal
+the same TP engine without speculation, and the second rank must have drafted nothing itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+TEXT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+        "The quick brown fox jumps over the lazy dog while the small model drafts tokens. ")
+PROMPTS = [(TEXT * 4)[i * 13: i * 13 + c] for i, c in enumerate([5, 40, 120, 260, 17, 90])]
+
+
+def run_tp2(target, spec):
+    """Greedy outputs of a TP = 2 engine and, with speculation, each rank's counters."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+              max_num_seqs=8, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=24 + 8 * i)
+                                      for i in range(len(PROMPTS))], use_tqdm=False)
+        snaps = llm.collective_rpc("ouroboros_snapshot") if spec else None
+        return [list(o.outputs[0].token_ids) for o in outs], snaps
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def tp_env():
+    """One core per rank: vLLM's CPU workers bind their OpenMP threads per rank."""
+    n = os.cpu_count() or 2
+    if n < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores, one per rank")
+    h = n // 2
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"0-{h - 1}|{h}-{n - 1}")
+    yield
+    mp.undo()
+
+
+def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models):
+    base, _ = run_tp2(tiny_models["target"], None)
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
+            "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64,
+            "use_suffixes": True}
+    ours, snaps = run_tp2(tiny_models["target"], spec)
+    for i, (b, o) in enumerate(zip(base, ours)):
+        assert o == b, f"request {i}: TP = 2 with ouroboros differs from TP = 2 without"
+    first, second = snaps
+    print(f"rank 0: {first['draft_forwards']} draft forwards, {first['accepted_tokens']} tokens "
+          f"accepted, {first['tree_suffix_accepted']} from suffixes k >= 1; rank 1: "
+          f"{second['draft_forwards']} draft forwards")
+    assert first["draft_forwards"] > 0 and first["accepted_tokens"] > 0
+    assert first["tree_suffix_accepted"] > 0, "no tree branch other than the first was accepted"
+    # The second rank loaded no draft and ran none: its trees came from the first rank's layouts.
+    assert second["draft_forwards"] == 0 and "settings" not in second and "pool" not in second

@@ -28,7 +28,7 @@ def run_tp2(target, spec):
     llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
               max_num_seqs=8, tensor_parallel_size=2, speculative_config=spec)
     try:
-        outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=24 + 8 * i)
+        outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=48 + 8 * i)
                                       for i in range(len(PROMPTS))], use_tqdm=False)
         snaps = llm.collective_rpc("ouroboros_snapshot") if spec else None
         return [list(o.outputs[0].token_ids) for o in outs], snaps

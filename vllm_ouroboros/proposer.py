@@ -291,7 +291,7 @@ class OuroborosProposer:
         if sent.any():  # suffix tokens accepted in a step that sent them (0 if the draft failed)
             gain = np.maximum(num_acc[sel] - n[sel], 0)[sent]
             self._suffix_gain[s[sent]] += ESTIMATE_RATE * (gain - self._suffix_gain[s[sent]])
-            self._suffix_gain_all += ESTIMATE_RATE * (gain.mean() - self._suffix_gain_all)
+            self._suffix_gain_all += ESTIMATE_RATE * (float(gain.mean()) - self._suffix_gain_all)
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
 
@@ -538,5 +538,5 @@ class OuroborosProposer:
                                if self.target_cost is not None else None,
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
-                               "suffix_gain_mean": self._suffix_gain_all}
+                               "suffix_gain_mean": float(self._suffix_gain_all)}
         return out

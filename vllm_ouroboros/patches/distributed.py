@@ -54,6 +54,4 @@ class TensorParallel:
 
     def agree(self, decision: bool) -> bool:
         """The first rank's boolean decision on every rank (each passes its own)."""
-        if self.size == 1:
-            return decision
-        return bool(self._group.broadcast_object(bool(decision), src=0))
+        return bool(self.share(bool(decision)))

@@ -87,15 +87,11 @@ class OuroborosProposer:
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
         # Back-off (cost_model.rows_to_speculate): both cost curves, measured at load, and per
         # request running means of what a step gives (tokens per target forward) and costs
-        # (draft forwards); one hard request does not stop the others. A new request starts
-        # from the means over the requests verified so far (the optimistic prior before any):
-        # under a load where speculation does not pay for a typical request, new ones start
-        # off instead of each paying a few drafted steps to find out (probes still come).
+        # (draft forwards). Optimistic priors, so that a request starts by speculating and
+        # measures; one hard request does not stop the others.
         self.cost: cost_model.CostCurve | None = None  # the draft's
         self.target_cost: cost_model.CostCurve | None = None
         self._prior_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
-        self._tokens_per_fwd_all = self._prior_tokens_per_fwd
-        self._draft_forwards_all = float(self.cfg.gamma)
         self._tokens_per_fwd = np.full(self.max_slots, self._prior_tokens_per_fwd)
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
@@ -105,7 +101,6 @@ class OuroborosProposer:
         # tokens a step gives from the draft alone (+1) and of those its suffixes add when sent;
         # a new request starts from the mean over all requests (optimistic before any), and one
         # whose suffixes are off sends them again as a probe (same gaps as the back-off).
-        self._base_tokens_all = self._prior_tokens_per_fwd
         self._base_tokens = np.full(self.max_slots, self._prior_tokens_per_fwd)
         self._suffix_gain_all = 0.5 * self.cfg.phrase_len
         self._suffix_gain = np.full(self.max_slots, self._suffix_gain_all)
@@ -225,10 +220,10 @@ class OuroborosProposer:
             if r is not None and r not in self._slot_of:
                 slot = self._slot_of[r] = self._free_slots.pop()
                 self.stats.start(slot, r)
-                self._tokens_per_fwd[slot] = self._tokens_per_fwd_all
-                self._draft_forwards[slot] = self._draft_forwards_all
+                self._tokens_per_fwd[slot] = self._prior_tokens_per_fwd
+                self._draft_forwards[slot] = self.cfg.gamma
                 self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
-                self._base_tokens[slot] = self._base_tokens_all
+                self._base_tokens[slot] = self._prior_tokens_per_fwd
                 self._suffix_gain[slot] = self._suffix_gain_all
                 self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
@@ -290,10 +285,8 @@ class OuroborosProposer:
         sel = np.nonzero(ok)[0]
         s = slots[sel]
         self._tokens_per_fwd[s] += ESTIMATE_RATE * (num_acc[sel] + 1 - self._tokens_per_fwd[s])
-        base = np.minimum(num_acc[sel], n[sel]) + 1
-        self._base_tokens[s] += ESTIMATE_RATE * (base - self._base_tokens[s])
-        self._tokens_per_fwd_all += ESTIMATE_RATE * (float(num_acc[sel].mean()) + 1 - self._tokens_per_fwd_all)
-        self._base_tokens_all += ESTIMATE_RATE * (float(base.mean()) - self._base_tokens_all)
+        self._base_tokens[s] += ESTIMATE_RATE * (
+            np.minimum(num_acc[sel], n[sel]) + 1 - self._base_tokens[s])
         sent = slen[sel].sum(1) > 0
         if sent.any():  # suffix tokens accepted in a step that sent them (0 if the draft failed)
             gain = np.maximum(num_acc[sel] - n[sel], 0)[sent]
@@ -465,7 +458,6 @@ class OuroborosProposer:
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
         self._draft_forwards[slots] += ESTIMATE_RATE * (out.row_forwards - self._draft_forwards[slots])
-        self._draft_forwards_all += ESTIMATE_RATE * (float(out.row_forwards.mean()) - self._draft_forwards_all)
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
@@ -546,8 +538,5 @@ class OuroborosProposer:
                                if self.target_cost is not None else None,
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
-                               "suffix_gain_mean": float(self._suffix_gain_all),
-                               # what a new request starts from (the back-off's estimates)
-                               "tokens_per_fwd_mean": float(self._tokens_per_fwd_all),
-                               "draft_forwards_mean": float(self._draft_forwards_all)}
+                               "suffix_gain_mean": float(self._suffix_gain_all)}
         return out

@@ -79,6 +79,11 @@ EXTRA = {"ouroboros-no-context"}  # one cell, only when named
 ONE_CELL = ABLATIONS | EXTRA
 
 
+# Prompts per concurrency-1 cell: 3 gave 66 min at eca2a3f and 61 min at e487a88 (limit: one
+# hour on this 2-core machine); the other cells run one batch of `concurrency` prompts.
+PROMPTS_AT_ONE = 2
+
+
 def cells(quick: bool) -> list[tuple[str, int, float]]:
     """(workload, concurrency, temperature) measured for the main methods."""
     if quick:
@@ -122,7 +127,7 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
     try:
         llm.generate(["def warm_up():"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         for workload, conc, temp in plan:
-            prompts = workloads[workload][: max(conc, 3 if conc == 1 else conc)]
+            prompts = workloads[workload][: max(conc, PROMPTS_AT_ONE if conc == 1 else conc)]
             sp = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
             c0, s0 = spec_counters(llm), engine_snapshot(llm) if ours else None
             outputs, t0 = [], time.perf_counter()
@@ -355,6 +360,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="two cells for the main methods; ablations only where --methods names them (one cell each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "benchmark")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     # Engines here hold at most 16 short requests (~0.4 GiB of KV). With the 4 GiB scripts/env.sh
     # reserves, beside the target, the draft and their prepacked copies, the worker held 19 of
     # the machine's 23 GiB at eca2a3f, with the kernel reclaiming pages.
@@ -378,7 +384,7 @@ def main() -> int:
                          capture_output=True, text=True).stdout.strip() or "unknown"
     header = (f"Command: `{command}` at commit {rev}\n\nTarget {target.name}, draft {draft.name}, {args.max_tokens} tokens per "
               f"request, float32, greedy unless temp > 0. Cells per method: main methods {plan}; ablations "
-              f"(humaneval, 1, 0.0). KV cache 2 GiB per engine. Prompt counts: 3 at concurrency 1, else = concurrency (reduced to fit "
+              f"(humaneval, 1, 0.0). KV cache 2 GiB per engine. Prompt counts: {PROMPTS_AT_ONE} at concurrency 1, else = concurrency (reduced to fit "
               f"one hour on 2 CPU cores). Defaults send K = 1 suffix where its measured acceptance pays for "
               f"its target tokens; the K = 1 and K = 3 rows send them at every step (K = 3: a token tree).")
     print(header.replace("\n\n", "\n"), flush=True)
@@ -399,6 +405,8 @@ def main() -> int:
     derive(rows, [r for r in rows if r["method"] == "no-spec"], ocfg_tokens, t_curve, d_curve)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(rows, t_curve, d_curve, header) + hardware_rule(rows, t_curve, d_curve, target, draft)
+    table += (f"\nWall time of this run (engines, cells and curves; the issue's limit is 60 min): "
+              f"{(time.perf_counter() - t_start) / 60:.1f} min.\n")
     print(table)
     args.out.with_suffix(".md").write_text(table)
     args.out.with_suffix(".json").write_text(json.dumps(

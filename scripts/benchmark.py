@@ -79,9 +79,11 @@ EXTRA = {"ouroboros-no-context"}  # one cell, only when named
 ONE_CELL = ABLATIONS | EXTRA
 
 
-# Prompts per concurrency-1 cell: 3 gave 66 min at eca2a3f and 61 min at e487a88 (limit: one
-# hour on this 2-core machine); the other cells run one batch of `concurrency` prompts.
+# Prompts per concurrency-1 cell, and tokens per request: 3 x 64 took 66 min at eca2a3f and
+# 61 min at e487a88, and this host's speed varies by 20-30% from hour to hour (limit: one hour
+# on this 2-core machine). The other cells run one batch of `concurrency` prompts.
 PROMPTS_AT_ONE = 2
+MAX_TOKENS = 48
 
 
 def cells(quick: bool) -> list[tuple[str, int, float]]:
@@ -355,7 +357,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--methods", default=None, help="comma-separated subset (no-spec is always run)")
     ap.add_argument("--quick", action="store_true", help="two cells for the main methods; ablations only where --methods names them (one cell each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "benchmark")

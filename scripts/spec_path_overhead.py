@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from benchmark import diff
 from generate import humaneval_prompts, models_dir
 
 
@@ -60,6 +61,8 @@ def main() -> int:
         llm = LLM(model=str(target), dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
                   max_num_seqs=args.prompts, enable_prefix_caching=False, speculative_config=spec,
                   disable_log_stats=False, **kw)
+        print(f"{name}: async_scheduling = "
+              f"{llm.llm_engine.vllm_config.scheduler_config.async_scheduling}", flush=True)
         llm.generate(["def warm_up():"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         for rep in range(args.reps):
             s0 = engine_snapshot(llm) if spec else None
@@ -72,9 +75,8 @@ def main() -> int:
             readings.setdefault(name, []).append(toks / dt)
             extra = ""
             if spec:
-                s = engine_snapshot(llm)
-                extra = (f", draft forwards {s['draft_forwards'] - s0['draft_forwards']}, "
-                         f"back-off steps {s['backoff_steps'] - s0['backoff_steps']}")
+                s = diff(engine_snapshot(llm), s0)
+                extra = f", draft forwards {s['draft_forwards']}, back-off steps {s['backoff_steps']}"
             print(f"RESULT {name} batch {rep}: {toks / dt:.2f} tok/s ({toks} tokens, {dt:.1f} s), "
                   f"identical {ids == base}{extra}", flush=True)
         del llm

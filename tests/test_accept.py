@@ -209,6 +209,19 @@ def test_sampled_never_emits_zero_probability_tokens():
     assert (res.num_accepted <= 1).all()  # only the draft's 1 can be accepted
 
 
+def test_sampled_placeholder_token_ids_are_rejected_not_indexed():
+    # vLLM schedules -1 placeholder drafts when its runner skipped the drafter; a draft token
+    # outside the vocabulary is a child no distribution can accept (tempting: gather at -1,
+    # which raises, or wraps to the last token id and may accept it).
+    tree = one_tree([5, -1, 7], [[1, 2]])
+    probs = torch.full((1, tree.N + 1, 8), 1 / 8)
+    probs[0, 1, 7] = 10.0  # after node 0 the last id is likely: a wrapped -1 would be accepted
+    for seed in range(20):
+        res = accept_sampled(tree, probs, torch.Generator().manual_seed(seed))
+        e = emitted(res)
+        assert res.num_accepted.tolist()[0] <= 1 and -1 not in e and all(0 <= t < 8 for t in e)
+
+
 def test_edge_shapes_no_suffixes_and_empty_tree():
     # K = 0: a plain chain, as vLLM's own rejection sampler would see it.
     tree = build_tree(T([[4, 5, 6], [4, 5, 0]]), T([3, 2]), torch.zeros(2, 0, 2, dtype=torch.long),

@@ -170,6 +170,9 @@ def accept_sampled(tree: TokenTree, probs: torch.Tensor, generator: torch.Genera
         cand_ok = torch.where(in_draft[:, None], first & (n > t)[:, None], s_ok)
         cand_node = torch.where(in_draft[:, None], torch.full_like(s_node, t), s_node)
         cand_tok = tree.tokens.gather(1, cand_node.clamp(max=max(N - 1, 0))) if N else cand_node
+        # A token id outside the vocabulary (vLLM's -1 placeholder drafts) can never be accepted.
+        cand_ok = cand_ok & (cand_tok >= 0) & (cand_tok < V)
+        cand_tok = cand_tok.clamp(0, V - 1)
 
         r = probs[rows, cur + 1].to(rdtype)  # residual [B, V], a copy
         acc = torch.zeros(B, dtype=torch.bool, device=dev)

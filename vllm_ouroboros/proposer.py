@@ -424,8 +424,11 @@ class OuroborosProposer:
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
-        # path is on, else the best one), within the token cap, in flat order.
-        cap, L = self.num_spec_tokens, self.cfg.phrase_len
+        # path is on, else the best one), within the token cap, in flat order. Near
+        # max_model_len a row gets only what the scheduler can place: the root sits at position
+        # len - 1, so the proposal ends by max_model_len - 1.
+        cap = np.clip(self.max_model_len - 1 - lens_ctx, 0, self.num_spec_tokens)
+        L = self.cfg.phrase_len
         R = len(rows)
         n_main = np.minimum(out.draft_lens, cap)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
@@ -434,7 +437,7 @@ class OuroborosProposer:
         sfx = np.take_along_axis(out.suffixes[:, :K], order[:, :, None], axis=1)
         lens = np.where(np.take_along_axis(valid, order, axis=1), L, 0)
         before = np.cumsum(lens, axis=1) - lens
-        lens = np.clip(cap - n_main[:, None] - before, 0, lens)
+        lens = np.clip(cap[:, None] - n_main[:, None] - before, 0, lens)
         if self.cfg.use_suffixes is None and lens.any():
             send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft)
             lens[~send] = 0

@@ -5,6 +5,10 @@
 `_sample` (patched): the tree walk replaces vLLM's rejection sampler for ouroboros steps, the
     accepted branch's KV is moved into place, and the target's tokens at every node go to the
     proposer's pool feedback, all before `propose()` runs in the same step.
+`_input_fits_in_drafter` (patched): vLLM skips the drafter for the WHOLE batch once any request
+    is within num_speculative_tokens of max_model_len, and then schedules that many placeholder
+    drafts (not real tokens) for every request, which the proposer never made. Ours drafts per
+    request up to what fits (proposer caps each row; the scheduler cuts at max_model_len too).
 CPUModelRunner inherits from GPUModelRunner, so one patch serves both. Runners whose drafter is
 not Ouroboros take vLLM's own path untouched.
 """
@@ -50,6 +54,15 @@ def _sample(original):
     return sample
 
 
+def _input_fits_in_drafter(original):
+    def input_fits_in_drafter(self, common_attn_metadata):
+        if _drafter(self) is not None and common_attn_metadata is not None:
+            return True
+        return original(self, common_attn_metadata)
+
+    return input_fits_in_drafter
+
+
 def apply() -> None:
     """Patch the V1 GPU model runner (imported already: called from the proposer's __init__)."""
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -71,6 +84,7 @@ def apply() -> None:
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)
+    patch_method(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
     # A named worker method: `collective_rpc("ouroboros_snapshot")` needs no pickled callable.
     from vllm.v1.worker.worker_base import WorkerBase
 

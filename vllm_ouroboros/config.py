@@ -183,12 +183,34 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         raise OuroborosConfigError(
             f"ouroboros: 'draft_attention'={cfg.draft_attention!r}; use auto or torch"
         )
-    if cfg.pool_load_path is not None and not os.path.isfile(cfg.pool_load_path):
-        raise OuroborosConfigError(
-            f"ouroboros: 'pool_load_path' {cfg.pool_load_path!r} does not exist"
-        )
+    if cfg.pool_load_path is not None:
+        _validate_pool_file(cfg, target_vocab_size)
     _validate_draft(cfg.draft_model, target_vocab_size)
     return cfg
+
+
+def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> None:
+    """Refuse a pool file that is missing, unreadable, truncated or saved for other settings,
+    at start-up rather than when the first worker loads it."""
+    from vllm_ouroboros.pool import PhrasePool, PoolFileError
+
+    path = cfg.pool_load_path
+    if not os.path.isfile(path):
+        raise OuroborosConfigError(f"ouroboros: 'pool_load_path' {path!r} does not exist")
+    try:
+        sd = PhrasePool.read_state(path, mmap=True)
+    except PoolFileError as e:
+        raise OuroborosConfigError(f"ouroboros: 'pool_load_path' {path!r} {e}") from e
+    for key, saved, mine in (("beta", sd["phrase_len"] + 1, cfg.beta),
+                             ("window_size", sd["phrases_per_key"], cfg.window_size)):
+        if saved != mine:
+            raise OuroborosConfigError(
+                f"ouroboros: 'pool_load_path' {path!r} holds a pool saved with {key}={saved}, "
+                f"but this deployment has {key}={mine}; use the same {key} or another pool file")
+    if target_vocab_size is not None and sd["vocab_size"] != target_vocab_size:
+        raise OuroborosConfigError(
+            f"ouroboros: 'pool_load_path' {path!r} holds a pool for a vocabulary of "
+            f"{sd['vocab_size']} tokens; the target has {target_vocab_size}")
 
 
 def _validate_draft(path: str | None, target_vocab_size: int | None) -> None:

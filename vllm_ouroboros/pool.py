@@ -7,6 +7,9 @@ syncs (no `.item()`, no boolean indexing, no `torch.unique`, no shape that depen
 they only queue work on the device; stats and persistence may sync. Masked rows go through the
 same scatter as real rows with a no-op value (a zero delta, or a value that loses a min/max).
 """
+import contextlib
+import os
+import tempfile
 from typing import Optional
 
 import torch
@@ -16,6 +19,11 @@ _OWN = 1 << 62  # added to an own phrase's stamp so it outranks every other phra
 
 _STATS = ("lookups", "hits", "phrases_returned", "page_evictions")
 _BUFFERS = ("key_to_page", "page_key", "page_last_used", "tokens", "stamp", "owner", "counters")
+_SCALARS = ("vocab_size", "phrase_len", "phrases_per_key", "budget_bytes", "shared", "clock")
+
+
+class PoolFileError(ValueError):
+    """A pool file that cannot be loaded; the message says why (after the file's name)."""
 
 
 class PhrasePool:
@@ -290,13 +298,58 @@ class PhrasePool:
         self._clock = sd["clock"]
 
     def save(self, path):
-        torch.save(self.state_dict(), path)
+        """Write the pool to `path` atomically: a reader (or a crash mid-write) never sees half
+        a file; the previous file stays until the new one is complete."""
+        path = os.fspath(path)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(self.state_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @staticmethod
+    def read_state(path, mmap: bool = False) -> dict:
+        """The state saved in a pool file, checked; raises PoolFileError saying what is wrong
+        (unreadable or truncated, a key missing, shapes that do not fit together).
+        mmap=True maps the tensors instead of reading them (a cheap check at start-up)."""
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
+            raise PoolFileError(f"cannot be read as a saved phrase pool (truncated, corrupt or "
+                                f"not written by vllm-ouroboros): {type(e).__name__}: {e}") from e
+        if not isinstance(sd, dict):
+            raise PoolFileError(f"holds a {type(sd).__name__}, not a saved phrase pool")
+        missing = [k for k in _BUFFERS + _SCALARS if k not in sd]
+        if missing:
+            raise PoolFileError(f"is not a complete saved phrase pool: missing {', '.join(missing)}")
+        V, L, W = sd["vocab_size"], sd["phrase_len"], sd["phrases_per_key"]
+        if not all(isinstance(x, int) and x >= 1 for x in (V, L, W)):
+            raise PoolFileError(f"has vocab_size={V!r}, phrase_len={L!r}, phrases_per_key={W!r}")
+        P = sd["page_key"].shape[0] if torch.is_tensor(sd["page_key"]) else -1
+        want = {"key_to_page": (V,), "page_key": (P,), "page_last_used": (P,),
+                "tokens": (P, W, L), "stamp": (P, W), "owner": (P, W), "counters": (len(_STATS),)}
+        for name, shape in want.items():
+            t = sd[name]
+            if not torch.is_tensor(t) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+                raise PoolFileError(f"has {name} of shape {got}, expected {shape}")
+        if P and (int(sd["page_key"].min()) < -1 or int(sd["page_key"].max()) >= V):
+            raise PoolFileError(f"has page keys outside the vocabulary [0, {V})")
+        return sd
 
     @classmethod
     def load(cls, path, device="cpu", budget_bytes: Optional[int] = None,
              shared: Optional[bool] = None) -> "PhrasePool":
-        """A pool with the saved config and pages; budget and sharing mode may be overridden."""
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        """A pool with the saved config and pages; budget and sharing mode may be overridden.
+        Raises PoolFileError for a file that is not a complete saved pool."""
+        sd = cls.read_state(path)
         pool = cls(sd["vocab_size"], sd["phrase_len"], sd["phrases_per_key"],
                    sd["budget_bytes"] if budget_bytes is None else budget_bytes, device=device,
                    shared=sd["shared"] if shared is None else shared)

@@ -190,8 +190,7 @@ class OuroborosProposer:
         """Write the pool (atomically: a reader never sees half a file)."""
         path = path or self.cfg.pool_save_path
         if path and self.pool is not None:
-            self.pool.save(path + ".tmp")
-            os.replace(path + ".tmp", path)
+            self.pool.save(path)
             self._last_pool_save = time.monotonic()
 
     def _maybe_save_pool(self) -> None:

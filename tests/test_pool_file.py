@@ -1,0 +1,101 @@
+"""The pool file: saves are atomic (a crash mid-write leaves the previous file whole), and a file
+that is truncated, corrupt, incomplete or saved for other settings is refused with a message that
+names `pool_load_path` and the reason, at engine configuration rather than in a worker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
+from vllm_ouroboros.pool import PhrasePool, PoolFileError
+
+
+def small_pool(L=4, W=4, vocab=384) -> PhrasePool:
+    pool = PhrasePool(vocab, L, W, 2**16)
+    keys = torch.arange(10)
+    pool.insert(keys, torch.arange(10 * L).view(10, L) % vocab, torch.zeros(10, dtype=torch.long))
+    return pool
+
+
+def test_save_is_atomic_when_interrupted(tmp_path, monkeypatch):
+    path = tmp_path / "pool.pt"
+    pool = small_pool()
+    pool.save(path)
+    before = path.read_bytes()
+    pool.insert(torch.tensor([20]), torch.tensor([[1, 2, 3, 4]]), torch.tensor([0]))
+
+    def dies_mid_write(obj, f, *a, **kw):
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt  # the engine killed while saving
+
+    monkeypatch.setattr(torch, "save", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        pool.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # tempting: torch.save(path) truncates it first
+    assert os.listdir(tmp_path) == ["pool.pt"]  # no temporary file left behind
+    assert PhrasePool.load(path).stats()["phrases"] == 10
+
+
+def test_truncated_and_corrupt_files_are_refused(tmp_path):
+    path = tmp_path / "pool.pt"
+    small_pool().save(path)
+    data = path.read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "noise.pt").write_bytes(os.urandom(4096))
+    for name in ("cut.pt", "noise.pt"):
+        with pytest.raises(PoolFileError, match="truncated, corrupt or not written by"):
+            PhrasePool.load(tmp_path / name)
+
+
+def test_incomplete_or_inconsistent_state_is_refused(tmp_path):
+    sd = small_pool().state_dict()
+    torch.save({k: v for k, v in sd.items() if k != "stamp"}, tmp_path / "a.pt")
+    with pytest.raises(PoolFileError, match="missing stamp"):
+        PhrasePool.read_state(tmp_path / "a.pt")
+    torch.save(dict(sd, tokens=sd["tokens"][:, :, :2]), tmp_path / "b.pt")
+    with pytest.raises(PoolFileError, match="tokens of shape"):
+        PhrasePool.read_state(tmp_path / "b.pt")
+    torch.save(dict(sd, page_key=sd["page_key"].fill_(999)), tmp_path / "c.pt")
+    with pytest.raises(PoolFileError, match="outside the vocabulary"):
+        PhrasePool.read_state(tmp_path / "c.pt")
+    torch.save([1, 2, 3], tmp_path / "d.pt")
+    with pytest.raises(PoolFileError, match="holds a list"):
+        PhrasePool.read_state(tmp_path / "d.pt")
+
+
+def test_config_refuses_bad_pool_files_naming_the_key(tmp_path):
+    good = tmp_path / "good.pt"
+    small_pool().save(good)
+    data = good.read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:100])
+
+    def check(path, **kw):
+        # The pool is checked before the draft directory, so none is needed here.
+        return validate(OuroborosConfig(draft_model="", pool_load_path=str(path), **kw), 384)
+
+    with pytest.raises(OuroborosConfigError, match="'pool_load_path' .*cut.pt' cannot be read"):
+        check(tmp_path / "cut.pt")
+    with pytest.raises(OuroborosConfigError, match="saved with beta=5, but this deployment has beta=4"):
+        check(good, beta=4)
+    with pytest.raises(OuroborosConfigError, match="saved with window_size=4, .* window_size=6"):
+        check(good, window_size=6)
+    with pytest.raises(OuroborosConfigError, match="vocabulary of 384 tokens; the target has 500"):
+        validate(OuroborosConfig(draft_model="", pool_load_path=str(good)), 500)
+    # A good file passes the pool check and reaches the next one (the draft directory).
+    with pytest.raises(OuroborosConfigError, match="the draft model is missing"):
+        check(good)
+
+
+def test_engine_configuration_refuses_a_truncated_pool(tiny_models, tmp_path):
+    from test_config import engine_config
+
+    path = tmp_path / "pool.pt"
+    small_pool().save(path)
+    path.write_bytes(path.read_bytes()[:-64])
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "pool_load_path": str(path)}
+    with pytest.raises(OuroborosConfigError, match="'pool_load_path' .* cannot be read as a saved phrase pool"):
+        engine_config(tiny_models["target"], spec)

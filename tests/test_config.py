@@ -105,3 +105,47 @@ def test_tree_sizes_the_token_cap(tiny_models):
 def test_validate_directly(tiny_models):
     cfg = OuroborosConfig(draft_model=str(tiny_models["draft"]))
     assert validate(cfg, target_vocab_size=384) is cfg
+
+
+@pytest.fixture(scope="module")
+def head_files(tiny_models, tmp_path_factory):
+    """An acceptance head for the tiny draft, and one trained for another draft (the Llama)."""
+    from vllm_ouroboros.draft.acceptance_head import AcceptanceHead, HeadParams, draft_identity
+
+    root = tmp_path_factory.mktemp("heads")
+    head = AcceptanceHead(HeadParams(hidden_size=128, width=8))
+    mine, other = str(root / "mine.safetensors"), str(root / "other.safetensors")
+    head.save(mine, draft_identity(str(tiny_models["draft"])), 0.6)
+    head.save(other, draft_identity(str(tiny_models["llama"])), 0.6)
+    return {"mine": mine, "other": other}
+
+
+def test_adaptive_draft_length_config(tiny_models, head_files):
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "draft_length": "adaptive",
+            "acceptance_head": head_files["mine"], "max_draft_length": 10}
+    cfg = engine_config(tiny_models["target"], spec)
+    ours = OuroborosConfig.from_dict(cfg.additional_config["ouroboros"])
+    assert ours.draft_length == "adaptive" and ours.acceptance_threshold is None
+    # The cap replaces gamma - 1 + beta in the token budget; one suffix follows the draft.
+    assert cfg.speculative_config.num_speculative_tokens == 10 + ours.phrase_len
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"draft_length": "dynamic"}, "'draft_length'='dynamic'; use fixed or adaptive"),
+    ({"draft_length": "adaptive"}, "draft_length='adaptive' needs 'acceptance_head'"),
+    ({"draft_length": "adaptive", "acceptance_head": "/nonexistent/head.safetensors"},
+     "'acceptance_head' '/nonexistent/head.safetensors' does not exist"),
+    ({"draft_length": "adaptive", "acceptance_head": "OTHER"},
+     "'acceptance_head' .* was trained for the draft with identity [0-9a-f]{16}, but this draft .* has identity [0-9a-f]{16}"),
+    ({"draft_length": "adaptive", "acceptance_head": "MINE", "acceptance_threshold": 1.0},
+     "'acceptance_threshold'=1.0 must be a number in .0, 1."),
+    ({"acceptance_threshold": 0}, "'acceptance_threshold'=0 must be a number in .0, 1."),
+    ({"draft_length": "adaptive", "acceptance_head": "MINE", "max_draft_length": 0},
+     "'max_draft_length'=0 is out of range"),
+])
+def test_adaptive_draft_length_errors_name_the_key(tiny_models, head_files, extra, message):
+    extra = {k: {"OTHER": head_files["other"], "MINE": head_files["mine"]}.get(v, v)
+             if isinstance(v, str) else v for k, v in extra.items()}
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), **extra}
+    with pytest.raises(OuroborosConfigError, match=message):
+        engine_config(tiny_models["target"], spec)

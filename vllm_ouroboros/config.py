@@ -82,6 +82,16 @@ class OuroborosConfig:
     max_draft_forwards: int = 16
     # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
     draft_initial_len: int = 2048
+    # Sentence-draft length: "fixed" drafts >= gamma tokens per round; "adaptive" (SpecDec++)
+    # stops each row's draft once its acceptance head predicts that the draft so far holds a
+    # rejection with probability > acceptance_threshold, or at max_draft_length tokens.
+    draft_length: str = "fixed"
+    # Head file from scripts/train_acceptance_head.py, trained for this draft (adaptive only).
+    acceptance_head: str | None = None
+    # h in (0, 1); None: the threshold picked on held-out data when the head was trained.
+    acceptance_threshold: float | None = None
+    # Hard cap on an adaptive sentence draft (tokens); gamma does not apply in adaptive mode.
+    max_draft_length: int = 12
 
     @property
     def phrase_len(self) -> int:
@@ -90,7 +100,10 @@ class OuroborosConfig:
 
     @property
     def max_draft_len(self) -> int:
-        """Longest sentence draft a round can produce: gamma - 1 + one last forward of beta."""
+        """Longest sentence draft a round can produce: gamma - 1 + one last forward of beta
+        (fixed), max_draft_length (adaptive: the cap cuts the last forward's phrase)."""
+        if self.draft_length == "adaptive":
+            return self.max_draft_length
         return self.gamma - 1 + self.beta
 
     @property
@@ -125,6 +138,7 @@ _INT_RANGES = {
     "num_speculative_tokens": (1, 128),  # vLLM's rejection sampler allows 128
     "max_draft_forwards": (1, 128),
     "draft_initial_len": (16, None),
+    "max_draft_length": (1, 64),
     "context_phrase_window": (0, None),
     "max_speculative_batch": (1, None),
 }
@@ -186,7 +200,37 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
     if cfg.pool_load_path is not None:
         _validate_pool_file(cfg, target_vocab_size)
     _validate_draft(cfg.draft_model, target_vocab_size)
+    _validate_draft_length(cfg)
     return cfg
+
+
+def _validate_draft_length(cfg: OuroborosConfig) -> None:
+    """Adaptive length: a readable head trained for this very draft, and h in (0, 1)."""
+    if cfg.draft_length not in ("fixed", "adaptive"):
+        raise OuroborosConfigError(
+            f"ouroboros: 'draft_length'={cfg.draft_length!r}; use fixed or adaptive")
+    h = cfg.acceptance_threshold
+    if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < 1):
+        raise OuroborosConfigError(
+            f"ouroboros: 'acceptance_threshold'={h!r} must be a number in (0, 1) (the predicted "
+            "probability of a rejection at which a draft stops), or null for the head's own")
+    if cfg.draft_length != "adaptive":
+        return
+    if not cfg.acceptance_head:
+        raise OuroborosConfigError(
+            "ouroboros: draft_length='adaptive' needs 'acceptance_head', a head file trained for "
+            "this draft by scripts/train_acceptance_head.py")
+    from vllm_ouroboros.draft.acceptance_head import AcceptanceHeadError, load_head
+
+    try:
+        load_head(cfg.acceptance_head, cfg.draft_model)
+    except AcceptanceHeadError as e:
+        raise OuroborosConfigError(str(e)) from e
+
+
+def resolved_threshold(cfg: OuroborosConfig, head_threshold: float) -> float:
+    """h for the stopping rule: the configured one, else the one saved with the head."""
+    return float(cfg.acceptance_threshold if cfg.acceptance_threshold is not None else head_threshold)
 
 
 def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> None:

@@ -21,6 +21,11 @@ Definitions (per request, summed for the aggregate):
   suffix_skipped       steps in which the request's draft went to the target without its
                        candidate suffixes: their measured acceptance would not pay for their
                        target tokens on this device (cost_model.rows_sending_suffixes)
+  draft_rounds         rounds that drafted a sentence draft for the request
+  sentence_draft_tokens tokens of those sentence drafts (before the suffixes and the token cap)
+  stops_rule, stops_cap adaptive draft length only: rounds whose draft the acceptance rule
+                       stopped (1 - prod P(accept) > h) / that max_draft_length (or
+                       max_draft_forwards) stopped
 Aggregate only:
   draft_forward_calls  batched draft forward calls (one call serves every drafting request)
   rounds               propose() calls that drafted for at least one request
@@ -36,6 +41,7 @@ PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
     "inspiration_inserts", "refinement_inserts", "backoff_steps", "suffix_skipped",
+    "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
 
@@ -99,6 +105,7 @@ class OuroborosStats:
             "acceptance_rate": t["accepted_tokens"] / max(t["drafted_tokens"], 1),
             "draft_forward_calls_per_round": self.draft_forward_calls / max(self.rounds, 1),
             "pool_hit_rate": t["guess_hits"] / max(t["guess_lookups"], 1),
+            "mean_draft_length": t["sentence_draft_tokens"] / max(t["draft_rounds"], 1),
         }
         if per_request:
             live = {r: dict(zip(PER_REQUEST, self.live[s].tolist()))

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
-from vllm_ouroboros.config import OuroborosConfig
+from vllm_ouroboros.config import OuroborosConfig, resolved_threshold
+from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.metrics import OuroborosStats
@@ -172,15 +173,23 @@ class OuroborosProposer:
         else:
             self.pool = PhrasePool(model.vocab_size, cfg.phrase_len, cfg.window_size, budget,
                                    device=self.device, shared=cfg.warm_start)
+        head, threshold = None, 0.5
+        if cfg.draft_length == "adaptive":
+            loaded = load_head(cfg.acceptance_head, cfg.draft_model, self.device)
+            head, threshold = loaded.head, resolved_threshold(cfg, loaded.threshold)
+            logger.info("ouroboros: adaptive draft length, head %s, h=%.3f, cap %d tokens",
+                        cfg.acceptance_head, threshold, cfg.max_draft_length)
         settings = DraftSettings(
             gamma=cfg.gamma, beta=cfg.beta, window_size=cfg.window_size,
             num_guesses=cfg.num_guesses,
             num_suffixes=cfg.tree_suffixes,
             use_lookahead=use_lookahead, use_guesses=use_guesses,
             max_draft_forwards=cfg.max_draft_forwards,
+            draft_length=cfg.draft_length, acceptance_threshold=threshold,
+            max_draft_length=cfg.max_draft_length,
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
-                                    self.device)
+                                    self.device, head=head)
         if cfg.pool_save_path:
             atexit.register(self.save_pool)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB", cfg.draft_model,
@@ -464,7 +473,10 @@ class OuroborosProposer:
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
                        guess_lookups=out.row_forwards if self.runtime.G else np.zeros_like(slots),
-                       guess_hits=out.guess_hit_forwards)
+                       guess_hits=out.guess_hit_forwards, draft_rounds=np.ones_like(slots),
+                       sentence_draft_tokens=out.draft_lens)
+        if out.stopped_by_rule is not None:
+            self.stats.add(slots, stops_rule=out.stopped_by_rule, stops_cap=~out.stopped_by_rule)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals

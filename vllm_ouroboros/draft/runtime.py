@@ -5,6 +5,9 @@ For every request the draft model keeps its own KV cache (one slot per request).
   2. prefill long uncached stretches (new prompts) in chunks;
   3. draft phrase by phrase: one lookahead forward for all requests still short of gamma tokens,
      each advancing 1..beta tokens (draft/lookahead.py), until every request has >= gamma;
+     with draft_length "adaptive" (SpecDec++), each row instead drafts until its acceptance
+     head says the draft so far is more likely than h to hold a rejection, or max_draft_length
+     (draft/acceptance_head.py); a forward's phrase is cut at the token where the rule fires;
   4. read K candidate suffixes for each draft's last token from the pool.
 
 The contexts arrive as host arrays (vLLM keeps token ids on the host); the token tensors of each
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
 from vllm_ouroboros.pool import PhrasePool
 
@@ -37,6 +41,15 @@ class DraftSettings:
     use_guesses: bool = True
     max_draft_forwards: int = 16
     prefill_chunk: int = 512
+    # "fixed": draft >= gamma tokens; "adaptive": stop by the acceptance head (needs a head).
+    draft_length: str = "fixed"
+    acceptance_threshold: float = 0.7
+    max_draft_length: int = 12
+
+    @property
+    def draft_room(self) -> int:
+        """Most sentence-draft tokens a round may need before its last forward's overshoot."""
+        return self.max_draft_length if self.draft_length == "adaptive" else self.gamma
 
 
 @dataclass
@@ -62,14 +75,22 @@ class RoundOutput:
     guess_tokens: np.ndarray  # [B] draft tokens taken from pool guesses
     guess_hit_forwards: np.ndarray  # [B] forwards where a guess gave >= 1 token
     row_prefills: np.ndarray  # [B] prefill forwards each row took part in
+    # Adaptive length: [B] bool, the row's draft was stopped by the acceptance rule (else by
+    # max_draft_length or max_draft_forwards); None in fixed mode.
+    stopped_by_rule: np.ndarray | None = None
 
 
 class DraftRuntime:
     """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""
 
     def __init__(self, model, pool: PhrasePool, settings: DraftSettings, num_slots: int,
-                 max_len: int, device: torch.device | str):
+                 max_len: int, device: torch.device | str, head=None):
+        """head: an AcceptanceHead (draft/acceptance_head.py), required when
+        settings.draft_length == "adaptive"."""
+        if settings.draft_length == "adaptive" and head is None:
+            raise ValueError("adaptive draft length needs an acceptance head")
         self.model = model
+        self.head = head if settings.draft_length == "adaptive" else None
         self.pool = pool
         self.s = settings
         self.device = torch.device(device)
@@ -79,7 +100,7 @@ class DraftRuntime:
         self.G = settings.num_guesses if settings.use_guesses else 0
         self._layouts: dict[tuple[int, int], object] = {}
         # The longest a slot can get: context plus a round's draft and one forward's scratch.
-        self._max_cap = max_len + 2 * (settings.gamma + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
+        self._max_cap = max_len + 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
         self._slots = 0
         self._cap = 0
         self.cached = np.zeros((0, 0), np.int64)  # tokens whose KV the slot holds
@@ -130,26 +151,39 @@ class DraftRuntime:
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
         # Room for the context, the largest uncached stretch, the draft and one forward's scratch.
-        span = int(lens.max()) + 2 * (self.s.gamma + 2 * self.s.beta + 2) + (self.W + self.G) * L + 8
+        span = int(lens.max()) + 2 * (self.s.draft_room + 2 * self.s.beta + 2) + (self.W + self.G) * L + 8
         self._grow(int(slots.max()) + 1, span)
         self._rollback(slots, token_ids, rows, lens)
         row_prefills = np.zeros(B, np.int64)
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)
         self._init_windows(slots, token_ids, rows, lens)
 
-        max_draft = self.s.gamma + self.s.beta
+        adaptive = self.head is not None
+        max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
         drafts = np.zeros((B, max_draft), np.int64)
         dlen = np.zeros(B, np.int64)
         row_forwards = np.zeros(B, np.int64)
         guess_tokens = np.zeros(B, np.int64)
         guess_hit_forwards = np.zeros(B, np.int64)
+        # Adaptive: prod(P(accept)) of each row's draft so far, and whether the rule stopped it.
+        prod = np.ones(B, np.float32)
+        by_rule = np.zeros(B, bool)
         forwards = 0
         while forwards < self.s.max_draft_forwards:
-            act = np.nonzero(dlen < self.s.gamma)[0]
+            if adaptive:
+                act = np.nonzero(~by_rule & (dlen < max_draft))[0]
+            else:
+                act = np.nonzero(dlen < self.s.gamma)[0]
             if len(act) == 0:
                 break
-            new, num = self._lookahead_forward(slots[act], token_ids, rows[act], lens[act],
-                                               drafts[act], dlen[act])
+            new, num, rule = self._lookahead_forward(slots[act], token_ids, rows[act], lens[act],
+                                                     drafts[act], dlen[act],
+                                                     prod[act] if adaptive else None)
+            if adaptive:
+                # Cut the phrase where the rule fires; the cap cuts it too (then the cap stopped it).
+                rule_take, fired, prod[act] = rule
+                num = np.minimum(num, rule_take)
+                by_rule[act] = fired & (rule_take <= max_draft - dlen[act])
             take = np.minimum(num, max_draft - dlen[act])
             cols = dlen[act, None] + np.arange(L + 1)[None, :]
             ok = np.arange(L + 1)[None, :] < take[:, None]
@@ -169,7 +203,8 @@ class DraftRuntime:
             suffixes, suffix_valid = phr.cpu().numpy(), valid.cpu().numpy()
         self.confirmed[slots] = lens
         return RoundOutput(drafts, dlen, suffixes, suffix_valid, forwards, prefill_forwards,
-                           row_forwards, guess_tokens, guess_hit_forwards, row_prefills)
+                           row_forwards, guess_tokens, guess_hit_forwards, row_prefills,
+                           by_rule if adaptive else None)
 
     # ---- steps of a round --------------------------------------------------------------------
     def _rollback(self, slots, token_ids, rows, lens) -> None:
@@ -197,7 +232,7 @@ class DraftRuntime:
 
     def _prefill(self, slots, token_ids, rows, lens, row_prefills) -> int:
         """Causal forwards over long uncached stretches, so the drafting loop stays narrow."""
-        threshold = self.s.gamma + 2 * self.s.beta + 2
+        threshold = self.s.draft_room + 2 * self.s.beta + 2
         forwards = 0
         while True:
             todo = np.nonzero(lens - 1 - self.kv_len[slots] > threshold)[0]
@@ -239,8 +274,12 @@ class DraftRuntime:
         d_last = drafts[np.arange(len(dlen)), np.maximum(dlen - 1, 0)]
         return np.where(dlen > 0, d_last, ctx_last)
 
-    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen):
-        """One draft forward for A rows; returns (new tokens [A, L+1], counts [A]) on the host."""
+    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen, prod=None):
+        """One draft forward for A rows; returns (new tokens [A, L+1], counts [A], rule) on the host.
+
+        prod: [A] float32 prod(P(accept)) of each row's draft so far, adaptive mode only; then
+        rule = (take [A], fired [A], prod after [A]) from stop_rule over this forward's tokens,
+        else None."""
         A, L = len(slots), self.L
         kv = self.kv_len[slots]
         u = lens + dlen - kv  # uncached: context tail plus the draft so far
@@ -293,4 +332,30 @@ class DraftRuntime:
             self.window[slots_t, :, : self.W] = res.next_window
             self.pool.insert(res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L),
                              slots_t.repeat_interleave(self.W))
-        return res.new_tokens.cpu().numpy(), res.num_new.cpu().numpy()
+        rule = None
+        if prod is not None:
+            p = self.head(self._token_hidden(hidden, res, u_t, layout, guesses, gvalid))
+            valid = torch.arange(L + 1, device=dev)[None, :] < res.num_new[:, None]
+            take, fired, after = stop_rule(p, valid, torch.from_numpy(prod).to(dev),
+                                           self.s.acceptance_threshold)
+            rule = (take.cpu().numpy(), fired.cpu().numpy(), after.cpu().numpy())
+        return res.new_tokens.cpu().numpy(), res.num_new.cpu().numpy(), rule
+
+    def _token_hidden(self, hidden, res, u_t, layout, guesses, gvalid) -> torch.Tensor:
+        """[A, L+1, H]: the hidden state whose output is each of the forward's new tokens.
+
+        Token 0 comes from the last real uncached column; token j >= 1 from the output after
+        guess token j-1 of a guess whose first num_new - 1 tokens are right. Every such guess
+        has the same tokens at the same positions over the same prefix there, so which one is
+        read does not matter (up to float summation order). Columns past num_new are filler."""
+        A, L = hidden.shape[0], self.L
+        dev = hidden.device
+        cols = (u_t - 1)[:, None].expand(A, L + 1)
+        G = guesses.shape[1]
+        if G and L:
+            need = torch.arange(L, device=dev)[None, :] < (res.num_new - 1)[:, None]  # [A, L]
+            same = ((guesses == res.new_tokens[:, None, 1:]) | ~need[:, None, :]).all(2) & gvalid
+            g = same.long().argmax(1)  # [A]
+            gcols = layout.guess_start + g[:, None] * L + torch.arange(L, device=dev)[None, :]
+            cols = torch.cat([cols[:, :1], gcols], dim=1)
+        return hidden.gather(1, cols[:, :, None].expand(A, L + 1, hidden.shape[2]))

@@ -1,0 +1,325 @@
+#!/usr/bin/env python
+"""Train the SpecDec++ acceptance head for a draft/target pair (draft_length "adaptive").
+
+Data (no vLLM: both models run through vllm_ouroboros/draft/model.py, which loads Llama/Qwen2 HF
+directories):
+  1. the target's greedy continuation (--gen-tokens) of each prompt (HumanEval tasks, MT-Bench
+     questions through the chat template; no ShareGPT-style set is installed by setup);
+  2. pass A, target context: the draft reads prompt + continuation in one causal forward; at each
+     continuation position its greedy token is labelled accepted iff it equals the target's
+     greedy token there (greedy: min(1, p/q) with one-hot q is that indicator);
+  3. pass B, mixed context (SpecDec++): each continuation token is replaced, with probability
+     --mix, by the draft's own token at that place (pass A's), BERT-style; one target forward and
+     one draft forward over the mixed sequence give the labels and features again.
+  Features: the draft's final-normed last hidden state at the position whose output is the token.
+Training: weighted BCE (rejections weighted --w-rej, the paper's 1/3/6/12), Adam, full batch;
+the output bias is then shifted by log(w_rej), which undoes the weighting's known shift of the
+optimal logit so the probabilities are calibrated again. Held out by prompt: AUC and calibration
+(predicted vs observed per bin, ECE) on the held-out prompts. The threshold h is picked on the
+held-out prompts' target-context positions by simulating the stopping rule against fixed lengths,
+under a cost model t_round = t_target + n_draft * --draft-cost * t_target.
+
+Writes the head (safetensors, with the draft's identity) and a JSON of the metrics.
+  python scripts/train_acceptance_head.py            # real pair under models/, ~CPU minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_ouroboros.draft.acceptance_head import AcceptanceHead, HeadParams, draft_identity  # noqa: E402
+from vllm_ouroboros.draft.model import DraftModel  # noqa: E402
+
+
+def load_prompts(models: Path, n_humaneval: int, n_mtbench: int, tokenizer) -> list[tuple[str, str]]:
+    """[(source, text)]: HumanEval prompts as raw code (as scripts/benchmark.py sends them) and
+    MT-Bench first turns through the chat template."""
+    out = []
+    he = models / "data" / "HumanEval.jsonl.gz"
+    if n_humaneval:
+        with gzip.open(he, "rt") as f:
+            out += [("humaneval", json.loads(line)["prompt"]) for line in f][:n_humaneval]
+    mt = models / "data" / "mt_bench_questions.jsonl"
+    if n_mtbench and mt.exists():
+        qs = [json.loads(line)["turns"][0] for line in mt.read_text().splitlines() if line.strip()]
+        for q in qs[:n_mtbench]:
+            text = (tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                  add_generation_prompt=True)
+                    if getattr(tokenizer, "chat_template", None) else q)
+            out.append(("mtbench", text))
+    return out
+
+
+def causal_forward(model: DraftModel, ids: list[int]) -> torch.Tensor:
+    """Hidden states [n, H] of one sequence from scratch (slot 0)."""
+    n = len(ids)
+    if model.max_len < n or model.num_slots < 1:
+        model.allocate_cache(max(model.num_slots, 1), max(n, model.max_len))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    return model.forward(torch.tensor([ids]), torch.arange(n)[None], torch.tensor([0]),
+                         torch.tensor([0]), mask, max_cache_len=0)[0]
+
+
+def greedy_generate(model: DraftModel, prompts: list[list[int]], n_new: int, batch: int,
+                    eos: set[int], bar) -> list[list[int]]:
+    """Target greedy continuations (n_new tokens, cut after an EOS), batched decode per group."""
+    outs = []
+    for g in range(0, len(prompts), batch):
+        group = prompts[g:g + batch]
+        B = len(group)
+        model.allocate_cache(B, max(len(p) for p in group) + n_new + 1)
+        nxt = torch.zeros(B, dtype=torch.long)
+        for b, p in enumerate(group):  # prefill each prompt in its slot
+            n = len(p)
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+            h = model.forward(torch.tensor([p]), torch.arange(n)[None], torch.tensor([b]),
+                              torch.tensor([0]), mask, max_cache_len=0)
+            nxt[b] = model.greedy_tokens(h[0, -1])
+        lens = torch.tensor([len(p) for p in group])
+        gen = [[int(nxt[b])] for b in range(B)]
+        slots = torch.arange(B)
+        one = torch.ones(B, 1, 1, dtype=torch.bool)
+        for _ in range(n_new - 1):
+            h = model.forward(nxt[:, None], lens[:, None], slots, lens, one, max_cache_len=int(lens.max()))
+            lens = lens + 1
+            nxt = model.greedy_tokens(h[:, 0])
+            for b in range(B):
+                gen[b].append(int(nxt[b]))
+            bar.update(B)
+        for b in range(B):
+            cut = next((i + 1 for i, t in enumerate(gen[b]) if t in eos), len(gen[b]))
+            outs.append(gen[b][:cut])
+        bar.update(B)
+    return outs
+
+
+def collect(draft: DraftModel, target: DraftModel, prompts: list[list[int]], gens: list[list[int]],
+            mix: float, rng: np.random.Generator, bar) -> list[dict]:
+    """Per prompt: features/labels of pass A (target context) and pass B (mixed context)."""
+    data = []
+    for p, g in zip(prompts, gens):
+        P, T = len(p), len(g)
+        if T < 2:
+            bar.update(1)
+            continue
+        seq = p + g
+        hA = causal_forward(draft, seq)[P - 1:P + T - 1]  # outputs predict g[0..T-1]
+        dA = draft.greedy_tokens(hA)
+        yA = (dA == torch.tensor(g)).numpy()
+        swap = rng.random(T) < mix
+        gm = np.where(swap, dA.numpy(), np.array(g))
+        mixed = p + gm.tolist()
+        tB = target.greedy_tokens(causal_forward(target, mixed)[P - 1:P + T - 1])
+        hB = causal_forward(draft, mixed)[P - 1:P + T - 1]
+        yB = (draft.greedy_tokens(hB) == tB).numpy()
+        data.append({"hA": hA.float().numpy(), "yA": yA, "hB": hB.float().numpy(), "yB": yB})
+        bar.update(1)
+    return data
+
+
+def auc(score: np.ndarray, y: np.ndarray) -> float:
+    """ROC AUC by the rank-sum formula (ties get mean ranks)."""
+    order = np.argsort(score, kind="mergesort")
+    ranks = np.empty(len(score))
+    s = score[order]
+    i = 0
+    while i < len(s):  # average ranks over ties
+        j = i
+        while j + 1 < len(s) and s[j + 1] == s[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    pos, neg = y.sum(), (1 - y).sum()
+    return float((ranks[y == 1].sum() - pos * (pos + 1) / 2) / max(pos * neg, 1))
+
+
+def calibration(p: np.ndarray, y: np.ndarray, bins: int = 10) -> tuple[list[dict], float]:
+    """Per equal-width bin: count, mean predicted, observed acceptance; and the ECE."""
+    rows, ece = [], 0.0
+    idx = np.minimum((p * bins).astype(int), bins - 1)
+    for b in range(bins):
+        m = idx == b
+        if m.sum() == 0:
+            continue
+        pred, obs = float(p[m].mean()), float(y[m].mean())
+        rows.append({"bin": f"[{b / bins:.1f},{(b + 1) / bins:.1f})", "n": int(m.sum()),
+                     "predicted": round(pred, 4), "observed": round(obs, 4)})
+        ece += m.sum() / len(p) * abs(pred - obs)
+    return rows, float(ece)
+
+
+def simulate(seqs: list[tuple[np.ndarray, np.ndarray]], policy, cap: int, draft_cost: float) -> dict:
+    """Rounds started at every position of each held-out target-context continuation.
+
+    seqs: [(p_accept [T], accepted [T] bool)]. policy(p [n]) -> draft length for a round starting
+    there (>= 1). A round gives min(accepted run, n) + 1 tokens for one target forward plus n
+    draft forwards (cost draft_cost each, in target forwards)."""
+    gain = cost = drafted = 0.0
+    rounds = 0
+    for p, y in seqs:
+        T = len(p)
+        for i in range(T):
+            n = min(policy(p[i:i + cap]), T - i)
+            run = int(np.argmin(np.append(y[i:i + n], False)))  # leading accepted tokens
+            gain += run + 1
+            cost += 1 + n * draft_cost
+            drafted += n
+            rounds += 1
+    return {"tokens_per_target_forward": gain / rounds, "mean_draft_length": drafted / rounds,
+            "tokens_per_cost": gain / cost}
+
+
+def rule_length(h: float):
+    def policy(p: np.ndarray) -> int:
+        fire = np.nonzero(1 - np.cumprod(p) > h)[0]
+        return int(fire[0]) + 1 if len(fire) else len(p)
+    return policy
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default=str(REPO / "models" / "qwen2.5-coder-0.5b-instruct"))
+    ap.add_argument("--target", default=str(REPO / "models" / "qwen2.5-coder-1.5b-instruct"))
+    ap.add_argument("--models-dir", default=str(REPO / "models"), help="where data/ lies")
+    ap.add_argument("--humaneval", type=int, default=100, help="HumanEval tasks 0..N-1")
+    ap.add_argument("--mtbench", type=int, default=30, help="MT-Bench first turns (chat set)")
+    ap.add_argument("--gen-tokens", type=int, default=48)
+    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their tail")
+    ap.add_argument("--batch", type=int, default=16, help="target greedy decode batch")
+    ap.add_argument("--mix", type=float, default=0.15, help="P(a context token is the draft's)")
+    ap.add_argument("--w-rej", type=float, default=3.0, choices=[1.0, 3.0, 6.0, 12.0],
+                    help="BCE weight of rejected tokens (SpecDec++'s values)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--holdout", type=float, default=0.25, help="fraction of prompts held out")
+    ap.add_argument("--cap", type=int, default=12, help="max_draft_length in the simulation")
+    ap.add_argument("--draft-cost", type=float, default=0.35,
+                    help="a draft forward's cost in target forwards, for picking h")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "models" / "acceptance_head.safetensors"))
+    ap.add_argument("--metrics", default=str(REPO / "results" / "acceptance_head.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    prompts_txt = load_prompts(Path(args.models_dir), args.humaneval, args.mtbench, tok)
+    sources = [s for s, _ in prompts_txt]
+    print(f"prompts: {sources.count('humaneval')} HumanEval, {sources.count('mtbench')} MT-Bench "
+          "(no ShareGPT-style chat set is installed by setup; MT-Bench stands in for chat)")
+    prompts = [tok(t)["input_ids"][-args.max_prompt_tokens:] for _, t in prompts_txt]
+    gen_cfg = Path(args.target) / "generation_config.json"
+    eos_ids = json.loads(gen_cfg.read_text()).get("eos_token_id") if gen_cfg.exists() else None
+    eos = {tok.eos_token_id, *(eos_ids if isinstance(eos_ids, list) else [eos_ids])}
+    eos = {e for e in eos if e is not None}
+
+    target = DraftModel.from_pretrained(args.target, torch.float32, "cpu")
+    draft = DraftModel.from_pretrained(args.draft, torch.float32, "cpu")
+    n = len(prompts)
+    with tqdm(total=n * args.gen_tokens, desc="target greedy", unit="tok") as bar:
+        gens = greedy_generate(target, prompts, args.gen_tokens, args.batch, eos, bar)
+    t_gen = time.time() - t0
+    with tqdm(total=n, desc="draft/target passes", unit="prompt") as bar:
+        data = collect(draft, target, prompts, gens, args.mix, rng, bar)
+    t_data = time.time() - t0
+    del target
+
+    perm = rng.permutation(len(data))
+    n_hold = max(1, int(round(args.holdout * len(data))))
+    hold, train = [data[i] for i in perm[:n_hold]], [data[i] for i in perm[n_hold:]]
+    X = torch.from_numpy(np.concatenate([d[k] for d in train for k in ("hA", "hB")]))
+    Y = torch.from_numpy(np.concatenate([d[k] for d in train for k in ("yA", "yB")])).float()
+    print(f"train: {len(train)} prompts, {len(Y)} tokens, acceptance {Y.mean():.3f}; "
+          f"held out: {len(hold)} prompts")
+
+    head = AcceptanceHead(HeadParams(hidden_size=X.shape[1], width=args.width, depth=args.depth))
+    opt = torch.optim.Adam(head.parameters(), lr=args.lr, weight_decay=1e-4)
+    w = torch.where(Y > 0.5, 1.0, args.w_rej)
+    for _ in tqdm(range(args.epochs), desc="train head", unit="epoch"):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(head.logit(X), Y, weight=w)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():  # undo the weighting's shift of the optimal logit: -log(w_rej)
+        head.out.bias += math.log(args.w_rej)
+    head.requires_grad_(False)
+
+    def predict(h):
+        with torch.no_grad():
+            return head(torch.from_numpy(h)).numpy()
+
+    Xh = np.concatenate([d[k] for d in hold for k in ("hA", "hB")])
+    Yh = np.concatenate([d[k] for d in hold for k in ("yA", "yB")]).astype(np.int64)
+    ph = predict(Xh)
+    held_auc = auc(ph, Yh)
+    bins, ece = calibration(ph, Yh)
+    train_auc = auc(predict(X.numpy()), Y.numpy().astype(np.int64))
+
+    seqs = [(predict(d["hA"]), d["yA"].astype(bool)) for d in hold]
+    fixed = {g: simulate(seqs, lambda p, g=g: g, args.cap, args.draft_cost) for g in range(1, 9)}
+    grid = [round(x, 2) for x in np.arange(0.1, 0.96, 0.05)]
+    adaptive = {h: simulate(seqs, rule_length(h), args.cap, args.draft_cost) for h in grid}
+    best_h = max(adaptive, key=lambda h: adaptive[h]["tokens_per_cost"])
+    best_g = max(fixed, key=lambda g: fixed[g]["tokens_per_cost"])
+
+    print(f"held-out AUC {held_auc:.4f} (train {train_auc:.4f}), ECE {ece:.4f}")
+    print("calibration (held out):  bin         n   predicted  observed")
+    for r in bins:
+        print(f"  {r['bin']:>12} {r['n']:>6}   {r['predicted']:.3f}      {r['observed']:.3f}")
+    print(f"simulated (cost: draft forward = {args.draft_cost} target forwards, cap {args.cap}):")
+    print(f"  best fixed gamma={best_g}: {fixed[best_g]}")
+    print(f"  fixed gamma=4:        {fixed[4]}")
+    for h in (0.3, 0.5, 0.7, 0.9, best_h):
+        if h in adaptive:
+            print(f"  adaptive h={h}: {adaptive[h]}")
+    print(f"picked h = {best_h}")
+
+    ident = draft_identity(args.draft)
+    head.save(args.out, ident, best_h, extra={"held_out_auc": held_auc, "ece": ece, "w_rej": args.w_rej})
+    metrics = {
+        "command": "python " + " ".join([sys.argv[0].replace(str(REPO) + "/", "")] + sys.argv[1:]),
+        "draft": args.draft, "target": args.target, "draft_identity": ident,
+        "head_file": args.out, "head_bytes": Path(args.out).stat().st_size,
+        "prompts": {"humaneval": sources.count("humaneval"), "mtbench": sources.count("mtbench"),
+                    "sharegpt": "none installed"},
+        "args": vars(args),
+        "train_tokens": int(len(Y)), "train_acceptance": float(Y.mean()),
+        "held_out_prompts": len(hold), "held_out_tokens": int(len(Yh)),
+        "held_out_acceptance": float(Yh.mean()),
+        "held_out_auc": held_auc, "train_auc": train_auc, "ece": ece, "calibration": bins,
+        "threshold": best_h, "simulated_fixed": {str(k): v for k, v in fixed.items()},
+        "simulated_adaptive": {str(k): v for k, v in adaptive.items()},
+        "seconds": {"target_greedy": round(t_gen, 1), "data": round(t_data, 1),
+                    "total": round(time.time() - t0, 1)},
+        "torch_threads": torch.get_num_threads(),
+    }
+    Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.metrics).write_text(json.dumps(metrics, indent=1) + "\n")
+    print(f"head -> {args.out} ({metrics['head_bytes']} bytes), metrics -> {args.metrics}; "
+          f"{time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

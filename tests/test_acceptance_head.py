@@ -1,0 +1,233 @@
+"""Adaptive draft length (SpecDec++): the acceptance head's file, the stopping rule, and the
+drafting round that applies it (tiny models, no vLLM).
+
+The round's reference: the draft model's own greedy continuation of the context, computed with
+full causal forwards, and the head applied to the hidden state that produced each token; the
+adaptive draft must be exactly its prefix up to where 1 - prod(P(accept)) first exceeds h.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ouroboros.draft import DraftModel
+from vllm_ouroboros.draft.acceptance_head import (
+    AcceptanceHead,
+    AcceptanceHeadError,
+    HeadParams,
+    draft_identity,
+    load_head,
+    read_head,
+    stop_rule,
+)
+from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
+from vllm_ouroboros.pool import PhrasePool
+
+BETA, W, G = 4, 4, 4
+L = BETA - 1
+CAP = 9
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_head(hidden_size: int, seed: int = 0, bias: float = 1.6, scale: float = 3.0) -> AcceptanceHead:
+    """A head with fixed random weights whose P(accept) spreads over ~0.5..0.97 on the tiny draft."""
+    torch.manual_seed(seed)
+    head = AcceptanceHead(HeadParams(hidden_size=hidden_size, width=16, depth=1))
+    with torch.no_grad():
+        head.out.weight.mul_(scale)
+        head.out.bias.fill_(bias)
+    return head.requires_grad_(False)
+
+
+# ---- file ------------------------------------------------------------------------------------
+
+def test_head_file_round_trip_and_identity(tiny_models, tmp_path):
+    draft = str(tiny_models["draft"])
+    head = make_head(128)
+    path = str(tmp_path / "head.safetensors")
+    head.save(path, draft_identity(draft), 0.65, extra={"note": 1})
+    loaded = load_head(path, draft)
+    assert loaded.threshold == 0.65 and loaded.extra == {"note": 1}
+    x = torch.randn(5, 3, 128)
+    assert torch.equal(loaded.head(x), head(x))
+    assert ((head(x) > 0) & (head(x) < 1)).all() and head(x).dtype == torch.float32
+    # Reformatting config.json (same settings) keeps the identity; another model does not.
+    cfg = json.loads((tiny_models["draft"] / "config.json").read_text())
+    other = tmp_path / "reformatted"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(cfg, indent=4, sort_keys=False))
+    assert draft_identity(str(other)) == draft_identity(draft)
+    llama = str(tiny_models["llama"])
+    with pytest.raises(AcceptanceHeadError) as e:
+        load_head(path, llama)
+    msg = str(e.value)
+    assert "'acceptance_head'" in msg and draft_identity(draft) in msg and draft_identity(llama) in msg
+
+
+def test_head_file_refusals(tiny_models, tmp_path):
+    draft = str(tiny_models["draft"])
+    with pytest.raises(AcceptanceHeadError, match="'acceptance_head' .* does not exist"):
+        read_head(str(tmp_path / "nope.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a head")
+    with pytest.raises(AcceptanceHeadError, match="'acceptance_head' .* not a readable head file"):
+        load_head(str(bad), draft)
+    path = str(tmp_path / "h.safetensors")
+    make_head(128).save(path, draft_identity(draft), 0.7)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])  # truncated
+    with pytest.raises(AcceptanceHeadError, match="not a readable head file"):
+        load_head(path, draft)
+
+
+# ---- the rule on hand-made probabilities ------------------------------------------------------
+
+def test_stop_rule_hand_made():
+    p = torch.tensor([[0.9, 0.9, 0.9, 0.9],   # prods .9 .81 .729 .656: 1 - prod > .3 first at index 3
+                      [0.5, 0.9, 0.9, 0.9],   # fires at once
+                      [0.99, 0.99, 0.99, 0.99],  # never fires: all real tokens kept
+                      [0.9, 0.9, 0.1, 0.1]])  # only 2 real tokens: the .1s do not count
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    before = torch.tensor([1.0, 1.0, 1.0, 0.8])  # row 3 drafted earlier: .72, .648 -> fires at 1
+    take, fired, after = stop_rule(p, valid, before, 0.3)
+    assert take.tolist() == [4, 1, 3, 2]
+    assert fired.tolist() == [True, True, False, True]
+    assert torch.allclose(after, torch.tensor([0.9 ** 4, 0.5, 0.99 ** 3, 0.648]))
+    # exactly at the threshold does not fire (strict >)
+    take, fired, _ = stop_rule(torch.tensor([[0.5, 0.5]]), torch.ones(1, 2, dtype=torch.bool),
+                               torch.ones(1), 0.5)
+    assert take.tolist() == [2] and fired.tolist() == [True]
+
+
+# ---- the drafting round ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_path(tiny_models):
+    return str(tiny_models["draft"])
+
+
+@pytest.fixture(scope="module")
+def ref_model(draft_path):
+    m = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device="cpu")
+    m.allocate_cache(1, 256)
+    return m
+
+
+def reference(model, head, ctx, n):
+    """Greedy continuation (n tokens) and P(accept) of each token, from full causal forwards."""
+    seq, probs = list(ctx), []
+    for _ in range(n):
+        k = len(seq)
+        h = model.forward(torch.tensor([seq]), torch.arange(k)[None], torch.tensor([0]),
+                          torch.tensor([0]), torch.ones(k, k, dtype=torch.bool).tril()[None],
+                          max_cache_len=0)[0, -1]
+        seq.append(int(model.greedy_tokens(h)))
+        probs.append(float(head(h)))
+    return seq[len(ctx):], np.array(probs)
+
+
+def expected_len(probs, h, cap):
+    over = np.nonzero(1 - np.cumprod(probs[:cap]) > h)[0]
+    return (int(over[0]) + 1, True) if len(over) else (cap, False)
+
+
+def make_runtime(draft_path, head, h, adaptive=True, **kw):
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device="cpu")
+    V = model.vocab_size
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), shared=True)
+    settings = DraftSettings(gamma=4, beta=BETA, window_size=W, num_guesses=G, num_suffixes=1,
+                             draft_length="adaptive" if adaptive else "fixed",
+                             acceptance_threshold=h, max_draft_length=CAP, **kw)
+    return DraftRuntime(model, pool, settings, 4, 512, "cpu", head=head), pool
+
+
+def run(rt, slots, contexts):
+    tab = np.zeros((len(contexts), max(map(len, contexts)) + 3), np.int64)
+    for b, c in enumerate(contexts):
+        tab[b, :len(c)] = c
+    out = rt.run_round(np.asarray(slots, np.int64), tab, np.arange(len(contexts)),
+                       np.array([len(c) for c in contexts], np.int64))
+    return out, [out.drafts[b, :out.draft_lens[b]].tolist() for b in range(len(contexts))]
+
+
+def margin_ok(probs, h):
+    """The rule's decisions are not within float noise of the threshold."""
+    return np.abs(1 - np.cumprod(probs) - h).min() > 1e-4
+
+
+@pytest.mark.parametrize("phrases", [False, True])
+def test_adaptive_round_stops_where_the_rule_fires(draft_path, ref_model, phrases):
+    """Rows stop independently, exactly where 1 - prod > h (or at the cap); the draft is the draft
+    model's own greedy continuation, a prefix of what fixed mode drafts; with the draft's own
+    continuation in the pool, one forward brings several tokens and is cut at the right one."""
+    head = make_head(ref_model.hidden_size)
+    rng = np.random.default_rng(3)
+    h = 0.5
+    V = ref_model.vocab_size
+    contexts, refs = [], []
+    while len(contexts) < 4:
+        ctx = rng.integers(2, V, int(rng.integers(3, 40))).tolist()
+        toks, probs = reference(ref_model, head, ctx, CAP + BETA)
+        if margin_ok(probs[:CAP], h):
+            contexts.append(ctx)
+            refs.append((toks, probs))
+    def seed(pool):  # every row's continuation, phrase by phrase, as right guesses
+        for b, (toks, _) in enumerate(refs):
+            seq = contexts[b] + toks
+            for i in range(len(contexts[b]) - 1, len(seq) - L):
+                pool.insert(torch.tensor([seq[i]]), torch.tensor([seq[i + 1:i + 1 + L]]), torch.tensor([b]))
+
+    rt, pool = make_runtime(draft_path, head, h, use_lookahead=phrases, use_guesses=phrases)
+    if phrases:
+        seed(pool)
+    cuts = []  # forwards whose phrase the rule cut: (tokens brought, tokens kept)
+    forward = rt._lookahead_forward
+
+    def spy(*a, **k):
+        new, num, rule = forward(*a, **k)
+        cuts.extend((n, t) for n, t, f in zip(num, *rule[:2]) if f and t < n)
+        return new, num, rule
+
+    rt._lookahead_forward = spy
+    out, drafts = run(rt, [0, 1, 2, 3], contexts)
+    assert bool(cuts) == phrases, cuts  # one token per forward without phrases: nothing to cut
+    want = [expected_len(p, h, CAP) for _, p in refs]
+    lens = [n for n, _ in want]
+    assert len(set(lens)) > 1, lens  # the round really has rows of different lengths
+    for b in range(4):
+        assert drafts[b] == refs[b][0][:lens[b]], b
+        assert bool(out.stopped_by_rule[b]) == want[b][1]
+    assert out.forwards == out.row_forwards.max()
+    if phrases:
+        assert out.guess_tokens.sum() > 0 and (out.row_forwards < out.draft_lens).any()
+    else:  # one token per forward: a row that stopped took no further forward
+        assert out.row_forwards.tolist() == lens
+    # Each row alone drafts the same as in the batch.
+    for b in range(4):
+        rt1, pool1 = make_runtime(draft_path, head, h, use_lookahead=phrases, use_guesses=phrases)
+        if phrases:
+            seed(pool1)
+        _, d1 = run(rt1, [b], [contexts[b]])
+        assert d1[0] == drafts[b]
+    # Fixed mode drafts the same tokens, only a fixed number of them.
+    rt_f, _ = make_runtime(draft_path, None, h, adaptive=False, use_lookahead=phrases, use_guesses=False)
+    _, fixed = run(rt_f, [0, 1, 2, 3], contexts)
+    for b in range(4):
+        n = min(len(fixed[b]), len(drafts[b]))
+        assert fixed[b][:n] == drafts[b][:n] == refs[b][0][:n]
+
+
+def test_cap_and_rule_counts(draft_path, ref_model):
+    """A head that always predicts acceptance drafts to the cap (cap stops); one that always
+    predicts rejection drafts a single token (rule stops)."""
+    ctx = [[5, 9, 17, 33], [7, 8, 9]]
+    for bias, n, by_rule in ((30.0, CAP, False), (-30.0, 1, True)):
+        head = make_head(ref_model.hidden_size, bias=bias, scale=0.0)
+        rt, _ = make_runtime(draft_path, head, 0.5, use_lookahead=True, use_guesses=True)
+        out, drafts = run(rt, [0, 1], ctx)
+        assert out.draft_lens.tolist() == [n, n]
+        assert out.stopped_by_rule.tolist() == [by_rule, by_rule]
+        for b in range(2):
+            assert drafts[b] == reference(ref_model, head, ctx[b], n)[0]

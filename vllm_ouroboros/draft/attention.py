@@ -158,7 +158,8 @@ def prefix_and_masked_attention(
     if G > 1:
         mask = mask[:, :, None].expand(B, 1, G, Q, kv_len).reshape(B, 1, G * Q, kv_len)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G*Q, D]
-    return out.view(B, Hq, Q, D)
+    # reshape, not view: CUDA's SDPA kernels return a token-major layout that view cannot split.
+    return out.reshape(B, Hq, Q, D)
 
 
 def masked_attention(

@@ -1,0 +1,27 @@
+"""The draft's torch attention path must not assume SDPA returns a contiguous tensor: CUDA's
+flash / memory-efficient kernels return [B, H, Q, D] with a token-major layout, and a `view` on
+it raised for every draft forward of more than 64 new tokens per row (prompt prefills) on a GPU."""
+
+import torch
+import torch.nn.functional as F
+
+from vllm_ouroboros.draft import attention
+
+
+def test_prefix_attention_accepts_token_major_sdpa_output(monkeypatch):
+    torch.manual_seed(0)
+    B, Hq, Hkv, Q, D, S, P = 2, 4, 2, 5, 32, 3, 7
+    q = torch.randn(B, Hq, Q, D)
+    k_cache, v_cache = torch.randn(S, Hkv, P + Q, D), torch.randn(S, Hkv, P + Q, D)
+    meta = attention.build_attention_metadata(torch.tensor([2, 0]), torch.tensor([P, 3]),
+                                              torch.ones(B, Q, Q).tril().bool(), backend="torch")
+    want = attention.prefix_and_masked_attention(q, k_cache, v_cache, meta, 0.2)
+    sdpa = F.scaled_dot_product_attention
+
+    def token_major(*a, **kw):  # same values, the strides CUDA's kernels give
+        out = sdpa(*a, **kw)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", token_major)
+    got = attention.prefix_and_masked_attention(q, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

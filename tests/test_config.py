@@ -12,7 +12,11 @@ from tiny_models import build_model
 from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
 
 
+NO_VLLM = "builds vLLM's engine config; vLLM is not installed here (e.g. the lent GPU machine)"
+
+
 def engine_config(target, spec: dict):
+    pytest.importorskip("vllm", reason=NO_VLLM)
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=str(target), dtype="float32", max_model_len=256,
@@ -45,6 +49,7 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"draft_dtype": "int8"}, "'draft_dtype'='int8'"),
     ({"draft_attention": "flash"}, "'draft_attention'='flash'"),
     ({"draft_cpu_gemm": "mkl"}, "'draft_cpu_gemm'='mkl'"),
+    ({"draft_round": "cuda"}, "'draft_round'='cuda'; use auto, host, device or graph"),
     ({"pool_load_path": "/nonexistent/pool.pt"}, "'pool_load_path' '/nonexistent/pool.pt' does not exist"),
     ({"num_suffixes": 4, "gamma": 30, "beta": 8, "window_size": 8},
      "a tree of 66 tokens .root \\+ num_speculative_tokens=65. exceeds 64"),
@@ -76,6 +81,7 @@ def test_other_methods_untouched(tiny_models):
 
 def test_spec_method_shorthand(tiny_models):
     """`vllm serve T --spec-method ouroboros --spec-model D` parses and configures ouroboros."""
+    pytest.importorskip("vllm", reason=NO_VLLM)
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -149,3 +155,18 @@ def test_adaptive_draft_length_errors_name_the_key(tiny_models, head_files, extr
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), **extra}
     with pytest.raises(OuroborosConfigError, match=message):
         engine_config(tiny_models["target"], spec)
+
+
+def test_draft_round_resolves_per_device(tiny_models):
+    """auto: CUDA graphs on a GPU, the host loop on a CPU; graph mode on a CPU is refused at
+    load naming the key (the device is known only there)."""
+    from vllm_ouroboros.config import resolved_draft_round
+
+    cfg = OuroborosConfig(draft_model=str(tiny_models["draft"]))
+    assert resolved_draft_round(cfg, "cuda") == "graph"
+    assert resolved_draft_round(cfg, "cpu") == "host"
+    for mode in ("host", "device"):
+        assert resolved_draft_round(OuroborosConfig(draft_model="d", draft_round=mode), "cpu") == mode
+    assert resolved_draft_round(OuroborosConfig(draft_model="d", draft_round="graph"), "cuda") == "graph"
+    with pytest.raises(OuroborosConfigError, match="'draft_round'='graph' replays CUDA graphs"):
+        resolved_draft_round(OuroborosConfig(draft_model="d", draft_round="graph"), "cpu")

@@ -80,6 +80,11 @@ class OuroborosConfig:
     draft_attention: str = "auto"
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16
+    # Where a round's drafting loop runs (draft/runtime.py): "host" sizes each forward from the
+    # last one's output (a device->host read per forward: free on a CPU, a stall on a GPU);
+    # "device" fixes every shape before the round (no read inside it); "graph" replays the
+    # device round from CUDA graphs (CUDA only). "auto": graph on CUDA, host elsewhere.
+    draft_round: str = "auto"
     # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
     draft_initial_len: int = 2048
     # Sentence-draft length: "fixed" drafts >= gamma tokens per round; "adaptive" (SpecDec++)
@@ -197,6 +202,10 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         raise OuroborosConfigError(
             f"ouroboros: 'draft_attention'={cfg.draft_attention!r}; use auto or torch"
         )
+    if cfg.draft_round not in ("auto", "host", "device", "graph"):
+        raise OuroborosConfigError(
+            f"ouroboros: 'draft_round'={cfg.draft_round!r}; use auto, host, device or graph"
+        )
     if cfg.pool_load_path is not None:
         _validate_pool_file(cfg, target_vocab_size)
     _validate_draft(cfg.draft_model, target_vocab_size)
@@ -226,6 +235,18 @@ def _validate_draft_length(cfg: OuroborosConfig) -> None:
         load_head(cfg.acceptance_head, cfg.draft_model)
     except AcceptanceHeadError as e:
         raise OuroborosConfigError(str(e)) from e
+
+
+def resolved_draft_round(cfg: OuroborosConfig, device_type: str) -> str:
+    """The drafting loop for this device: "auto" is "graph" on CUDA, "host" elsewhere; "graph"
+    anywhere but CUDA is refused naming the key."""
+    if cfg.draft_round == "auto":
+        return "graph" if device_type == "cuda" else "host"
+    if cfg.draft_round == "graph" and device_type != "cuda":
+        raise OuroborosConfigError(
+            f"ouroboros: 'draft_round'='graph' replays CUDA graphs; the draft runs on {device_type}: "
+            "use auto, host or device")
+    return cfg.draft_round
 
 
 def resolved_threshold(cfg: OuroborosConfig, head_threshold: float) -> float:

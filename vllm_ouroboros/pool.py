@@ -4,7 +4,9 @@ Storage is paged: one page holds the W phrase slots of one key, and pages are ha
 occur, under a fixed memory budget; when none is free the least recently used page is recycled.
 Lookup, insert, replace, remove and release are batched over requests and free of host-device
 syncs (no `.item()`, no boolean indexing, no `torch.unique`, no shape that depends on data), so
-they only queue work on the device; stats and persistence may sync. Masked rows go through the
+they only queue work on the device and can be captured in a CUDA graph (the recency clock is a
+device tensor for that reason: a host counter would be frozen into the graph); stats and
+persistence may sync. Masked rows go through the
 same scatter as real rows with a no-op value (a zero delta, or a value that loses a min/max).
 """
 import contextlib
@@ -58,8 +60,9 @@ class PhrasePool:
         self.stamp = torch.zeros(P, self.W, dtype=torch.int64, **kw)  # 0 = empty slot
         self.owner = torch.full((P, self.W), -1, dtype=torch.int32, **kw)
         self.counters = torch.zeros(len(_STATS), dtype=torch.int64, **kw)
-        # host-side clock: stamps need no sync; an insert of N rows takes N stamps, a lookup one
-        self._clock = 0
+        # Recency clock: an insert of N rows takes N stamps, a lookup one. On the device, so that
+        # a replayed CUDA graph advances it; only the order of stamps matters.
+        self.clock = torch.zeros((), dtype=torch.int64, **kw)
 
     @staticmethod
     def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
@@ -80,10 +83,13 @@ class PhrasePool:
     # ---- readers -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def lookup(self, keys: torch.Tensor, slots: torch.Tensor, n: int):
+    def lookup(self, keys: torch.Tensor, slots: torch.Tensor, n: int,
+               rows: Optional[torch.Tensor] = None):
         """The n best phrases of each key for the request in that row, best first.
 
-        Shape: keys [B] (int), slots [B] (int, the requesting request's slot).
+        Shape: keys [B] (int), slots [B] (int, the requesting request's slot), rows [B] (bool)
+        or None: rows with False (padding, finished rows of a fixed-shape round) get phrases
+        too but touch neither the pages' recency nor the counters.
         Returns phrases [B, n, L] (long, 0 where not valid) and valid [B, n] (bool).
         """
         if not 1 <= n <= self.W:
@@ -101,11 +107,16 @@ class PhrasePool:
         top, idx = torch.where(visible, score, -1).topk(n, dim=1)  # [B, n]
         valid = top > 0
         phrases = self.tokens[pg[:, None], idx].long() * valid[..., None]
-        self._clock += 1
-        self.page_last_used.scatter_reduce_(0, pg, torch.where(page >= 0, self._clock, 0), "amax")
-        self.counters[0] += keys.shape[0]
-        self.counters[1] += valid[:, 0].sum()
-        self.counters[2] += valid.sum()
+        self.clock += 1
+        seen = page >= 0
+        if rows is not None:
+            rows = rows.to(self.device, torch.bool)
+            seen = seen & rows
+        self.page_last_used.scatter_reduce_(0, pg, torch.where(seen, self.clock, 0), "amax")
+        counted = valid if rows is None else valid & rows[:, None]
+        self.counters[0] += keys.shape[0] if rows is None else rows.sum()
+        self.counters[1] += counted[:, 0].sum()
+        self.counters[2] += counted.sum()
         return phrases, valid
 
     # ---- writers -----------------------------------------------------------------------------
@@ -127,7 +138,8 @@ class PhrasePool:
         keep = (keys >= 0) & (keys < V)
         if valid is not None:
             keep &= valid.to(dev, torch.bool)
-        t0, self._clock = self._clock, self._clock + N
+        t0 = self.clock.clone()
+        self.clock += N
         i = torch.arange(N, device=dev)
 
         # Repeated (key, phrase) rows: a lexicographic sort (stable sorts, last column first, rows
@@ -159,7 +171,11 @@ class PhrasePool:
             (page.clamp(min=0),), (page >= 0).int(), accumulate=True) > 0
         score = torch.where(self.page_key < 0, -1, self.page_last_used)
         k = min(N, P)
-        cand_score, cand = torch.where(protect, _NEVER, score).topk(k, largest=False)
+        # A stable sort, not topk: pages of equal recency (inserted by one call) are taken in
+        # index order, so the pool's state does not depend on how many rows a call carried
+        # (masked rows included: the fixed-shape drafting round relies on it).
+        cand_score, cand = torch.sort(torch.where(protect, _NEVER, score), stable=True)
+        cand_score, cand = cand_score[:k], cand[:k]
         need = start & has_key & (page < 0)
         need_rank = torch.empty_like(i)
         need_rank[torch.argsort(torch.where(need, -perm, 1))] = i
@@ -272,7 +288,7 @@ class PhrasePool:
     def state_dict(self) -> dict:
         sd = {n: getattr(self, n).detach().cpu().clone() for n in _BUFFERS}
         sd.update(vocab_size=self.vocab_size, phrase_len=self.L, phrases_per_key=self.W,
-                  budget_bytes=self.budget_bytes, shared=self.shared, clock=self._clock)
+                  budget_bytes=self.budget_bytes, shared=self.shared, clock=int(self.clock))
         return sd
 
     @torch.no_grad()
@@ -295,7 +311,7 @@ class PhrasePool:
             getattr(self, name)[:n] = sd[name][used].to(dev)
         self.key_to_page[self.page_key[:n].long()] = torch.arange(n, device=dev, dtype=torch.int32)
         self.counters.copy_(sd["counters"])
-        self._clock = sd["clock"]
+        self.clock.fill_(int(sd["clock"]))
 
     def save(self, path):
         """Write the pool to `path` atomically: a reader (or a crash mid-write) never sees half

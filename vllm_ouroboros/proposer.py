@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
-from vllm_ouroboros.config import OuroborosConfig, resolved_threshold
+from vllm_ouroboros.config import OuroborosConfig, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
@@ -187,9 +187,17 @@ class OuroborosProposer:
             max_draft_forwards=cfg.max_draft_forwards,
             draft_length=cfg.draft_length, acceptance_threshold=threshold,
             max_draft_length=cfg.max_draft_length,
+            draft_round=resolved_draft_round(cfg, self.device.type),
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
                                     self.device, head=head)
+        if settings.draft_round == "graph":
+            # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
+            t0 = time.perf_counter()
+            n = self.runtime.device_round.capture(range(1, min(self.max_slots, 64) + 1))
+            logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
+                        time.perf_counter() - t0)
+        logger.info("ouroboros: drafting loop: %s", settings.draft_round)
         if cfg.pool_save_path:
             atexit.register(self.save_pool)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB", cfg.draft_model,
@@ -546,6 +554,7 @@ class OuroborosProposer:
         if self.runtime is not None:  # what "auto" resolved to on this device
             out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,
+                               "draft_round": self.runtime.s.draft_round,
                                "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))

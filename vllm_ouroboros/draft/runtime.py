@@ -10,10 +10,15 @@ For every request the draft model keeps its own KV cache (one slot per request).
      (draft/acceptance_head.py); a forward's phrase is cut at the token where the rule fires;
   4. read K candidate suffixes for each draft's last token from the pool.
 
-The contexts arrive as host arrays (vLLM keeps token ids on the host); the token tensors of each
-forward are built on the host and copied once per forward. Reading back the new tokens is the one
-device->host sync per draft forward: the host needs the drafted lengths to size the next forward.
-No vLLM imports here.
+Step 3 runs one of two ways (DraftSettings.draft_round):
+  "host":   this file's loop. The token tensors of each forward are built on the host and
+            copied once per forward; reading back the new tokens is one device->host sync per
+            draft forward, which sizes the next forward exactly (no padding, empty guess
+            columns trimmed, finished rows left out). Cheapest where syncs are free: the CPU.
+  "device" / "graph": draft/device_round.py, every shape fixed before the round, no sync
+            inside it, replayed from CUDA graphs with "graph"; one device->host copy per round.
+            For GPUs, where a host loop leaves the device waiting on kernel launches.
+The contexts arrive as host arrays (vLLM keeps token ids on the host). No vLLM imports here.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros.draft.acceptance_head import stop_rule
+from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
 from vllm_ouroboros.pool import PhrasePool
 
@@ -45,6 +51,12 @@ class DraftSettings:
     draft_length: str = "fixed"
     acceptance_threshold: float = 0.7
     max_draft_length: int = 12
+    # Where the drafting loop runs: "host" (sync per forward), "device" (fixed shapes, no sync
+    # inside the round) or "graph" ("device" replayed from CUDA graphs; CUDA only).
+    draft_round: str = "host"
+    # "device"/"graph": forwards per round; None adapts to what recent rounds needed (a round
+    # that runs out drafts less, still lossless); an int pins it (at most gamma in fixed mode).
+    round_forwards: int | None = None
 
     @property
     def draft_room(self) -> int:
@@ -89,6 +101,8 @@ class DraftRuntime:
         settings.draft_length == "adaptive"."""
         if settings.draft_length == "adaptive" and head is None:
             raise ValueError("adaptive draft length needs an acceptance head")
+        if settings.draft_round not in ("host", "device", "graph"):
+            raise ValueError(f"draft_round must be 'host', 'device' or 'graph', got {settings.draft_round!r}")
         self.model = model
         self.head = head if settings.draft_length == "adaptive" else None
         self.pool = pool
@@ -99,6 +113,8 @@ class DraftRuntime:
         self.W = settings.window_size if settings.use_lookahead else 0
         self.G = settings.num_guesses if settings.use_guesses else 0
         self._layouts: dict[tuple[int, int], object] = {}
+        # Bumped whenever the model's cache or the window is reallocated (graphs hold pointers).
+        self.generation = 0
         # The longest a slot can get: context plus a round's draft and one forward's scratch.
         self._max_cap = max_len + 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
         self._slots = 0
@@ -109,10 +125,32 @@ class DraftRuntime:
         self.window = torch.zeros(0, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
         self.window_ready = np.zeros(0, bool)
         self._grow(num_slots, min(max_len, 256))
+        self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
+                             if settings.draft_round != "host" else None)
 
     # ---- slots -------------------------------------------------------------------------------
+    @property
+    def pad_slot(self) -> int:
+        """A spare cache slot (and window row) past the requests' ones: fixed-shape rounds
+        (draft/device_round.py) point their padding rows at it."""
+        return self._slots
+
+    @property
+    def prefill_threshold(self) -> int:
+        """Uncached stretches longer than this are prefilled before drafting; the drafting
+        loop's first forward carries at most this + 1 uncached tokens."""
+        return self.s.draft_room + 2 * self.s.beta + 2
+
+    def layout(self, U: int, G: int):
+        """The lookahead layout for U uncached columns and G guesses (built once per pair)."""
+        layout = self._layouts.get((U, G))
+        if layout is None:
+            layout = self._layouts[(U, G)] = build_layout(U, self.W, self.L, G, self.device)
+        return layout
+
     def _grow(self, num_slots: int, length: int) -> None:
-        """Make room for `num_slots` slots of `length` tokens (host arrays and the model's KV)."""
+        """Make room for `num_slots` slots of `length` tokens (host arrays and the model's KV),
+        plus the spare `pad_slot`."""
         length = min(max(length, self._cap), self._max_cap)
         num_slots = max(num_slots, self._slots)
         if num_slots == self._slots and length <= self._cap:
@@ -125,10 +163,14 @@ class DraftRuntime:
         self.kv_len = np.concatenate([self.kv_len, np.zeros(num_slots - self._slots, np.int64)])
         self.confirmed = np.concatenate([self.confirmed, np.zeros(num_slots - self._slots, np.int64)])
         self.window_ready = np.concatenate([self.window_ready, np.zeros(num_slots - self._slots, bool)])
-        window = torch.zeros(num_slots, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
-        window[: self._slots] = self.window
-        self.window = window
-        self.model.ensure_capacity(num_slots, length)
+        before = self.model.k_cache
+        if num_slots > self._slots:
+            window = torch.zeros(num_slots + 1, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
+            window[: self._slots] = self.window[: self._slots]
+            self.window = window
+        self.model.ensure_capacity(num_slots + 1, length)
+        if num_slots > self._slots or self.model.k_cache is not before:
+            self.generation += 1
         self._slots, self._cap = num_slots, length
 
     def reset_slot(self, slot: int) -> None:
@@ -157,6 +199,8 @@ class DraftRuntime:
         row_prefills = np.zeros(B, np.int64)
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)
         self._init_windows(slots, token_ids, rows, lens)
+        if self.device_round is not None:
+            return self._device_round(slots, token_ids, rows, lens, prefill_forwards, row_prefills)
 
         adaptive = self.head is not None
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
@@ -206,6 +250,23 @@ class DraftRuntime:
                            row_forwards, guess_tokens, guess_hit_forwards, row_prefills,
                            by_rule if adaptive else None)
 
+    def _device_round(self, slots, token_ids, rows, lens, prefill_forwards, row_prefills) -> RoundOutput:
+        """Step 3 and 4 on the device (draft/device_round.py), then the host's bookkeeping of
+        what the round committed to each slot (the uncached context, then the draft but for
+        its last forward's tokens), from the round's one device->host copy."""
+        kv = self.kv_len[slots]
+        u0 = lens - kv
+        idx = kv[:, None] + np.arange(int(u0.max()))[None, :]
+        unc0 = token_ids[rows[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
+        unc0 = np.where(idx < lens[:, None], unc0, 0)
+        out = self.device_round.run(slots, unc0, u0, kv, self.s.round_forwards)
+        self._commit(slots, unc0, u0)
+        self._commit(slots, out.drafts, out.committed)
+        self.confirmed[slots] = lens
+        return RoundOutput(out.drafts, out.draft_lens, out.suffixes, out.suffix_valid, out.forwards,
+                           prefill_forwards, out.row_forwards, out.guess_tokens, out.guess_hits,
+                           row_prefills, out.stopped_by_rule if self.head is not None else None)
+
     # ---- steps of a round --------------------------------------------------------------------
     def _rollback(self, slots, token_ids, rows, lens) -> None:
         """Keep the longest cached prefix that still matches the context (and leave the last
@@ -232,7 +293,7 @@ class DraftRuntime:
 
     def _prefill(self, slots, token_ids, rows, lens, row_prefills) -> int:
         """Causal forwards over long uncached stretches, so the drafting loop stays narrow."""
-        threshold = self.s.draft_room + 2 * self.s.beta + 2
+        threshold = self.prefill_threshold
         forwards = 0
         while True:
             todo = np.nonzero(lens - 1 - self.kv_len[slots] > threshold)[0]
@@ -312,9 +373,7 @@ class DraftRuntime:
         if G == 0:
             guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
             gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
-        layout = self._layouts.get((U, G))
-        if layout is None:
-            layout = self._layouts[(U, G)] = build_layout(U, self.W, L, G, self.device)
+        layout = self.layout(U, G)
         input_ids = torch.cat(parts, dim=1)
         mask, positions = row_inputs(layout, u_t, kv_t)
         hidden = self.model.forward(input_ids, positions, slots_t, kv_t, mask, max_cache_len=int(kv.max()))

@@ -1,0 +1,263 @@
+"""The fixed-shape drafting round (draft/device_round.py) against the host loop it replaces.
+
+Two runtimes over the same draft model weights, one drafting with the host loop and one with the
+device round, go through the same rounds: a simulated target accepts a random prefix of each
+draft (or all of it plus a bonus), phrases are seeded into both pools alike, some requests sit a
+round out, a slot is reset and reused. With F at its bound the device round must give the same
+drafts, counters, suffixes, slot bookkeeping and pool, token for token. A counting hook asserts
+that nothing inside the round reads a tensor back to the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ouroboros.draft import DraftModel
+from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
+from vllm_ouroboros.pool import PhrasePool
+
+from tiny_models import acceptance_head
+
+GAMMA, BETA, W, G, K = 4, 4, 3, 3, 2
+L = BETA - 1
+MAX_LEN = 400
+CONTEXT_LENS = [1, 3, 70, 17, 9, 5]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIGS = {
+    "phrases": dict(),
+    "decode-only": dict(use_lookahead=False, use_guesses=False),
+    "guesses-only": dict(use_lookahead=False),
+    "window-only": dict(use_guesses=False),
+    "no-suffixes": dict(num_suffixes=0),
+    "adaptive": dict(draft_length="adaptive", acceptance_threshold=0.5, max_draft_length=7),
+}
+
+
+def make(draft_path, device, draft_round, shared=True, **kw):
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
+    V = model.vocab_size
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 48), device=device, shared=shared)
+    settings = DraftSettings(**{**dict(gamma=GAMMA, beta=BETA, window_size=W, num_guesses=G,
+                                       num_suffixes=K, draft_round=draft_round), **kw})
+    head = acceptance_head(model.hidden_size).to(device) if kw.get("draft_length") == "adaptive" else None
+    return DraftRuntime(model, pool, settings, 2, MAX_LEN, device, head=head)
+
+
+def table(contexts, rng):
+    order = rng.permutation(len(contexts))
+    tab = np.full((len(contexts), max(len(c) for c in contexts) + 3), -7, np.int64)
+    for c, r in zip(contexts, order):
+        tab[r, :len(c)] = c
+    return tab, order.astype(np.int64), np.array([len(c) for c in contexts], np.int64)
+
+
+def pool_view(pool: PhrasePool, slots) -> list:
+    """What a reader can see of the pool: every key's phrases, ranked, for every owner."""
+    V = pool.vocab_size
+    keys = torch.arange(V, device=pool.device).repeat(len(slots))
+    owners = torch.tensor(slots, device=pool.device).repeat_interleave(V)
+    before = pool.counters.clone(), pool.page_last_used.clone(), pool.clock.clone()
+    phr, valid = pool.lookup(keys, owners, pool.W)
+    pool.counters.copy_(before[0]), pool.page_last_used.copy_(before[1]), pool.clock.copy_(before[2])
+    return [phr.cpu(), valid.cpu(), pool.page_key.cpu(), pool.owner.cpu(), pool.counters.cpu()]
+
+
+def compare(a, b, what):
+    for name in ("drafts", "draft_lens", "suffixes", "suffix_valid", "row_forwards", "guess_tokens",
+                 "guess_hit_forwards", "row_prefills", "prefill_forwards", "stopped_by_rule"):
+        x, y = getattr(a, name), getattr(b, name)
+        if name == "drafts":
+            x = [r[:n].tolist() for r, n in zip(x, a.draft_lens)]
+            y = [r[:n].tolist() for r, n in zip(y, b.draft_lens)]
+            assert x == y, f"{what}: drafts differ: {x} vs {y}"
+        else:
+            assert np.array_equal(np.asarray(x), np.asarray(y)), f"{what}: {name} differs: {x} vs {y}"
+
+
+def drive(runtimes, rounds, rng, V, forwards_check=None):
+    """Run `runtimes` (host first) through the same rounds; yields (outputs, live contexts)."""
+    host = runtimes[0]
+    slots = [4, 0, 7, 2, 5, 1]
+    contexts = [rng.integers(2, V, n).tolist() for n in CONTEXT_LENS]
+    for r in range(rounds):
+        live = [b for b in range(len(slots)) if rng.random() > 0.15] or [0]
+        ctx = [contexts[b] for b in live]
+        tab, rows, lens = table(ctx, rng)
+        s = np.array([slots[b] for b in live], np.int64)
+        outs = [rt.run_round(s, tab, rows, lens) for rt in runtimes]
+        yield outs, s
+        for i, b in enumerate(live):
+            d = outs[0].drafts[i, :outs[0].draft_lens[i]].tolist()
+            if rng.random() < 0.25:
+                contexts[b] = contexts[b] + d + [int(rng.integers(2, V))]
+            else:
+                k = int(rng.integers(len(d)))
+                contexts[b] = contexts[b] + d[:k] + [(d[k] + 1 + int(rng.integers(V - 3))) % (V - 2) + 2]
+            if rng.random() < 0.5:  # a phrase for the new last token, as the feedback writers add
+                key = torch.tensor([contexts[b][-1]])
+                phrase = torch.from_numpy(rng.integers(2, V, (1, L)))
+                owner = torch.tensor([slots[b] if rng.random() < 0.7 else -1])
+                for rt in runtimes:
+                    rt.pool.insert(key, phrase, owner)
+        for b in set(range(len(slots))) - set(live):
+            contexts[b] = contexts[b] + rng.integers(2, V, 3).tolist()
+        if r == rounds // 2:  # a request ends; its slot is reused by a new one
+            for rt in runtimes:
+                rt.reset_slot(slots[1])
+                rt.pool.release(torch.tensor([slots[1]]))
+            contexts[1] = rng.integers(2, V, 40).tolist()
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_device_round_equals_the_host_loop(config, tiny_models, device):
+    path = str(tiny_models["draft"])
+    kw = CONFIGS[config]
+    # F pinned at its bound (forwards that always suffice); by default it adapts to recent rounds.
+    host, dev = make(path, device, "host", **kw), make(path, device, "device", round_forwards=99, **kw)
+    V = host.model.vocab_size
+    rng = np.random.default_rng(sorted(CONFIGS).index(config))
+    for outs, slots in drive([host, dev], 10, rng, V):
+        compare(outs[0], outs[1], config)
+        assert outs[1].forwards == dev.device_round.max_forwards
+        assert np.array_equal(host.kv_len[slots], dev.kv_len[slots])
+        for s in slots:
+            n = int(host.kv_len[s])
+            assert host.cached[s, :n].tolist() == dev.cached[s, :n].tolist()
+            assert torch.equal(host.window[s], dev.window[s])
+        for a, b in zip(pool_view(host.pool, [-1, *slots.tolist()]),
+                        pool_view(dev.pool, [-1, *slots.tolist()])):
+            assert torch.equal(a, b), config
+    if config == "adaptive":
+        assert outs[1].stopped_by_rule is not None
+
+
+def test_fewer_forwards_draft_a_prefix(tiny_models, device):
+    """With F = 1 every row drafts what the host loop's first forward gives: a prefix of its
+    draft (shorter, still the draft model's own continuation); F adapts back up."""
+    path = str(tiny_models["draft"])
+    host, dev = make(path, device, "host"), make(path, device, "device", round_forwards=1)
+    V = host.model.vocab_size
+    rng = np.random.default_rng(7)
+    for (a, b), _ in drive([host, dev], 4, rng, V):
+        assert b.forwards == 1 and (b.row_forwards == 1).all()
+        for i in range(len(a.draft_lens)):
+            assert 1 <= b.draft_lens[i] <= a.draft_lens[i]
+            assert b.drafts[i, :b.draft_lens[i]].tolist() == a.drafts[i, :b.draft_lens[i]].tolist()
+        break
+    dr = dev.device_round
+    dr._recent = [dr.max_forwards + 1] * 3
+    assert dr.forwards_for_next_round() == dr.max_forwards
+    dr._recent = [2, 1]
+    assert dr.forwards_for_next_round() == 2
+
+
+@contextlib.contextmanager
+def no_host_reads(counts: dict):
+    """Count every way Python code can read a tensor back to the host (a device sync on a
+    GPU): item/tolist/cpu/numpy, bool/int/float/index conversions, data-dependent shapes."""
+    patched = {}
+
+    def hook(cls, name):
+        orig = getattr(cls, name)
+
+        def counted(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return orig(*a, **k)
+
+        patched[(cls, name)] = orig
+        setattr(cls, name, counted)
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                 "nonzero", "unique", "masked_select", "__array__"):
+        hook(torch.Tensor, name)
+    for name in ("nonzero", "unique", "masked_select", "argwhere"):
+        hook(torch, name)
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def bool_index(idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
+
+    def get(self, idx):
+        if bool_index(idx):
+            counts["bool index"] = counts.get("bool index", 0) + 1
+        return getitem(self, idx)
+
+    def set_(self, idx, value):
+        if bool_index(idx):
+            counts["bool index"] = counts.get("bool index", 0) + 1
+        return setitem(self, idx, value)
+
+    torch.Tensor.__getitem__, torch.Tensor.__setitem__ = get, set_
+    try:
+        yield counts
+    finally:
+        torch.Tensor.__getitem__, torch.Tensor.__setitem__ = getitem, setitem
+        for (cls, name), orig in patched.items():
+            setattr(cls, name, orig)
+
+
+@pytest.mark.parametrize("config", ["phrases", "adaptive"])
+def test_no_host_read_inside_a_round(config, tiny_models, device):
+    """Nothing between the round's input copy and its one output copy reads the device: the
+    first forward, every later one and the suffix lookup (what a CUDA graph captures)."""
+    dev = make(str(tiny_models["draft"]), device, "device", **CONFIGS[config])
+    dr = dev.device_round
+    inside: dict = {}
+    wrapped = {}
+    for name in ("_start", "_step", "_finish"):
+        orig = getattr(dr, name)
+
+        def run(*a, _orig=orig, **k):
+            with no_host_reads(inside):
+                return _orig(*a, **k)
+
+        wrapped[name] = run
+    for name, fn in wrapped.items():
+        setattr(dr, name, fn)
+    outer: dict = {}
+    orig_cpu = torch.Tensor.cpu
+    V = dev.model.vocab_size
+    rng = np.random.default_rng(3)
+    calls = 0
+    for _ in drive([dev], 3, rng, V):
+        calls += 1
+    assert calls == 3
+    assert inside == {}, f"host reads inside the round: {inside}"
+    # The hook itself catches a read: it is not vacuous.
+    with no_host_reads(outer):
+        torch.ones(2, device=device).sum().item()
+        x = torch.arange(3, device=device)
+        x[x > 0]
+    assert outer.get("item") == 1 and outer.get("bool index") == 1
+    assert torch.Tensor.cpu is orig_cpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("config", ["phrases", "adaptive"])
+def test_graph_replay_equals_eager_device_round(config, tiny_models, device):
+    """Captured and replayed (graph) vs run eagerly (device): the same rounds."""
+    if device != "cuda":
+        pytest.skip("the test device is not CUDA (OUROBOROS_TEST_DEVICE)")
+    path = str(tiny_models["draft"])
+    eager = make(path, device, "device", round_forwards=99, **CONFIGS[config])
+    graph = make(path, device, "graph", round_forwards=99, **CONFIGS[config])
+    V = eager.model.vocab_size
+    rng = np.random.default_rng(5)
+    for (a, b), slots in drive([eager, graph], 8, rng, V):
+        compare(a, b, config)
+        assert np.array_equal(eager.kv_len[slots], graph.kv_len[slots])
+    assert graph.device_round._states and all(st.graphs for st in graph.device_round._states.values())
+
+
+def test_graph_mode_needs_cuda(tiny_models):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        make(str(tiny_models["draft"]), "cpu", "graph")

@@ -1,0 +1,362 @@
+"""The drafting loop of one round on the device: fixed shapes, no host synchronisation, CUDA graphs.
+
+`DraftRuntime.run_round`'s host loop sizes every forward from what the last one drafted (the host
+reads the new tokens back: one sync per forward, and a GPU then waits on the host's kernel
+launches). This module runs the same loop with every shape fixed before the round starts, so the
+whole round is queued at once and can be replayed from CUDA graphs:
+
+  * a batch of A requests is padded to a batch bucket (padding rows draft for a spare cache slot
+    and change nothing: their pool reads and writes are masked);
+  * the first forward's uncached width is padded to a width bucket; every later forward carries
+    the L + 1 tokens the previous one drafted (beta columns);
+  * every forward carries all G guess columns (the host loop trims empty ones, which needs a sync);
+  * the host picks the number of forwards F before the round; rows that reach their length go
+    inactive and ride along without changing anything, so with F at its bound (gamma forwards in
+    fixed mode: each forward drafts >= 1 token) the drafts equal the host loop's token for token.
+    With a smaller F a row may stop short of gamma: a shorter draft, still lossless.
+
+State lives in static device tensors per batch bucket (`RoundState`), written in place; three
+functions run on it: `_start` (load the inbox, the first forward), `_step` (one more forward) and
+`_finish` (suffix lookup, pack the outputs). With graphs each is captured once per bucket and
+replayed (F - 1 replays of `_step`); without, the same functions run eagerly, which is how the CPU
+tests check both. The round's one device->host copy is the packed output.
+
+No vLLM imports here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_ouroboros.draft.acceptance_head import stop_rule
+from vllm_ouroboros.draft.lookahead import read_output, row_inputs
+
+# Padded batch sizes (as vLLM pads its decode batches for its own graphs).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket(n: int, buckets) -> int:
+    """The smallest bucket >= n (n itself past the largest)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return n
+
+
+@dataclass
+class RoundState:
+    """Static device tensors of one batch bucket (A rows), reused by every round of that size.
+
+    Fields (int64 unless said):
+      slots [A], kv [A] (committed draft-cache length), real [A] bool (not padding),
+      active [A] bool (still drafting), drafts [A, Dw] (column Dw - 1 is a write sink),
+      dlen [A], row_forwards [A], guess_tokens [A], guess_hits [A], last_take [A] (tokens the
+      row's last forward drafted: not committed to its cache), prod [A] float32 and by_rule [A]
+      bool (adaptive length), next_unc [A, L + 1] / next_u [A] (the next forward's uncached
+      tokens), outbox [A, X] (the packed result).
+      inbox: per width bucket U, [A, 4 + U]: slot, kv, u0, real, then the first forward's
+      uncached tokens.
+    """
+
+    A: int
+    slots: torch.Tensor
+    kv: torch.Tensor
+    real: torch.Tensor
+    active: torch.Tensor
+    drafts: torch.Tensor
+    dlen: torch.Tensor
+    row_forwards: torch.Tensor
+    guess_tokens: torch.Tensor
+    guess_hits: torch.Tensor
+    last_take: torch.Tensor
+    prod: torch.Tensor
+    by_rule: torch.Tensor
+    next_unc: torch.Tensor
+    next_u: torch.Tensor
+    outbox: torch.Tensor
+    inbox: dict[int, torch.Tensor] = field(default_factory=dict)
+    staging: dict[int, torch.Tensor] = field(default_factory=dict)  # host side of each inbox
+    graphs: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class DeviceRoundOutput:
+    """Host arrays of one device round (shapes as RoundOutput's, B real rows)."""
+
+    drafts: np.ndarray  # [B, D]
+    draft_lens: np.ndarray  # [B]
+    row_forwards: np.ndarray  # [B]
+    guess_tokens: np.ndarray  # [B]
+    guess_hits: np.ndarray  # [B]
+    stopped_by_rule: np.ndarray  # [B] bool
+    committed: np.ndarray  # [B] draft tokens whose KV the round committed (all but the last take)
+    unfinished: np.ndarray  # [B] bool: still drafting when the F forwards ran out
+    suffixes: np.ndarray  # [B, K, L]
+    suffix_valid: np.ndarray  # [B, K] bool
+    forwards: int  # batched forwards run (F: all of them, whoever was still drafting)
+
+
+class DeviceRound:
+    """Runs a round's drafting loop for a DraftRuntime on the device (see the module docstring).
+
+    graphs: capture each bucket's three functions in CUDA graphs (CUDA only) and replay them.
+    """
+
+    def __init__(self, runtime, graphs: bool = False):
+        self.rt = runtime
+        self.graphs = graphs
+        if graphs and runtime.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; the draft runs on "
+                             f"{runtime.device.type}")
+        s = runtime.s
+        self.adaptive = runtime.head is not None
+        # Draft columns a row may fill; the host loop's bound (fixed: gamma + beta).
+        self.max_draft = s.max_draft_length if self.adaptive else s.gamma + s.beta
+        self.K = s.num_suffixes
+        self._states: dict[int, RoundState] = {}
+        self._generation = -1  # runtime.generation the states (and graphs) were built for
+        self._pool = None  # CUDA graph memory pool shared by all captures (never run concurrently)
+        self._recent: list[int] = []  # forwards the last rounds needed
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def max_forwards(self) -> int:
+        """Forwards that always suffice: each forward drafts >= 1 token per active row."""
+        s = self.rt.s
+        return min(s.max_draft_forwards, s.max_draft_length if self.adaptive else s.gamma)
+
+    def width_bucket(self, u: int) -> int:
+        """Padded width of a first forward with u uncached tokens (u <= the prefill threshold + 1)."""
+        top = self.rt.prefill_threshold + 1
+        return min(max(1 << max(u - 1, 0).bit_length(), 2), top) if u <= top else u
+
+    def forwards_for_next_round(self) -> int:
+        """F for the next round: what the last 8 rounds needed (a round cut short by F counts
+        F + 1, so F grows back), at most `max_forwards`."""
+        if not self._recent:
+            return self.max_forwards
+        return max(1, min(self.max_forwards, max(self._recent)))
+
+    # ---- state -------------------------------------------------------------------------------
+    def _state(self, A: int) -> RoundState:
+        rt = self.rt
+        if self._generation != rt.generation:  # the cache or the window was reallocated
+            self._states.clear()
+            self._generation = rt.generation
+        st = self._states.get(A)
+        if st is None:
+            dev, L, K = rt.device, rt.L, self.K
+            z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+            Dw = self.max_draft + L + 2
+            width = self.max_draft + 7 + K * L + K
+            st = self._states[A] = RoundState(
+                A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), active=z(A, dtype=torch.bool),
+                drafts=z(A, Dw), dlen=z(A), row_forwards=z(A), guess_tokens=z(A), guess_hits=z(A),
+                last_take=z(A), prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
+                next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=dev),
+                outbox=z(A, width))
+        return st
+
+    def _inbox(self, st: RoundState, U: int) -> torch.Tensor:
+        box = st.inbox.get(U)
+        if box is None:
+            box = st.inbox[U] = torch.zeros(st.A, 4 + U, dtype=torch.long, device=self.rt.device)
+            box[:, 0] = self.rt.pad_slot  # a neutral round: padding rows only
+            box[:, 2] = 1
+        return box
+
+    # ---- the round ---------------------------------------------------------------------------
+    def run(self, slots: np.ndarray, unc0: np.ndarray, u0: np.ndarray, kv0: np.ndarray,
+            forwards: int | None = None) -> DeviceRoundOutput:
+        """Draft for B requests whose slots were rolled back and prefilled.
+
+        Shape: slots [B] int64 (distinct); unc0 [B, U] int64, the uncached context tokens
+        (first u0[b] real); u0 [B] int64 >= 1; kv0 [B] int64, committed cache lengths.
+        forwards: F (default `forwards_for_next_round()`), at most `max_forwards`.
+        """
+        rt = self.rt
+        B = len(slots)
+        F = self.forwards_for_next_round() if forwards is None else min(forwards, self.max_forwards)
+        A = bucket(B, BATCH_BUCKETS)
+        U = self.width_bucket(int(u0.max()))
+        st = self._state(A)
+        # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued
+        # work). Reusing the buffer is safe: the last round's output read waited for its copy.
+        host = st.staging.get(U)
+        if host is None:
+            host = st.staging[U] = torch.zeros(A, 4 + U, dtype=torch.long,
+                                               pin_memory=rt.device.type == "cuda")
+        box = host.numpy()
+        box[:] = 0
+        box[:, 0], box[:, 2] = rt.pad_slot, 1
+        box[:B, 0], box[:B, 1], box[:B, 2], box[:B, 3] = slots, kv0, u0, 1
+        box[:B, 4:4 + min(unc0.shape[1], U)] = unc0[:, :U]
+        self._inbox(st, U).copy_(host, non_blocking=True)
+        # Cache columns a forward may read, for the dense-mask path (a bound: any is correct).
+        bound = int(kv0.max()) + U + (F - 1) * (rt.L + 1)
+        if self.graphs:
+            self._replay(st, U, F)
+        else:
+            self._start(st, U, bound)
+            for _ in range(F - 1):
+                self._step(st, bound)
+            self._finish(st)
+        out = st.outbox[:B].cpu().numpy()  # the round's one device->host copy
+        D, L, K = self.max_draft, rt.L, self.K
+        c = D
+        dlen, rf, gt, gh, rule, last, act = (out[:, c + i] for i in range(7))
+        c += 7
+        sfx = out[:, c:c + K * L].reshape(B, K, L)
+        valid = out[:, c + K * L:c + K * L + K].astype(bool)
+        needed = F + 1 if act.any() else int(rf.max(initial=1))
+        self._recent = (self._recent + [needed])[-8:]
+        return DeviceRoundOutput(out[:, :D], dlen, rf, gt, gh, rule.astype(bool), dlen - last,
+                                 act.astype(bool), sfx, valid, F)
+
+    # ---- the three functions (run eagerly or captured) -----------------------------------------
+    def _start(self, st: RoundState, U: int, bound: int) -> None:
+        box = self._inbox(st, U)
+        st.slots.copy_(box[:, 0])
+        st.kv.copy_(box[:, 1])
+        st.real.copy_(box[:, 3] > 0)
+        st.active.copy_(st.real)
+        for t in (st.drafts, st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits, st.last_take):
+            t.zero_()
+        st.prod.fill_(1.0)
+        st.by_rule.zero_()
+        self._forward(st, box[:, 4:], box[:, 2], U, bound)
+
+    def _step(self, st: RoundState, bound: int) -> None:
+        self._forward(st, st.next_unc, st.next_u, self.rt.L + 1, bound)
+
+    def _finish(self, st: RoundState) -> None:
+        rt, A, L, K = self.rt, st.A, self.rt.L, self.K
+        rows = torch.arange(A, device=rt.device)
+        parts = [st.drafts[:, :self.max_draft], st.dlen[:, None], st.row_forwards[:, None],
+                 st.guess_tokens[:, None], st.guess_hits[:, None], st.by_rule.long()[:, None],
+                 st.last_take[:, None], st.active.long()[:, None]]
+        if K:
+            # The suffixes hang off the draft's last token (every row drafts >= 1 token).
+            last = st.drafts[rows, (st.dlen - 1).clamp(min=0)]
+            phr, valid = rt.pool.lookup(last, st.slots, K, rows=st.real)
+            parts += [phr.reshape(A, K * L), valid.long()]
+        torch.cat(parts, dim=1, out=st.outbox)
+
+    def _forward(self, st: RoundState, unc: torch.Tensor, u: torch.Tensor, U: int, bound: int) -> None:
+        """One lookahead forward for every row of the bucket; inactive rows change nothing.
+        Same arithmetic as DraftRuntime._lookahead_forward, on device tensors.
+
+        Shape: unc [A, U] int64 (first u[b] real), u [A] int64 >= 1."""
+        rt, A, L, W, G = self.rt, st.A, self.rt.L, self.rt.W, self.rt.G
+        dev = rt.device
+        act, slots, kv = st.active, st.slots, st.kv
+        rows = torch.arange(A, device=dev)
+        parts = [unc]
+        window = rt.window[slots][:, :, :W] if W else torch.zeros(A, L, 0, dtype=torch.long, device=dev)
+        if W:
+            parts.append(window.reshape(A, -1))
+        if G:
+            key = unc.gather(1, (u - 1)[:, None])[:, 0]
+            guesses, gvalid = rt.pool.lookup(key, slots, G, rows=act)
+            parts.append(guesses.reshape(A, -1))
+        else:
+            guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
+            gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
+        layout = rt.layout(U, G)
+        mask, positions = row_inputs(layout, u, kv)
+        model = rt.model
+        hidden = model.forward(torch.cat(parts, dim=1), positions, slots, kv, mask,
+                               max_cache_len=min(bound, model.max_len - layout.Q))
+        out = torch.zeros(A, layout.Q, dtype=torch.long, device=dev)
+        out[rows, u - 1] = model.greedy_tokens(hidden[rows, u - 1])
+        if layout.Q > U:
+            out[:, U:] = model.greedy_tokens(hidden[:, U:])
+        res = read_output(layout, out, u, window, guesses, gvalid)
+        num = res.num_new
+        room = self.max_draft - st.dlen
+        if self.adaptive:
+            p = rt.head(rt._token_hidden(hidden, res, u, layout, guesses, gvalid))
+            valid = torch.arange(L + 1, device=dev)[None, :] < num[:, None]
+            rule_take, fired, after = stop_rule(p, valid, st.prod, rt.s.acceptance_threshold)
+            num = torch.minimum(num, rule_take)
+            st.by_rule.logical_or_(act & fired & (rule_take <= room))
+            st.prod.copy_(torch.where(act, after, st.prod))
+        take = torch.where(act, torch.minimum(num, room), 0)
+        cols = st.dlen[:, None] + torch.arange(L + 1, device=dev)[None, :]
+        ok = torch.arange(L + 1, device=dev)[None, :] < take[:, None]
+        sink = st.drafts.shape[1] - 1
+        st.drafts.scatter_(1, torch.where(ok, cols, sink), torch.where(ok, res.new_tokens, 0))
+        if W:
+            rt.window[slots, :, :W] = torch.where(act[:, None, None], res.next_window, window)
+            rt.pool.insert(res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L),
+                           slots.repeat_interleave(W), valid=act.repeat_interleave(W))
+        st.kv.copy_(torch.where(act, kv + u, kv))
+        st.dlen.add_(take)
+        st.row_forwards.add_(act.long())
+        st.guess_tokens.add_(torch.where(act, take - 1, 0))
+        st.guess_hits.add_((act & (take > 1)).long())
+        st.last_take.copy_(torch.where(act, take, st.last_take))
+        st.next_unc.copy_(res.new_tokens)
+        st.next_u.copy_(torch.where(act, take, 1))
+        going = (st.dlen < self.max_draft) & ~st.by_rule if self.adaptive else st.dlen < rt.s.gamma
+        st.active.logical_and_(going)
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def _replay(self, st: RoundState, U: int, F: int) -> None:
+        for name in (f"start{U}", "step", "finish"):
+            if name not in st.graphs:
+                self._capture(st, name, U)
+        st.graphs[f"start{U}"].replay()
+        for _ in range(F - 1):
+            st.graphs["step"].replay()
+        st.graphs["finish"].replay()
+
+    def capture(self, batch_sizes, widths=None) -> int:
+        """Capture the graphs of these batch buckets (and first-forward widths, default all)
+        ahead of time, e.g. while the engine loads; returns how many were captured."""
+        top = self.rt.prefill_threshold + 1
+        widths = widths or sorted({self.width_bucket(u) for u in range(1, top + 1)})
+        n = 0
+        for A in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
+            st = self._state(A)
+            for name in [f"start{U}" for U in widths] + ["step", "finish"]:
+                if name not in st.graphs:
+                    self._capture(st, name, int(name[5:]) if name.startswith("start") else 0)
+                    n += 1
+        return n
+
+    def _capture(self, st: RoundState, name: str, U: int) -> None:
+        """Capture one function on the bucket's state. The warm-up run (cuBLAS handles, Triton
+        compilation) and the capture both see a neutral state: padding rows, none active, so
+        the real pool, windows and caches are untouched."""
+        rt = self.rt
+        # A neutral state: every row padding, inactive.
+        st.slots.fill_(rt.pad_slot)
+        st.real.zero_()
+        st.active.zero_()
+        st.next_u.fill_(1)
+        bound = rt.model.max_len  # graphs cannot depend on the round: the whole cache is a bound
+        fn = {"step": lambda: self._step(st, bound), "finish": lambda: self._finish(st)}.get(
+            name, lambda: self._start(st, U, bound))
+        if name.startswith("start"):
+            box = self._inbox(st, U)
+            box[:, 0], box[:, 2], box[:, 3] = rt.pad_slot, 1, 0
+        side = torch.cuda.Stream(rt.device)
+        side.wait_stream(torch.cuda.current_stream(rt.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(rt.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), _inference():
+            fn()
+        st.graphs[name] = graph
+
+
+def _inference():
+    return torch.inference_mode() if not torch.is_inference_mode_enabled() else contextlib.nullcontext()

@@ -46,8 +46,20 @@ def mtbench_prompts(n: int, tokenizer) -> list[str]:
                                           add_generation_prompt=True) for q in qs]
 
 
-def methods(draft: Path) -> dict[str, dict | None]:
+# SpecDec++ thresholds h of the adaptive-length rows (and the trained head's own, "hhead").
+THRESHOLDS = (0.3, 0.5, 0.7)
+
+
+def methods(draft: Path, head: Path | None = None) -> dict[str, dict | None]:
     o = {"method": "ouroboros", "model": str(draft)}
+    # Fixed vs adaptive draft length (SpecDec++) with speculation pinned on, so that the back-off
+    # does not decide which steps each row measures.
+    pinned = {**o, "max_speculative_batch": 64}
+    adaptive = {f"ouroboros-adaptive-h{h}": {**pinned, "draft_length": "adaptive",
+                                            "acceptance_head": str(head), "acceptance_threshold": h}
+                for h in THRESHOLDS}
+    adaptive["ouroboros-adaptive-hhead"] = {**pinned, "draft_length": "adaptive",
+                                           "acceptance_head": str(head)}
     return {
         "no-spec": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -68,6 +80,8 @@ def methods(draft: Path) -> dict[str, dict | None]:
         "ouroboros-no-refinement": {**o, "use_refinement": False},
         "ouroboros-no-warm-start": {**o, "warm_start": False},
         "ouroboros-no-context": {**o, "use_context_phrases": False},
+        "ouroboros-fixed": pinned,
+        **adaptive,
     }
 
 
@@ -75,7 +89,10 @@ def methods(draft: Path) -> dict[str, dict | None]:
 # confirmed text off) runs when --methods names it: the full table must stay under an hour here.
 ABLATIONS = {"ouroboros-phrases", "ouroboros-no-phrases", "ouroboros-no-suffix", "ouroboros-k1", "ouroboros-k3",
              "ouroboros-no-inspiration", "ouroboros-no-refinement", "ouroboros-no-warm-start"}
-EXTRA = {"ouroboros-no-context"}  # one cell, only when named
+# One cell each, only when named: the adaptive-length comparison is its own run
+# (`--methods ouroboros-fixed,ouroboros-adaptive-h0.3,...`, README "Adaptive draft length").
+EXTRA = {"ouroboros-no-context", "ouroboros-fixed", *(f"ouroboros-adaptive-h{h}" for h in THRESHOLDS),
+         "ouroboros-adaptive-hhead"}
 ONE_CELL = ABLATIONS | EXTRA
 
 
@@ -155,6 +172,9 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
                     (s["accepted_tokens"] - s["tree_gain"] + s["target_forwards"])
                     / max(s["target_forwards"], 1))
                 row["settings"] = snap["settings"]  # what "auto" resolved to
+                # Sentence-draft length per round, and what stopped adaptive drafts.
+                for k in ("draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap"):
+                    row[k] = s.get(k, 0)
             rows.append(row)
             progress.update(1)
     finally:
@@ -273,11 +293,33 @@ def markdown(rows, t_curve, d_curve, header: str) -> str:
         lines.append(f"| {r['method']} | {r['workload']} | {r['concurrency']} | {r['temperature']} | {ident} "
                      f"| {speed[0]} | {speed[1]} | {f(r['tokens_per_target_forward'])} | {f(r['acceptance'])} "
                      f"| {f(r['draft_forwards_per_token'])} | {f(r['modeled'])} | {f(r['modeled_flat'])} |")
+    lines += adaptive_table(rows)
     lines += ["", "Per-forward time (ms) by tokens per request n:", "",
               "| n | " + " | ".join(map(str, t_curve)) + " |", "|---|" + "---|" * len(t_curve),
               "| t_target | " + " | ".join(f"{1000 * v:.0f}" for v in t_curve.values()) + " |",
               "| t_draft | " + " | ".join(f"{1000 * d_curve[n]:.0f}" for n in t_curve) + " |"]
     return "\n".join(lines) + "\n"
+
+
+def adaptive_table(rows) -> list[str]:
+    """Fixed vs adaptive draft length (SpecDec++), when this run measured them."""
+    mine = [r for r in rows if r["method"] == "ouroboros-fixed" or r["method"].startswith("ouroboros-adaptive")]
+    fixed = next((r for r in mine if r["method"] == "ouroboros-fixed"), None)
+    if not mine:
+        return []
+    f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    lines = ["", "Draft length, fixed (gamma) vs adaptive (SpecDec++ head, threshold h), speculation "
+             "pinned on, same run:", "",
+             "| method | tok/s | x fixed | x no-spec | tok/target fwd | draft fwd/tok | mean draft len "
+             "| stops rule / cap | modeled (flat t(n)) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in mine:
+        rounds = max(r.get("draft_rounds", 0), 1)
+        x_fixed = r["tok_s"] / fixed["tok_s"] if fixed else None
+        stops = f"{r.get('stops_rule', 0)} / {r.get('stops_cap', 0)}" if r["method"] != "ouroboros-fixed" else "-"
+        lines.append(f"| {r['method']} | {f(r['tok_s'])} | {f(x_fixed)} | {f(r['speedup'])} "
+                     f"| {f(r['tokens_per_target_forward'])} | {f(r['draft_forwards_per_token'])} "
+                     f"| {f(r.get('sentence_draft_tokens', 0) / rounds)} | {stops} | {f(r['modeled_flat'])} |")
+    return lines
 
 
 def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
@@ -361,6 +403,9 @@ def main() -> int:
     ap.add_argument("--methods", default=None, help="comma-separated subset (no-spec is always run)")
     ap.add_argument("--quick", action="store_true", help="two cells for the main methods; ablations only where --methods names them (one cell each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "benchmark")
+    ap.add_argument("--acceptance-head", type=Path, default=None,
+                    help="head for the adaptive-length rows (default models/acceptance_head.safetensors, "
+                         "written by scripts/train_acceptance_head.py)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     # Engines here hold at most 16 short requests (~0.4 GiB of KV). With the 4 GiB scripts/env.sh
@@ -372,9 +417,16 @@ def main() -> int:
 
     target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
     draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
-    all_methods = methods(draft)
+    head = args.acceptance_head or models_dir() / "acceptance_head.safetensors"
+    all_methods = methods(draft, head)
     names = [n for n in all_methods if n not in EXTRA] if not args.methods else ["no-spec"] + [
         m for m in args.methods.split(",") if m != "no-spec"]
+    unknown = [n for n in names if n not in all_methods]
+    if unknown:
+        sys.exit(f"unknown --methods {unknown}; known: {', '.join(all_methods)}")
+    if any(n.startswith("ouroboros-adaptive") for n in names) and not head.is_file():
+        sys.exit(f"{head} missing: train it first (python scripts/train_acceptance_head.py) or pass "
+                 "--acceptance-head")
     if args.quick and not args.methods:  # ablations named in --methods still run (one cell each)
         names = [n for n in names if n not in ABLATIONS]
     plan = cells(args.quick)

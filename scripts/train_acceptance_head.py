@@ -12,12 +12,18 @@ directories):
      --mix, by the draft's own token at that place (pass A's), BERT-style; one target forward and
      one draft forward over the mixed sequence give the labels and features again.
   Features: the draft's final-normed last hidden state at the position whose output is the token.
-Training: weighted BCE (rejections weighted --w-rej, the paper's 1/3/6/12), Adam, full batch;
-the output bias is then shifted by log(w_rej), which undoes the weighting's known shift of the
-optimal logit so the probabilities are calibrated again. Held out by prompt: AUC and calibration
-(predicted vs observed per bin, ECE) on the held-out prompts. The threshold h is picked on the
-held-out prompts' target-context positions by simulating the stopping rule against fixed lengths,
-under a cost model t_round = t_target + n_draft * --draft-cost * t_target.
+Training: weighted BCE (rejections weighted --w-rej, the paper's 1/3/6/12), Adam, full batch,
+stopped early at the epoch with the best unweighted log-loss on a calibration split of prompts
+(--calib); the logit is then Platt-scaled on that split (a * logit + b, folded into the output
+layer), which both undoes the weighting's shift of the optimal logit and the head's
+over-confidence, so the probabilities the stopping rule multiplies are calibrated. Prompts are
+split three ways: train, calibration (early stop, Platt, the threshold h) and held out (AUC,
+calibration per bin and ECE, the simulated policies: nothing of the head was fitted on them).
+h is picked on the calibration split's target-context positions by simulating the stopping rule
+against fixed lengths, under a cost model t_round = t_target + n_draft * --draft-cost * t_target.
+
+The collected features are cached (--data-cache, keyed by the models and the data flags), so a
+refit with other training flags takes seconds instead of the collection's CPU minutes.
 
 Writes the head (safetensors, with the draft's identity) and a JSON of the metrics.
   python scripts/train_acceptance_head.py            # real pair under models/, ~CPU minutes
@@ -106,6 +112,20 @@ def greedy_generate(model: DraftModel, prompts: list[list[int]], n_new: int, bat
     return outs
 
 
+def load_model(path: str) -> DraftModel:
+    """float32 on the CPU, its products through vLLM's prepacked oneDNN GEMM where this vLLM
+    build has it (as the proposer runs the draft: patches/cpu_gemm.py), else torch's F.linear."""
+    model = DraftModel.from_pretrained(path, torch.float32, "cpu")
+    try:
+        from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
+    except ImportError:  # no vLLM in this environment
+        return model
+    factory = onednn_gemm_factory()
+    if factory is not None:
+        model.use_gemm(factory)
+    return model
+
+
 def collect(draft: DraftModel, target: DraftModel, prompts: list[list[int]], gens: list[list[int]],
             mix: float, rng: np.random.Generator, bar) -> list[dict]:
     """Per prompt: features/labels of pass A (target context) and pass B (mixed context)."""
@@ -182,6 +202,52 @@ def simulate(seqs: list[tuple[np.ndarray, np.ndarray]], policy, cap: int, draft_
             "tokens_per_cost": gain / cost}
 
 
+GRID = [round(x, 2) for x in np.arange(0.1, 0.96, 0.05)]  # thresholds h tried
+
+
+def platt(logit: torch.Tensor, y: torch.Tensor, iters: int = 200) -> tuple[float, float]:
+    """(a, b) minimising the log-loss of sigmoid(a * logit + b) against y (Platt scaling).
+
+    Shape: logit [N] float32, y [N] float32 in {0, 1}."""
+    ab = torch.tensor([1.0, 0.0], requires_grad=True)
+    opt = torch.optim.LBFGS([ab], lr=0.5, max_iter=iters, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(ab[0] * logit + ab[1], y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    a, b = ab.detach().tolist()
+    return a, b
+
+
+def save_cache(path: str, key: str, data: list[dict]) -> None:
+    """Features and labels of every prompt in one .npz (ragged rows by offsets), with the key."""
+    arrays = {"key": np.array(key)}
+    for k in ("hA", "yA", "hB", "yB"):
+        arrays[k] = np.concatenate([d[k] for d in data])
+    arrays["offsets"] = np.cumsum([0] + [len(d["yA"]) for d in data])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    Path(tmp).replace(path)
+
+
+def load_cache(path: str, key: str) -> list[dict] | None:
+    """The cached per-prompt data if the file exists and was collected with the same key."""
+    if not Path(path).is_file():
+        return None
+    with np.load(path) as z:
+        if str(z["key"]) != key:
+            print(f"data cache {path} was collected with other flags: collecting again")
+            return None
+        off = z["offsets"]
+        cols = {k: z[k] for k in ("hA", "yA", "hB", "yB")}
+    return [{k: v[off[i]:off[i + 1]] for k, v in cols.items()} for i in range(len(off) - 1)]
+
+
 def rule_length(h: float):
     def policy(p: np.ndarray) -> int:
         fire = np.nonzero(1 - np.cumprod(p) > h)[0]
@@ -206,13 +272,18 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=300)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--holdout", type=float, default=0.25, help="fraction of prompts held out")
+    ap.add_argument("--calib", type=float, default=0.15,
+                    help="fraction of prompts for early stopping, Platt scaling and picking h")
     ap.add_argument("--cap", type=int, default=12, help="max_draft_length in the simulation")
     ap.add_argument("--draft-cost", type=float, default=0.35,
                     help="a draft forward's cost in target forwards, for picking h")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "models" / "acceptance_head.safetensors"))
+    ap.add_argument("--data-cache", default=str(REPO / "models" / "acceptance_head_data.npz"),
+                    help="features cache ('' to disable)")
     ap.add_argument("--metrics", default=str(REPO / "results" / "acceptance_head.json"))
     args = ap.parse_args()
     if args.threads:
@@ -234,66 +305,106 @@ def main() -> int:
     eos = {tok.eos_token_id, *(eos_ids if isinstance(eos_ids, list) else [eos_ids])}
     eos = {e for e in eos if e is not None}
 
-    target = DraftModel.from_pretrained(args.target, torch.float32, "cpu")
-    draft = DraftModel.from_pretrained(args.draft, torch.float32, "cpu")
-    n = len(prompts)
-    with tqdm(total=n * args.gen_tokens, desc="target greedy", unit="tok") as bar:
-        gens = greedy_generate(target, prompts, args.gen_tokens, args.batch, eos, bar)
-    t_gen = time.time() - t0
-    with tqdm(total=n, desc="draft/target passes", unit="prompt") as bar:
-        data = collect(draft, target, prompts, gens, args.mix, rng, bar)
+    data_key = json.dumps({k: getattr(args, k) for k in (
+        "draft", "target", "humaneval", "mtbench", "gen_tokens", "max_prompt_tokens", "mix", "seed")},
+        sort_keys=True)
+    data = load_cache(args.data_cache, data_key) if args.data_cache else None
+    t_gen = 0.0
+    if data is not None:
+        print(f"features: {len(data)} prompts from the cache {args.data_cache}")
+    else:
+        target = load_model(args.target)
+        draft = load_model(args.draft)
+        n = len(prompts)
+        with tqdm(total=n * args.gen_tokens, desc="target greedy", unit="tok") as bar:
+            gens = greedy_generate(target, prompts, args.gen_tokens, args.batch, eos, bar)
+        t_gen = time.time() - t0
+        with tqdm(total=n, desc="draft/target passes", unit="prompt") as bar:
+            data = collect(draft, target, prompts, gens, args.mix, rng, bar)
+        del target, draft
+        if args.data_cache:
+            save_cache(args.data_cache, data_key, data)
     t_data = time.time() - t0
-    del target
 
-    perm = rng.permutation(len(data))
+    # Three-way split by prompt: nothing reported as held out was used for fitting or picking.
+    split = np.random.default_rng(args.seed + 1).permutation(len(data))
     n_hold = max(1, int(round(args.holdout * len(data))))
-    hold, train = [data[i] for i in perm[:n_hold]], [data[i] for i in perm[n_hold:]]
-    X = torch.from_numpy(np.concatenate([d[k] for d in train for k in ("hA", "hB")]))
-    Y = torch.from_numpy(np.concatenate([d[k] for d in train for k in ("yA", "yB")])).float()
+    n_cal = max(1, int(round(args.calib * len(data))))
+    hold = [data[i] for i in split[:n_hold]]
+    cal = [data[i] for i in split[n_hold:n_hold + n_cal]]
+    train = [data[i] for i in split[n_hold + n_cal:]]
+
+    def stack(part, keys=("hA", "hB")):
+        x = np.concatenate([d[k] for d in part for k in keys])
+        y = np.concatenate([d["y" + k[1]] for d in part for k in keys]).astype(np.float32)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    X, Y = stack(train)
+    Xc, Yc = stack(cal)
     print(f"train: {len(train)} prompts, {len(Y)} tokens, acceptance {Y.mean():.3f}; "
-          f"held out: {len(hold)} prompts")
+          f"calibration: {len(cal)} prompts, {len(Yc)} tokens; held out: {len(hold)} prompts")
 
     head = AcceptanceHead(HeadParams(hidden_size=X.shape[1], width=args.width, depth=args.depth))
-    opt = torch.optim.Adam(head.parameters(), lr=args.lr, weight_decay=1e-4)
+    opt = torch.optim.Adam(head.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     w = torch.where(Y > 0.5, 1.0, args.w_rej)
-    for _ in tqdm(range(args.epochs), desc="train head", unit="epoch"):
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    shift = math.log(args.w_rej)  # the weighting moves the optimal logit by -log(w_rej)
+    best = (float("inf"), 0, None)
+    for epoch in tqdm(range(1, args.epochs + 1), desc="train head", unit="epoch"):
         opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(head.logit(X), Y, weight=w)
+        loss = bce(head.logit(X), Y, weight=w)
         loss.backward()
         opt.step()
-    with torch.no_grad():  # undo the weighting's shift of the optimal logit: -log(w_rej)
-        head.out.bias += math.log(args.w_rej)
+        if epoch % 5 == 0 or epoch == args.epochs:
+            with torch.no_grad():
+                cal_loss = float(bce(head.logit(Xc) + shift, Yc))
+            if cal_loss < best[0]:
+                best = (cal_loss, epoch, {k: v.clone() for k, v in head.state_dict().items()})
+    head.load_state_dict(best[2])
     head.requires_grad_(False)
+    a, b = platt(head.logit(Xc).detach(), Yc)
+    with torch.no_grad():  # sigmoid(a * logit + b), folded into the output layer
+        head.out.weight.mul_(a)
+        head.out.bias.mul_(a).add_(b)
+    print(f"early stop at epoch {best[1]} of {args.epochs} (calibration log-loss {best[0]:.4f}); "
+          f"Platt scaling a = {a:.3f}, b = {b:.3f}")
 
     def predict(h):
         with torch.no_grad():
-            return head(torch.from_numpy(h)).numpy()
+            return head(torch.as_tensor(h)).numpy()
 
-    Xh = np.concatenate([d[k] for d in hold for k in ("hA", "hB")])
-    Yh = np.concatenate([d[k] for d in hold for k in ("yA", "yB")]).astype(np.int64)
+    Xh, Yh = stack(hold)
     ph = predict(Xh)
+    Yh = Yh.numpy().astype(np.int64)
     held_auc = auc(ph, Yh)
     bins, ece = calibration(ph, Yh)
-    train_auc = auc(predict(X.numpy()), Y.numpy().astype(np.int64))
+    train_auc = auc(predict(X), Y.numpy().astype(np.int64))
+    cal_auc = auc(predict(Xc), Yc.numpy().astype(np.int64))
 
-    seqs = [(predict(d["hA"]), d["yA"].astype(bool)) for d in hold]
-    fixed = {g: simulate(seqs, lambda p, g=g: g, args.cap, args.draft_cost) for g in range(1, 9)}
-    grid = [round(x, 2) for x in np.arange(0.1, 0.96, 0.05)]
-    adaptive = {h: simulate(seqs, rule_length(h), args.cap, args.draft_cost) for h in grid}
-    best_h = max(adaptive, key=lambda h: adaptive[h]["tokens_per_cost"])
+    def policies(part):
+        seqs = [(predict(d["hA"]), d["yA"].astype(bool)) for d in part]
+        fixed = {g: simulate(seqs, lambda p, g=g: g, args.cap, args.draft_cost) for g in range(1, 9)}
+        adaptive = {h: simulate(seqs, rule_length(h), args.cap, args.draft_cost) for h in GRID}
+        return fixed, adaptive
+
+    _, adaptive_cal = policies(cal)
+    best_h = max(adaptive_cal, key=lambda h: adaptive_cal[h]["tokens_per_cost"])
+    fixed, adaptive = policies(hold)
     best_g = max(fixed, key=lambda g: fixed[g]["tokens_per_cost"])
 
-    print(f"held-out AUC {held_auc:.4f} (train {train_auc:.4f}), ECE {ece:.4f}")
+    print(f"held-out AUC {held_auc:.4f} (train {train_auc:.4f}, calibration {cal_auc:.4f}), "
+          f"ECE {ece:.4f}")
     print("calibration (held out):  bin         n   predicted  observed")
     for r in bins:
         print(f"  {r['bin']:>12} {r['n']:>6}   {r['predicted']:.3f}      {r['observed']:.3f}")
-    print(f"simulated (cost: draft forward = {args.draft_cost} target forwards, cap {args.cap}):")
+    print(f"simulated on held out (cost: draft forward = {args.draft_cost} target forwards, "
+          f"cap {args.cap}):")
     print(f"  best fixed gamma={best_g}: {fixed[best_g]}")
     print(f"  fixed gamma=4:        {fixed[4]}")
-    for h in (0.3, 0.5, 0.7, 0.9, best_h):
+    for h in sorted({0.3, 0.5, 0.7, 0.9, best_h}):
         if h in adaptive:
             print(f"  adaptive h={h}: {adaptive[h]}")
-    print(f"picked h = {best_h}")
+    print(f"picked h = {best_h} (on the calibration split)")
 
     ident = draft_identity(args.draft)
     head.save(args.out, ident, best_h, extra={"held_out_auc": held_auc, "ece": ece, "w_rej": args.w_rej})
@@ -305,13 +416,17 @@ def main() -> int:
                     "sharegpt": "none installed"},
         "args": vars(args),
         "train_tokens": int(len(Y)), "train_acceptance": float(Y.mean()),
+        "calibration_prompts": len(cal), "calibration_tokens": int(len(Yc)),
         "held_out_prompts": len(hold), "held_out_tokens": int(len(Yh)),
         "held_out_acceptance": float(Yh.mean()),
-        "held_out_auc": held_auc, "train_auc": train_auc, "ece": ece, "calibration": bins,
+        "held_out_auc": held_auc, "train_auc": train_auc, "calibration_auc": cal_auc,
+        "ece": ece, "calibration": bins,
+        "early_stop_epoch": best[1], "platt": {"a": a, "b": b},
         "threshold": best_h, "simulated_fixed": {str(k): v for k, v in fixed.items()},
         "simulated_adaptive": {str(k): v for k, v in adaptive.items()},
         "seconds": {"target_greedy": round(t_gen, 1), "data": round(t_data, 1),
                     "total": round(time.time() - t0, 1)},
+        "data_from_cache": t_gen == 0.0,
         "torch_threads": torch.get_num_threads(),
     }
     Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,7 @@ import torch
 
 from vllm_ouroboros.draft import DraftModel
 from vllm_ouroboros.draft.acceptance_head import (
-    AcceptanceHead,
     AcceptanceHeadError,
-    HeadParams,
     draft_identity,
     load_head,
     read_head,
@@ -25,27 +23,19 @@ from vllm_ouroboros.draft.acceptance_head import (
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
 
+from tiny_models import acceptance_head
+
 BETA, W, G = 4, 4, 4
 L = BETA - 1
 CAP = 9
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_head(hidden_size: int, seed: int = 0, bias: float = 1.6, scale: float = 3.0) -> AcceptanceHead:
-    """A head with fixed random weights whose P(accept) spreads over ~0.5..0.97 on the tiny draft."""
-    torch.manual_seed(seed)
-    head = AcceptanceHead(HeadParams(hidden_size=hidden_size, width=16, depth=1))
-    with torch.no_grad():
-        head.out.weight.mul_(scale)
-        head.out.bias.fill_(bias)
-    return head.requires_grad_(False)
-
-
 # ---- file ------------------------------------------------------------------------------------
 
 def test_head_file_round_trip_and_identity(tiny_models, tmp_path):
     draft = str(tiny_models["draft"])
-    head = make_head(128)
+    head = acceptance_head(128)
     path = str(tmp_path / "head.safetensors")
     head.save(path, draft_identity(draft), 0.65, extra={"note": 1})
     loaded = load_head(path, draft)
@@ -75,7 +65,7 @@ def test_head_file_refusals(tiny_models, tmp_path):
     with pytest.raises(AcceptanceHeadError, match="'acceptance_head' .* not a readable head file"):
         load_head(str(bad), draft)
     path = str(tmp_path / "h.safetensors")
-    make_head(128).save(path, draft_identity(draft), 0.7)
+    acceptance_head(128).save(path, draft_identity(draft), 0.7)
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])  # truncated
     with pytest.raises(AcceptanceHeadError, match="not a readable head file"):
@@ -162,7 +152,7 @@ def test_adaptive_round_stops_where_the_rule_fires(draft_path, ref_model, phrase
     """Rows stop independently, exactly where 1 - prod > h (or at the cap); the draft is the draft
     model's own greedy continuation, a prefix of what fixed mode drafts; with the draft's own
     continuation in the pool, one forward brings several tokens and is cut at the right one."""
-    head = make_head(ref_model.hidden_size)
+    head = acceptance_head(ref_model.hidden_size)
     rng = np.random.default_rng(3)
     h = 0.5
     V = ref_model.vocab_size
@@ -224,10 +214,48 @@ def test_cap_and_rule_counts(draft_path, ref_model):
     predicts rejection drafts a single token (rule stops)."""
     ctx = [[5, 9, 17, 33], [7, 8, 9]]
     for bias, n, by_rule in ((30.0, CAP, False), (-30.0, 1, True)):
-        head = make_head(ref_model.hidden_size, bias=bias, scale=0.0)
+        head = acceptance_head(ref_model.hidden_size, bias=bias, scale=0.0)
         rt, _ = make_runtime(draft_path, head, 0.5, use_lookahead=True, use_guesses=True)
         out, drafts = run(rt, [0, 1], ctx)
         assert out.draft_lens.tolist() == [n, n]
         assert out.stopped_by_rule.tolist() == [by_rule, by_rule]
         for b in range(2):
             assert drafts[b] == reference(ref_model, head, ctx[b], n)[0]
+
+
+# ---- training script -----------------------------------------------------------------------
+
+def test_training_script_on_tiny_models(tiny_models, tmp_path):
+    """scripts/train_acceptance_head.py end to end on the tiny pair: a head that loads for its
+    draft, held-out metrics in range, h from the grid; a refit reads the features cache."""
+    import gzip
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_models import _CORPUS_LINES
+
+    (tmp_path / "data").mkdir()
+    with gzip.open(tmp_path / "data" / "HumanEval.jsonl.gz", "wt") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": _CORPUS_LINES[i % 8] * (1 + i % 3)}) + "\n")
+    repo = Path(__file__).resolve().parents[1]
+    out, metrics, cache = tmp_path / "head.safetensors", tmp_path / "m.json", tmp_path / "cache.npz"
+    cmd = [sys.executable, str(repo / "scripts" / "train_acceptance_head.py"),
+           "--draft", str(tiny_models["draft"]), "--target", str(tiny_models["target"]),
+           "--models-dir", str(tmp_path), "--humaneval", "24", "--mtbench", "0", "--gen-tokens", "12",
+           "--width", "16", "--threads", "1", "--out", str(out), "--metrics", str(metrics),
+           "--data-cache", str(cache)]
+    for epochs in ("40", "20"):
+        proc = subprocess.run(cmd + ["--epochs", epochs], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        m = json.loads(metrics.read_text())
+        assert m["data_from_cache"] == (epochs == "20"), "the refit must read the features cache"
+        assert 0 < m["early_stop_epoch"] <= int(epochs)
+        assert 0.0 <= m["held_out_auc"] <= 1.0 and 0.0 <= m["ece"] <= 1.0
+        assert m["held_out_tokens"] > 0 and m["calibration_tokens"] > 0 and m["train_tokens"] > 0
+        loaded = load_head(str(out), str(tiny_models["draft"]))
+        assert loaded.threshold == m["threshold"] and 0.0 < loaded.threshold < 1.0
+        assert "held-out AUC" in proc.stdout and "picked h" in proc.stdout
+    with pytest.raises(AcceptanceHeadError, match="acceptance_head"):
+        load_head(str(out), str(tiny_models["target"]))

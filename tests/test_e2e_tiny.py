@@ -202,3 +202,47 @@ def test_pool_saved_at_engine_exit(runs, pool_file):
     assert pool_file.exists(), "pool_save_path was not written at shutdown"
     pool = PhrasePool.load(str(pool_file))
     assert pool.num_phrases() > 0
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(scenario, tiny_models, tmp_path_factory):
+    """Adaptive draft length (SpecDec++) with K = 3 suffixes and phrase drafting, pinned on."""
+    from tiny_models import acceptance_head_file
+
+    head = acceptance_head_file(tiny_models["draft"], tmp_path_factory.mktemp("head") / "head.st", 0.5)
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
+            "draft_length": "adaptive", "acceptance_head": str(head), "max_draft_length": 6,
+            "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
+            "max_speculative_batch": 64}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+    return ours, snaps["main"]
+
+
+def test_adaptive_draft_length_greedy_identical(runs, adaptive_run, scenario):
+    """Drafts cut by the acceptance head's rule (and by max_draft_length) change only how much is
+    drafted: same tokens, text and finish reasons as without speculation."""
+    base, _, _ = runs
+    ours, s = adaptive_run
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"adaptive: request {i} ({scenario['params'][i]}) differs"
+    print({k: s[k] for k in ("draft_rounds", "stops_rule", "stops_cap", "mean_draft_length",
+                             "accepted_tokens", "suffix_accepted")})
+    assert s["stops_rule"] > 0, "the acceptance rule never stopped a draft"
+    assert s["stops_rule"] + s["stops_cap"] <= s["draft_rounds"]
+    assert 1.0 <= s["mean_draft_length"] <= 6.0
+    assert s["accepted_tokens"] > 0 and s["suffix_accepted"] > 0
+
+
+def test_device_round_greedy_identical(runs, scenario, tiny_models):
+    """The fixed-shape drafting round (draft_round "device": what CUDA graphs replay on a GPU,
+    run eagerly here) through the engine, with K = 3 and phrase drafting: same output as
+    without speculation, and it drafted (F adapts, so some rounds draft less than gamma)."""
+    base, _, _ = runs
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
+            "draft_round": "device", "use_lookahead": True, "use_guesses": True,
+            "use_suffixes": True, "max_speculative_batch": 64}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"draft_round=device: request {i} ({scenario['params'][i]}) differs"
+    s = snaps["main"]
+    assert s["accepted_tokens"] > 0 and s["guess_tokens"] > 0, s

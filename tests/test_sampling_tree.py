@@ -13,6 +13,9 @@ show that suffixes, including ones other than the first, were accepted, or it wo
 tree. At T = 0.6 with gamma = 2 a later suffix was accepted 1 to 12 times per 4000 requests, so a
 machine whose rounding changed the samples could see none (a CI failure); at T = 0.3 with a
 one-token minimum draft it is ~240 times per 1200 requests, and the test asks for >= 50.
+
+The chain path (K = 1, verified by vLLM's rejection sampler) is tested the same way with the
+adaptive draft length (SpecDec++) on: drafts of varying length must not bias the samples.
 """
 
 from __future__ import annotations
@@ -108,3 +111,31 @@ def test_the_check_has_power(samples):
     p = per_position_p(base[T_POWER], base[T])
     print(f"p-values per position (T={T_POWER} vs T={T}):", [f"{x:.3g}" for x in p])
     assert min(p) < ALPHA, p
+
+
+@pytest.fixture(scope="module")
+def chain_adaptive(tiny_models, tmp_path_factory):
+    """The chain path (K = 1: vLLM's rejection sampler verifies it) with SpecDec++'s adaptive
+    draft length: the target drafts for itself, drafts cut by a fixed-weight acceptance head."""
+    from tiny_models import acceptance_head_file
+
+    head = acceptance_head_file(tiny_models["target"], tmp_path_factory.mktemp("head") / "head.st", 0.5)
+    spec = {"method": "ouroboros", "model": str(tiny_models["target"]), "num_suffixes": 1,
+            "draft_length": "adaptive", "acceptance_head": str(head), "max_draft_length": 5,
+            "beta": 3, "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 1024}
+    runs, snap = sample(tiny_models["target"], spec, (T,))
+    return runs[T], snap
+
+
+def test_chain_sampling_with_adaptive_length_matches_the_target(samples, chain_adaptive):
+    base, _, _ = samples
+    chain, snap = chain_adaptive
+    assert all(len(s) == POSITIONS for s in chain)
+    print({k: snap[k] for k in ("accepted_tokens", "drafted_tokens", "stops_rule", "stops_cap",
+                                "mean_draft_length")})
+    # Drafts must be cut by the rule and still accepted often, or this would test little.
+    assert snap["stops_rule"] >= 100 and snap["accepted_tokens"] >= 1000, snap
+    p = per_position_p(chain, base[T])
+    print(f"p-values per position (adaptive chain vs no speculation, T={T}):",
+          [f"{x:.3g}" for x in p])
+    assert min(p) > ALPHA, p

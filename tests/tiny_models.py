@@ -135,6 +135,28 @@ def model_pair(root: Path) -> dict[str, Path]:
     return paths
 
 
+def acceptance_head(hidden_size: int, seed: int = 0, bias: float = 1.6, scale: float = 3.0):
+    """A SpecDec++ acceptance head with fixed random weights (no training): on the tiny draft its
+    P(accept) spreads over ~0.5..0.97, so the adaptive rule fires after a few tokens."""
+    from vllm_ouroboros.draft.acceptance_head import AcceptanceHead, HeadParams
+
+    torch.manual_seed(seed)
+    head = AcceptanceHead(HeadParams(hidden_size=hidden_size, width=16, depth=1))
+    with torch.no_grad():
+        head.out.weight.mul_(scale)
+        head.out.bias.fill_(bias)
+    return head.requires_grad_(False)
+
+
+def acceptance_head_file(draft: Path, path: Path, threshold: float, **kw) -> Path:
+    """`acceptance_head(...)` saved for the draft at `draft` (its identity, threshold h)."""
+    from vllm_ouroboros.draft.acceptance_head import draft_identity
+
+    hidden = json.loads((Path(draft) / "config.json").read_text())["hidden_size"]
+    acceptance_head(hidden, **kw).save(str(path), draft_identity(str(draft)), threshold)
+    return Path(path)
+
+
 if __name__ == "__main__":
     import sys
 

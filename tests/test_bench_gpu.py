@@ -1,0 +1,122 @@
+"""scripts/bench_gpu.py --tiny: the GPU benchmark's code paths on any machine (it must not rot on
+CPU-only CI), and its modeled speedup against the numbers benchmark.py wrote."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_gpu  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(exit status, JSON, md path, output) of one `bench_gpu.py --tiny` run."""
+    out = tmp_path_factory.mktemp("bench_gpu")
+    js, md = out / "bench.json", out / "bench.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the kernel's skip is checked
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--tiny", "--json", str(js),
+                           "--md", str(md)], capture_output=True, text=True, env=env, timeout=600)
+    result = json.loads(js.read_text()) if js.exists() else None
+    return proc.returncode, result, md, proc.stdout + proc.stderr
+
+
+def test_tiny_run_exits_0_and_writes_both_files(tiny_run):
+    rc, result, md, output = tiny_run
+    assert rc == 0, output[-4000:]
+    assert result["errors"] == {}
+    assert result["tiny"] and result["torch"] == torch.__version__ and "--tiny" in result["command"]
+    assert md.exists() and "## Acceptance" in md.read_text()
+
+
+def test_curves_have_every_point(tiny_run):
+    _, result, _, _ = tiny_run
+    plan = bench_gpu.Plan(tiny=True)
+    for tag in ("draft", "target"):
+        pts = {(p["batch"], p["n"]): p for p in result["curves"][tag]}
+        assert set(pts) == {(1, n) for n in plan.points} | set(plan.batch_points), tag
+        assert all(p["eager_ms"] > 0 for p in pts.values())
+        assert all((p["graph_ms"] is not None) == CUDA for p in pts.values())
+
+
+def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
+    """Same contexts, round_forwards = gamma: the device round drafts the host loop's tokens (so
+    its per-round figures compare like with like), in exactly gamma forwards."""
+    _, result, _, _ = tiny_run
+    rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
+    modes = {"host", "device", "graph"} if CUDA else {"host", "device"}
+    plan = bench_gpu.Plan(tiny=True)
+    assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes}
+    for (setting, B, mode), r in rounds.items():
+        assert len(r["round_ms"]) == plan.timed_rounds and r["ms_per_round"] > 0 and r["ms_per_forward"] > 0
+        assert r["prefill_forwards"] == 0 and not r["cache_regrown"], (setting, B, mode)
+        if mode != "host":
+            assert r["forwards"] == [bench_gpu.GAMMA] * plan.timed_rounds
+        # Float rounding may differ between padded and exact shapes on a GPU: there only the
+        # decode-only counts (gamma per row, whatever the tokens) must agree.
+        if mode != "host" and (not CUDA or setting == "decode-only"):
+            assert r["draft_tokens"] == rounds[(setting, B, "host")]["draft_tokens"], (setting, B, mode)
+    assert all(t == bench_gpu.GAMMA * B for (s, B, _), r in rounds.items() if s == "decode-only"
+               for t in r["draft_tokens"])
+
+
+def test_skips_say_why_and_nothing_passes_on_tiny_shapes(tiny_run):
+    _, result, _, output = tiny_run
+    if not CUDA:
+        assert result["skipped"]["graph"] == "skipped: no CUDA"
+        assert "TRITON_INTERPRET" in result["skipped"]["kernel"] and result["kernel"] is None
+        assert "skipped: no CUDA" in output
+    assert len(result["acceptance"]) == 6
+    for a in result["acceptance"]:
+        assert a["status"] not in ("PASS", "FAIL"), a
+        assert (a["value"] is None) == a["status"].startswith("NOT MEASURED"), a
+    variants = result["modeled"]["variants"]
+    assert variants["eager drafting (host round, today)"]["rows"]
+    assert {r["row"] for r in variants["device round"]["rows"]} == {"ouroboros", "ouroboros-phrases"}
+
+
+def test_no_cuda_without_tiny_exits_nonzero():
+    if CUDA:
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device: run with --tiny" in proc.stderr
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(tokens_per_target_forward=None, draft_forwards_per_token=None, target_tokens_per_forward=5.0,
+                draft_tokens_per_forward=34, counters=REPO / "results" / "benchmark.json")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_modeled_reproduces_benchmark_json():
+    """The CPU run's curves and counters give back the "modeled" figures benchmark.py stored."""
+    stored = json.loads((REPO / "results" / "benchmark.json").read_text())
+    curve = lambda c: {int(n): t for n, t in c.items()}  # noqa: E731 - JSON keys are strings
+    got = {r["row"]: r["modeled"] for r in bench_gpu.modeled(
+        bench_gpu.counter_rows(_args()), curve(stored["t_target"]), curve(stored["t_draft"]))}
+    want = {r["method"]: r["modeled"] for r in stored["rows"] if r["method"] in got
+            and r["workload"] == "humaneval" and r["concurrency"] == 1 and r["temperature"] == 0}
+    assert set(got) == {"ouroboros", "ouroboros-phrases"}
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_flag_counters_give_the_rates_asked_for():
+    rows = bench_gpu.counter_rows(_args(tokens_per_target_forward=4.75, draft_forwards_per_token=0.8))
+    (r,) = bench_gpu.modeled(rows, {1: 10.0, 8: 12.0}, {1: 1.0, 64: 1.0})
+    assert r["tokens_per_target_forward"] == pytest.approx(4.75)
+    assert r["draft_forwards_per_token"] == pytest.approx(0.8)
+    # No plain steps: per token, 0.8 draft forwards (1 ms) + 1/4.75 target forwards of 5 tokens.
+    assert r["modeled"] == pytest.approx(10.0 / (0.8 * 1.0 + (10.0 + 2.0 * 4 / 7) / 4.75))

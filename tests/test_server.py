@@ -111,14 +111,25 @@ def test_serve_spec_method_shorthand(tiny_models, expected):
     assert "vllm:ouroboros_backoff_steps_total" in ours  # back-off under load is counted
 
 
-def test_serve_speculative_config_json(tiny_models, expected):
-    """`vllm serve T --speculative-config '{"method": "ouroboros", ...}'`."""
+def test_serve_speculative_config_json(tiny_models, expected, tmp_path):
+    """`vllm serve T --speculative-config '{"method": "ouroboros", ...}'`, here with SpecDec++'s
+    adaptive draft length (a fixed-weight acceptance head for the tiny draft): drafts cut by
+    the head's rule change nothing in the served output."""
+    from tiny_models import acceptance_head_file
+
     target, draft = tiny_models["target"], tiny_models["draft"]
-    spec = json.dumps({"method": "ouroboros", "model": str(draft), "gamma": 3, "beta": 3,
-                       "num_suffixes": 1})
+    head = acceptance_head_file(draft, tmp_path / "head.safetensors", 0.5)
+    spec = json.dumps({"method": "ouroboros", "model": str(draft), "beta": 3, "num_suffixes": 1,
+                       "draft_length": "adaptive", "acceptance_head": str(head),
+                       "max_draft_length": 6, "max_speculative_batch": 8})
     with serve(target, "--speculative-config", spec) as base:
         got = [complete(base, target, p) for p in PROMPTS]
+        text = metrics(base)
     assert got == expected
+    ours = {l.split()[0]: float(l.split()[-1]) for l in text.splitlines()
+            if l.startswith("vllm:ouroboros_")}
+    assert ours.get("vllm:ouroboros_stops_rule_total", 0) > 0, sorted(ours)
+    assert ours.get("vllm:ouroboros_accepted_tokens_total", 0) > 0
 
 
 def test_serve_token_tree_k3(tiny_models, expected):

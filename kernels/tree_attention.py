@@ -6,14 +6,23 @@ logical position prefix_lens[b] + i, i.e. in page block_table[b, p // block_size
 p % block_size, with p = prefix_lens[b] + i. Node i attends every prefix token plus the tree nodes
 whose bits are set in its ancestor bitmask (bit j of tree_mask[query_start[b] + i]; itself always).
 
-In this file, in order: the Triton kernel (`tree_attention_kernel`), its checked host wrapper
-(`tree_attention`), and `ancestor_bitmask`, which builds the bitmask from a parent table. The
-plain-torch reference is `reference.tree_attention_reference`.
+Split-KV (flash-decoding): one program per (block of tree nodes, kv head, request) leaves most SMs
+idle when a batch has few requests, so each request's prefix can be cut into S chunks, one program
+each; every program writes its unnormalised online-softmax state (m, l, acc) and a second small
+kernel merges the S states of each (node, query head). S is picked on the host from shapes alone
+(`choose_num_splits`), never from the device's prefix lengths: the wrapper never synchronises.
+
+In this file, in order: the Triton kernels (`tree_attention_kernel`, and
+`tree_attention_merge_kernel` for the split path), their checked host wrapper (`tree_attention`)
+with its tile table and split heuristic, the batched torch path, and `ancestor_bitmask`, which
+builds the bitmask from a parent table. The plain-torch reference is
+`reference.tree_attention_reference`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -85,11 +94,15 @@ if triton is not None:
         acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
-    @triton.jit
+    # num_splits changes with the batch: not specialised, so S = 2, 3, 16 ... share one binary.
+    @triton.jit(do_not_specialize=["num_splits"])
     def tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr,
         block_table_ptr, prefix_lens_ptr, query_start_ptr, tree_mask_ptr,
+        part_ptr,                    # SPLIT_KV only: fp32 partial states, layout at the merge kernel
         scale_log2e,
+        num_splits,                  # S, SPLIT_KV only
+        ml_offset,                   # SPLIT_KV only: where (m, l) start in part_ptr
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
@@ -104,14 +117,22 @@ if triton is not None:
         BLOCK_M: tl.constexpr,       # BLOCK_Q * GROUP_PAD tile rows
         BLOCK_N: tl.constexpr,       # prefix tokens per tile
         BLOCK_TREE: tl.constexpr,    # tree nodes per tile (>= max n_b normally: one tile)
+        SPLIT_KV: tl.constexpr,      # S > 1: write partial states for tree_attention_merge_kernel
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,    # interpreter + bf16 only, see _online_softmax_tile
     ):
-        # One program per (block of BLOCK_Q tree nodes, kv head, request). Its tile rows are the
-        # BLOCK_Q nodes x the GROUP query heads of this kv head (row m = node m // GROUP_PAD, head
-        # m % GROUP_PAD): every K/V tile is loaded once and used by all GROUP heads (GQA), and a
-        # tree's few nodes times the group give the M >= 16 rows that tl.dot wants.
-        qblk = tl.program_id(0)
+        # One program per (block of BLOCK_Q tree nodes, kv head, request), times S with SPLIT_KV.
+        # Its tile rows are the BLOCK_Q nodes x the GROUP query heads of this kv head (row m = node
+        # m // GROUP_PAD, head m % GROUP_PAD): every K/V tile is loaded once and used by all GROUP
+        # heads (GQA), and a tree's few nodes times the group give the M >= 16 rows that tl.dot wants.
+        if SPLIT_KV:
+            # Axis 0 is split-major: the programs of one (split, kv head, request) differ only in
+            # their q block, start together and share their K/V chunk through L2.
+            n_qblk = tl.num_programs(0) // num_splits
+            qblk = tl.program_id(0) % n_qblk
+            split = tl.program_id(0) // n_qblk
+        else:
+            qblk = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         q_start = tl.load(query_start_ptr + b)
@@ -119,6 +140,19 @@ if triton is not None:
         if qblk * BLOCK_Q >= n_nodes:
             return
         prefix_len = tl.load(prefix_lens_ptr + b)
+        if SPLIT_KV:
+            # Whole tiles per split, sized from this request's own prefix (S was chosen without
+            # reading it): with a short prefix the last splits get nothing and store a neutral state
+            # (m = -1e30, l = 0) that the merge weighs by 0. The tree goes to the last split, whose
+            # chunk is the shortest, so each node's self key keeps that split's state non-empty.
+            chunk = ((prefix_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            kv_lo = split * chunk
+            kv_hi = tl.minimum(kv_lo + chunk, prefix_len)
+            tree_hi = tl.where(split == num_splits - 1, n_nodes, 0)
+        else:
+            kv_lo = 0
+            kv_hi = prefix_len
+            tree_hi = n_nodes
 
         offs_m = tl.arange(0, BLOCK_M)
         node = qblk * BLOCK_Q + offs_m // GROUP_PAD
@@ -139,9 +173,9 @@ if triton is not None:
 
         # 1) The prefix: every node sees all of it, so the only mask is the tail of the last tile.
         offs_n = tl.arange(0, BLOCK_N)
-        for start in range(0, prefix_len, BLOCK_N):
+        for start in range(kv_lo, kv_hi, BLOCK_N):
             pos = start + offs_n
-            pos_ok = pos < prefix_len
+            pos_ok = pos < kv_hi
             k_t = _load_kv_tile(k_ptr, stride_kb, stride_ks, stride_kh, bt_row, kvh, pos, pos_ok,
                                 offs_d, d_ok, BLOCK_SIZE, True)
             v = _load_kv_tile(v_ptr, stride_vb, stride_vs, stride_vh, bt_row, kvh, pos, pos_ok,
@@ -155,7 +189,7 @@ if triton is not None:
         self_bit = tl.where(row_ok, one << node.to(tl.int64), 0)
         bits = tl.load(tree_mask_ptr + q_row, mask=row_ok, other=0) | self_bit
         offs_t = tl.arange(0, BLOCK_TREE)
-        for t0 in range(0, n_nodes, BLOCK_TREE):
+        for t0 in range(0, tree_hi, BLOCK_TREE):
             j = t0 + offs_t
             j_ok = j < n_nodes
             pos = prefix_len + j
@@ -167,14 +201,58 @@ if triton is not None:
             m_i, l_i, acc = _online_softmax_tile(q, k_t, v, allowed, m_i, l_i, acc,
                                                  scale_log2e, DOT_PRECISION, UPCAST_DOT)
 
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
-        out = acc / l_i[:, None]
-        o_off = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        if SPLIT_KV:
+            # Unnormalised: the merge rescales each split's (l, acc) by exp2(m_s - max_s m_s).
+            # Grid axis 1 is the kv heads, so it gives Hq without one more argument.
+            p_row = (q_row * (tl.num_programs(1) * GROUP) + head) * num_splits + split
+            tl.store(part_ptr + p_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(part_ptr + ml_offset + p_row * 2, m_i, mask=row_ok)
+            tl.store(part_ptr + ml_offset + p_row * 2 + 1, l_i, mask=row_ok)
+        else:
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
+            out = acc / l_i[:, None]
+            o_off = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit(do_not_specialize=["num_splits"])
+    def tree_attention_merge_kernel(
+        part_ptr, out_ptr, query_start_ptr,
+        num_splits, ml_offset, batch,
+        stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,    # next power of two >= num_splits
+    ):
+        # part_ptr, one fp32 buffer: acc [T, Hq, S, D] (unnormalised), then from ml_offset (m, l)
+        # [T, Hq, S, 2], m in log2 units of the scaled scores. One program per (tree row, query
+        # head): the log-sum-exp merge of its S partial states, all loaded at once (S x D fp32, a
+        # few KB) so the loads overlap instead of chaining.
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        # Rows past the last request's nodes belong to no request: left untouched, as the
+        # single-pass kernel leaves them.
+        if t >= tl.load(query_start_ptr + batch):
+            return
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_ok = offs_s < num_splits
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        p_row = (t * tl.num_programs(1) + h) * num_splits + offs_s
+        m = tl.load(part_ptr + ml_offset + p_row * 2, mask=s_ok, other=float("-inf"))
+        l = tl.load(part_ptr + ml_offset + p_row * 2 + 1, mask=s_ok, other=0.0)
+        acc = tl.load(part_ptr + p_row[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        # The last split attended this node's own key, so max m is finite and its weight is 1:
+        # the denominator is > 0. Empty splits (m = -1e30) and padding (-inf) weigh exp2(-huge) = 0.
+        w = tl.exp2(m - tl.max(m, 0))
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+                 mask=d_ok)
 
 else:  # pragma: no cover
-    tree_attention_kernel = None
+    tree_attention_kernel = tree_attention_merge_kernel = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,33 +310,120 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+# Tiles per (input dtype, padded head dim): max rows per program M, key tile BLOCK_N, warps when
+# M < 64, warps when M >= 64. NOT TUNED ON A GPU: none was available; the rows only keep register
+# spills small in cubins compiled without a device (notes in _tile_config) and wait to be timed.
+_TILES = {
+    **{("half", d): (64, 64, 4, 8) for d in (16, 32, 64)},
+    ("half", 128): (64, 64, 8, 8),
+    # D = 256 at M = 64, 64-wide key tiles spilled 776 B per thread on sm_90 (2.4 KB on sm_80);
+    # M = 32, 32-wide tiles: 64 B (sm_90), 0 (sm_80); split-KV variant 144 B, 32 B.
+    ("half", 256): (32, 32, 8, 8),
+    **{("fp32", d): (16, 32, 4, 4) for d in (16, 32, 64, 128, 256)},
+}
+
+
 def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_query_len: int) -> dict:
-    """Tile sizes and launch options. Register use below was read with cuobjdump from sm_90 / sm_80
-    cubins compiled on a machine without a GPU (Triton 3.9, `scripts/bench_tree_attention.py
-    --compile-only`); not yet timed on a device.
+    """Tile sizes and launch options from `_TILES`. Register use below was read with cuobjdump
+    from sm_90 / sm_80 cubins compiled on a machine without a GPU (Triton 3.9,
+    `scripts/bench_tree_attention.py --compile-only`); not yet timed on a device.
 
     Rows per program M = BLOCK_Q * GROUP_PAD: at least 16 (tl.dot's minimum), no more tree nodes
-    than the largest tree has, and at most 64 (bf16, D = 128, M = 64 already needs 8 warps to stay
-    at 255 registers without spilling on sm_90, 120 B on sm_80; 4 warps spill 1.4 KB). Fewer rows per program
-    means more programs re-reading the same prefix, so M is not made smaller than that.
+    than the largest tree has, and at most the table's M: 64 for half inputs up to D = 128 (bf16,
+    D = 128, M = 64 already needs 8 warps to stay at 255 registers without spilling on sm_90, 120 B
+    on sm_80; 4 warps spill 1.4 KB). Fewer rows per program means more programs re-reading the
+    same prefix, so M is not made smaller than that.
     fp32 runs its dots as 3xTF32 (about fp32 accuracy on the tensor cores): IEEE fp32 dots compile
     to a scalar FMA loop that spills 3-9 KB per thread, and plain TF32 (10-bit mantissa) is too
     coarse for fp32 parity checks. fp32 tiles are kept small (M = 16, 32-wide key tiles) for the same reason.
+    The split-KV variant (SPLIT_KV) uses the same tiles: it adds a few scalars and stores fp32
+    partials instead of `out`; its register counts are printed by the same `--compile-only`.
     """
     fp32 = dtype == torch.float32
-    max_rows = 16 if fp32 else 64
+    max_rows, block_n, warps_small, warps_full = _TILES["fp32" if fp32 else "half", head_dim_pad]
     block_q = min(_next_pow2(max_query_len), max(1, max_rows // group_pad))
     block_q = max(block_q, max(1, 16 // group_pad))
     block_m = block_q * group_pad
     return dict(
         GROUP_PAD=group_pad, HEAD_DIM_PAD=head_dim_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=32 if fp32 else 64,
+        BLOCK_N=block_n,
         BLOCK_TREE=min(32 if fp32 else MAX_TREE_NODES, max(16, _next_pow2(max_query_len))),
         # tf32x3 is NVIDIA-only; ROCm gets IEEE. None: the default (exact products for fp16/bf16)
         DOT_PRECISION=("ieee" if torch.version.hip else "tf32x3") if fp32 else None,
-        num_warps=8 if not fp32 and (head_dim_pad >= 128 or block_m >= 64) else 4,
+        num_warps=warps_full if block_m >= 64 else warps_small,
         num_stages=2,
     )
+
+
+# Split-KV heuristic constants. Guesses, NOT TUNED ON A GPU: each is a named knob to time first.
+MAX_SPLITS = 64  # bounds the scratch (T x Hq x S x (D + 2) fp32) and the merge tile (S x D)
+# A split shorter than this costs about as much in its partial-state store (M x (D + 2) fp32 ~ one
+# bf16 K+V tile) and in the merge as it saves in key tiles.
+MIN_SPLIT_TOKENS = 256
+# Below this many prefix tokens the single pass is a few key tiles per program: a second launch
+# (the merge) is not worth it.
+MIN_PREFIX_TO_SPLIT = 1024
+
+
+@functools.lru_cache(maxsize=1024)  # called on every launch: a dict hit instead of the S loop
+def choose_num_splits(batch: int, num_kv_heads: int, num_q_blocks: int, num_sms: int,
+                      max_prefix_len: int, block_n: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many chunks S to cut each request's prefix into, from host-known shapes only.
+
+    FlashAttention-2's `num_splits_heuristic` with this kernel's tiles: no split once the
+    single-pass grid (batch x num_kv_heads x num_q_blocks programs, one per SM at the register use
+    of `_TILES`) covers 80% of the SMs; otherwise the smallest S whose last wave of programs is at
+    least 85% as full as the best S's, among the S that each shorten the longest chunk (in
+    key tiles of block_n) and leave chunks of at least MIN_SPLIT_TOKENS. `max_prefix_len` is an
+    upper bound (the block table's width in tokens, or the caller's hint); a loose bound only makes
+    the last splits empty.
+    """
+    programs = batch * num_kv_heads * num_q_blocks
+    if programs <= 0 or programs >= 0.8 * num_sms or max_prefix_len < MIN_PREFIX_TO_SPLIT:
+        return 1
+    tiles = -(-max_prefix_len // block_n)
+    most = min(max_splits, num_sms, max_prefix_len // MIN_SPLIT_TOKENS)
+
+    def wave_efficiency(s: int) -> float:
+        waves = programs * s / num_sms
+        return waves / math.ceil(waves)
+
+    eligible = [s for s in range(1, most + 1) if s == 1 or -(-tiles // s) < -(-tiles // (s - 1))]
+    best = max(wave_efficiency(s) for s in eligible)
+    return next(s for s in eligible if wave_efficiency(s) >= 0.85 * best)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    # A host-side property query (no sync, allowed during CUDA graph capture); cached because it
+    # costs microseconds on every call otherwise.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another: no idle SMs to fill
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _merge_warps(splits_pad: int, head_dim_pad: int) -> int:
+    # About 16 fp32 partial values per thread, at most 64: at 4 warps the S = 64, D = 256 tile
+    # took 254 registers on sm_90.
+    return max(1, min(8, splits_pad * head_dim_pad // 512))
+
+
+def _launch_plan(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, batch: int,
+                 max_query_len: int, prefix_bound: int, device: torch.device,
+                 num_splits: int | None = None) -> tuple[dict, int, int]:
+    """(tile config, q blocks per request, S) of one `tree_attention` call; host values only.
+    The benchmark prints the S chosen here."""
+    group_pad = _next_pow2(num_heads // num_kv_heads)
+    cfg = _tile_config(dtype, group_pad, max(16, _next_pow2(head_dim)), max_query_len)
+    num_q_blocks = -(-max_query_len // cfg["BLOCK_Q"])
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, num_q_blocks, _num_sms(device),
+                                       prefix_bound, cfg["BLOCK_N"])
+    return cfg, num_q_blocks, num_splits
 
 
 def tree_attention(
@@ -273,6 +438,8 @@ def tree_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     backend: str = "auto",
+    num_splits: int | None = None,
+    max_prefix_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of every tree node to its request's prefix and to its tree ancestors.
 
@@ -294,9 +461,21 @@ def tree_attention(
     batched torch path `tree_attention_torch`, with the reason logged once), "triton" (raise if
     it cannot run), "torch" or "reference" (the per-request loop the tests compare against). Accumulation is in fp32 throughout; fp32 inputs use 3xTF32 dot products (about fp32
     accuracy; IEEE on ROCm), fp16/bf16 round the softmax weights to the input dtype before p @ v.
+
+    `num_splits` (Triton only): S > 1 cuts each request's prefix into S chunks, one program each,
+    then merges the S partial softmax states per (node, head) in a second kernel (split-KV); 1 is
+    the single-pass kernel; None (default) lets `choose_num_splits` pick from shapes and the SM
+    count, never from prefix_lens' values, so no call synchronises and any can be captured in a
+    CUDA graph (the fp32 scratch, T x Hq x S x (D + 2), comes from torch.empty). `max_prefix_len`,
+    an upper bound on max(prefix_lens) known on the host, only tightens that choice (the default
+    bound is the block table's width in tokens); a wrong value changes speed, never the result.
     """
     if backend not in ("auto", "triton", "torch", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton', 'torch' or 'reference', got {backend!r}")
+    if num_splits is not None and (type(num_splits) is not int or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+    if max_prefix_len is not None and (type(max_prefix_len) is not int or max_prefix_len < 0):
+        raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
     device = q.device
     floats = (torch.float32, torch.float16, torch.bfloat16)
     _check("q", q, 3, floats, device)
@@ -362,25 +541,47 @@ def tree_attention(
         return out
 
     group = hq // hkv
-    cfg = _tile_config(q.dtype, _next_pow2(group), max(16, _next_pow2(head_dim)), max_query_len)
+    prefix_bound = block_table.shape[1] * block_size if max_prefix_len is None else max_prefix_len
+    cfg, num_q_blocks, num_splits = _launch_plan(q.dtype, hq, hkv, head_dim, batch, max_query_len,
+                                                 prefix_bound, device, num_splits)
+    split = num_splits > 1
+    if split:
+        # One allocation for both partial arrays (acc, then (m, l) from ml_offset): each
+        # torch.empty is host time on every call.
+        ml_offset = num_tokens * hq * num_splits * head_dim
+        part = torch.empty(ml_offset + num_tokens * hq * num_splits * 2, dtype=torch.float32,
+                           device=device)
+    else:
+        ml_offset, part = 0, out  # never touched: SPLIT_KV=False compiles the partial stores away
     # The q block is the fastest grid axis: the programs that stream the same request's K/V (same
-    # b, same kv head) are launched together and share those reads through L2.
-    grid = (triton.cdiv(max_query_len, cfg["BLOCK_Q"]), hkv, batch)
+    # b, same kv head, same split) are launched together and share those reads through L2.
+    grid = (num_q_blocks * num_splits, hkv, batch)
     launch = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with launch:  # Triton launches on the current CUDA device
         kernel[grid](
             q, k_cache, v_cache, out,
             block_table, prefix_lens, query_start, tree_mask,
+            part,
             float(scale) * math.log2(math.e),
+            num_splits, ml_offset,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1),
             block_table.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=split,
             UPCAST_DOT=q.dtype == torch.bfloat16 and _is_interpreted(kernel),
             **cfg,
         )
+        if split:
+            splits_pad = _next_pow2(num_splits)
+            tree_attention_merge_kernel[(num_tokens, hq)](
+                part, out, query_start,
+                num_splits, ml_offset, batch,
+                out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], SPLITS_PAD=splits_pad,
+                num_warps=_merge_warps(splits_pad, cfg["HEAD_DIM_PAD"]),
+            )
     return out
 
 

@@ -2,22 +2,28 @@
 
     python scripts/bench_tree_attention.py [--batch 1 8 32] [--prefix 512 2048 8192] [--tree 16 32 64]
         [--head-dim 64 128] [--q-heads 32] [--kv-heads 8] [--block-size 16] [--dtype bfloat16]
+        [--splits S]
 
 Per configuration: B requests, each with a prefix of P cached tokens and a tree of N nodes (a draft
 chain of N/2 plus suffix chains off its last node, the Ouroboros shape). The kernel reads the paged
 cache; the baselines get the same N query tokens per request over the same P + N keys as dense
 [B, L, H, D] tensors with a bottom-right causal mask: torch SDPA, and flash-attn when importable.
 Timed with CUDA events after warmup (mean of a batch of back-to-back calls, best of 5); the kernel's
-time includes its host wrapper (shape checks, launch). Each configuration is also checked against
-the plain-torch reference. Without a GPU, runs one tiny case under Triton's interpreter and exits 0.
+time includes its host wrapper (shape checks, launches). Per configuration: S, the number of
+prefix splits (split-KV) the wrapper's heuristic picked (or `--splits S`), the kernel's time with
+it, and, where S > 1, the single-pass (S = 1) time beside it, so the heuristic can be checked.
+Each configuration is also checked against the plain-torch reference. Without a GPU, runs one tiny
+case under Triton's interpreter (single pass and split) and exits 0.
 `--compile-only [SM ...]` needs no GPU: it builds cubins with Triton's bundled ptxas for the tile
-configurations the wrapper picks and prints registers and stack (spill) bytes per thread.
+configurations the wrapper picks (single-pass and split variants, and the merge kernel) and prints
+registers and stack (spill) bytes per thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import math
 import os
 import shlex
@@ -120,14 +126,51 @@ def cpu_smoke() -> int:
     torch.manual_seed(0)
     args, _, _, _ = make_inputs(batch=2, prefix=21, tree=9, head_dim=32, hq=4, hkv=2, block_size=16,
                                 dtype=torch.float32, device="cpu")
-    err = (tree_attention(**args, backend="triton") - tree_attention_reference(**args)).abs().max().item()
-    print(f"interpreter: B=2 prefix=21 tree=9 D=32 Hq=4 Hkv=2 block=16 fp32: max abs err {err:.2e}")
-    return 0 if err <= 1e-3 else 1
+    ref = tree_attention_reference(**args)
+    worst = 0.0
+    for splits in (1, 3):  # the single pass, and split-KV with its merge kernel
+        err = (tree_attention(**args, backend="triton", num_splits=splits) - ref).abs().max().item()
+        worst = max(worst, err)
+        print(f"interpreter: B=2 prefix=21 tree=9 D=32 Hq=4 Hkv=2 block=16 fp32 S={splits}: "
+              f"max abs err {err:.2e}")
+    print("S the wrapper would pick on a 132-SM H100 for issue 15's grid (Hq 32, Hkv 8, bf16, "
+          "block 16, block table as wide as prefix + tree), prefix 512 / 2048 / 8192:")
+    for d, b, n in itertools.product((64, 128), (1, 8, 32), (16, 64)):
+        picks = []
+        for p in (512, 2048, 8192):
+            bound = -(-(p + n) // 16) * 16
+            cfg, nq, _ = ta._launch_plan(torch.bfloat16, 32, 8, d, b, n, bound, torch.device("cpu"), 1)
+            picks.append(ta.choose_num_splits(b, 8, nq, 132, bound, cfg["BLOCK_N"]))
+        print(f"  D={d:<3} B={b:<2} tree={n:<2}: S = {' / '.join(map(str, picks))}")
+    return 0 if worst <= 1e-3 else 1
+
+
+def _signature(kernel, ptr: str) -> dict:
+    """Triton types of `kernel`'s arguments for ASTSource: `ptr` for the attention tensors."""
+    sig = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+        elif name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
+            sig[name] = ptr
+        elif name == "part_ptr":
+            sig[name] = "*fp32"
+        elif name == "tree_mask_ptr":
+            sig[name] = "*i64"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32"
+        elif name == "scale_log2e":
+            sig[name] = "fp32"
+        else:  # strides, num_splits, ml_offset, batch
+            sig[name] = "i32"
+    return sig
 
 
 def compile_only(archs: list[int]) -> int:
-    """Compile the kernel for NVIDIA targets without a GPU (Triton's bundled ptxas) over the tile
-    configurations the wrapper picks, and print registers / stack (spills) per thread."""
+    """Compile the kernels for NVIDIA targets without a GPU (Triton's bundled ptxas) over the tile
+    configurations the wrapper picks, single-pass and split, and the merge kernel, and print
+    registers / stack (spills) per thread."""
     import subprocess
     import tempfile
 
@@ -140,46 +183,52 @@ def compile_only(archs: list[int]) -> int:
         print("TRITON_INTERPRET is set: unset it for --compile-only")
         return 1
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    ptr_of = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+
+    def build(fn, sig, consts, opts, arch) -> tuple[str, str, int]:
+        try:
+            c = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                               target=GPUTarget("cuda", arch, 32), options=opts)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(c.asm["cubin"])
+                f.flush()
+                dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                      text=True).stdout
+            usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
+            return usage, f"{c.metadata.shared / 1024:7.0f}", 0
+        except Exception as e:  # noqa: BLE001 - report every configuration
+            return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", "      -", 1
+
     print(f"{'arch':>5} {'dtype':>8} {'G':>2} {'D':>4} {'tree':>4} {'M':>3} {'BN':>3} {'BT':>3} {'warps':>5} "
-          f"{'smem KB':>7}  resource usage")
+          f"{'split':>5} {'smem KB':>7}  resource usage")
     rc = 0
     for arch in archs:
-        for dtype, group, head_dim, tree in [("bfloat16", 4, 128, 64), ("bfloat16", 1, 128, 16),
-                                             ("float16", 8, 64, 32), ("bfloat16", 4, 80, 24),
+        for dtype, group, head_dim, tree in [("bfloat16", 4, 128, 64), ("bfloat16", 4, 128, 16),
+                                             ("bfloat16", 1, 128, 16), ("bfloat16", 4, 64, 64),
+                                             ("bfloat16", 4, 64, 16), ("float16", 8, 64, 32),
+                                             ("bfloat16", 4, 80, 24), ("bfloat16", 4, 256, 32),
                                              ("float32", 4, 128, 32), ("float32", 1, 64, 8)]:
             head_dim_pad = max(16, ta._next_pow2(head_dim))
             cfg = ta._tile_config(getattr(torch, dtype), ta._next_pow2(group), head_dim_pad, tree)
-            ptr = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}[dtype]
-            sig = {}
-            for name in kernel.arg_names:
-                if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
-                    sig[name] = ptr
-                elif name == "tree_mask_ptr":
-                    sig[name] = "*i64"
-                elif name.endswith("_ptr"):
-                    sig[name] = "*i32"
-                elif name == "scale_log2e":
-                    sig[name] = "fp32"
-                elif name.startswith("stride"):
-                    sig[name] = "i32"
-                else:
-                    sig[name] = "constexpr"
             opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
-            consts = dict(cfg, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, UPCAST_DOT=False)
-            try:
-                c = triton.compile(ASTSource(kernel, sig, constexprs=consts),
-                                   target=GPUTarget("cuda", arch, 32), options=opts)
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(c.asm["cubin"])
-                    f.flush()
-                    dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                          text=True).stdout
-                usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
-                smem = f"{c.metadata.shared / 1024:7.0f}"
-            except Exception as e:  # noqa: BLE001 - report every configuration
-                usage, smem, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", "      -", 1
-            print(f"{arch:>5} {dtype:>8} {group:>2} {head_dim:>4} {tree:>4} {cfg['BLOCK_M']:>3} "
-                  f"{cfg['BLOCK_N']:>3} {cfg['BLOCK_TREE']:>3} {opts['num_warps']:>5} {smem}  {usage}",
+            for split in (False, True):
+                consts = dict(cfg, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, SPLIT_KV=split,
+                              UPCAST_DOT=False)
+                usage, smem, bad = build(kernel, _signature(kernel, ptr_of[dtype]), consts, opts, arch)
+                rc |= bad
+                print(f"{arch:>5} {dtype:>8} {group:>2} {head_dim:>4} {tree:>4} {cfg['BLOCK_M']:>3} "
+                      f"{cfg['BLOCK_N']:>3} {cfg['BLOCK_TREE']:>3} {opts['num_warps']:>5} "
+                      f"{'S>1' if split else 'S=1':>5} {smem}  {usage}", flush=True)
+        merge = ta.tree_attention_merge_kernel
+        for dtype, head_dim, splits in [("bfloat16", 64, 16), ("bfloat16", 128, 16),
+                                        ("bfloat16", 128, 64), ("bfloat16", 256, 64)]:
+            head_dim_pad, splits_pad = max(16, ta._next_pow2(head_dim)), ta._next_pow2(splits)
+            warps = ta._merge_warps(splits_pad, head_dim_pad)
+            consts = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad)
+            usage, smem, bad = build(merge, _signature(merge, ptr_of[dtype]), consts,
+                                     {"num_warps": warps}, arch)
+            rc |= bad
+            print(f"{arch:>5} {dtype:>8} merge D={head_dim} S<={splits_pad} warps={warps} {smem}  {usage}",
                   flush=True)
     return rc
 
@@ -187,17 +236,26 @@ def compile_only(archs: list[int]) -> int:
 def bench_one(b: int, p: int, n: int, d: int, a: argparse.Namespace, dtype: torch.dtype) -> str:
     args, dq, dk, dv = make_inputs(b, p, n, d, a.q_heads, a.kv_heads, a.block_size, dtype, "cuda")
     out = torch.empty_like(args["q"])
-    t_kernel = time_ms(lambda: tree_attention(**args, out=out, max_query_len=n))
+    q, bt = args["q"], args["block_table"]
+    # The S the wrapper picks for this call (from the same host values), or --splits; the timed call
+    # runs the heuristic itself, as a caller's would.
+    _, _, splits = ta._launch_plan(dtype, a.q_heads, a.kv_heads, d, b, n, bt.shape[1] * a.block_size,
+                                   q.device, a.splits)
+    t_kernel = time_ms(lambda: tree_attention(**args, out=out, max_query_len=n, num_splits=a.splits))
+    t_single = float("nan")
+    if splits > 1:
+        t_single = time_ms(lambda: tree_attention(**args, out=out, max_query_len=n, num_splits=1))
     sdpa, mode = sdpa_fn(dq, dk, dv, args["scale"])
     t_sdpa = time_ms(sdpa)
     fl = flash_fn(dq, dk, dv, args["scale"])
     t_flash = time_ms(fl) if fl is not None else float("nan")
     err = float("nan")
     if not a.no_check:
+        tree_attention(**args, out=out, max_query_len=n, num_splits=a.splits)
         ref = tree_attention_reference(**args)
         err = (out.float() - ref.float()).abs().max().item()
-    return (f"{b:>5} {p:>6} {n:>4} {d:>4} {t_kernel:>10.4f} {t_sdpa:>9.4f} {t_kernel / t_sdpa:>6.2f} "
-            f"{t_flash:>9.4f} {t_kernel / t_flash:>6.2f} {err:>8.1e}  {mode}")
+    return (f"{b:>5} {p:>6} {n:>4} {d:>4} {splits:>3} {t_kernel:>10.4f} {t_single:>9.4f} {t_sdpa:>9.4f} "
+            f"{t_kernel / t_sdpa:>6.2f} {t_flash:>9.4f} {t_kernel / t_flash:>6.2f} {err:>8.1e}  {mode}")
 
 
 def main() -> int:
@@ -211,6 +269,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the reference")
+    ap.add_argument("--splits", type=int, default=None, metavar="S",
+                    help="force S prefix splits (1 = single pass) instead of the wrapper's heuristic")
     ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM",
                     help="no GPU needed: compile for these sm versions (default 80 90), print register use")
     a = ap.parse_args()
@@ -225,8 +285,10 @@ def main() -> int:
           f"Hq={a.q_heads} Hkv={a.kv_heads} block={a.block_size} {a.dtype}")
     flash_note = "" if importlib.util.find_spec("flash_attn") else " (flash-attn not importable)"
     print(f"# ms: CUDA events, best of 5 rounds of 50 calls after 10 warmup{flash_note}")
-    header = (f"{'batch':>5} {'prefix':>6} {'tree':>4} {'D':>4} {'ms kernel':>10} {'ms SDPA':>9} "
-              f"{'ratio':>6} {'ms flash':>9} {'ratio':>6} {'max err':>8}  sdpa mode")
+    print("# S: prefix splits used (heuristic unless --splits); ms S=1: the single pass, timed "
+          "where S > 1; ratio: kernel / SDPA, then kernel / flash-attn")
+    header = (f"{'batch':>5} {'prefix':>6} {'tree':>4} {'D':>4} {'S':>3} {'ms kernel':>10} {'ms S=1':>9} "
+              f"{'ms SDPA':>9} {'ratio':>6} {'ms flash':>9} {'ratio':>6} {'max err':>8}  sdpa mode")
     print(header)
     for d in a.head_dim:
         for b in a.batch:

@@ -9,6 +9,7 @@ processes of other tests inherit the environment. If something imported triton b
 the wrapper refuses to interpret and backend="triton" turns that into failures, not passes.
 """
 
+import functools
 import itertools
 import logging
 import os
@@ -18,7 +19,7 @@ import sys
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from conftest import DEVICE  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
 _TRITON_WAS_IMPORTED = "triton" in sys.modules
 _saved_env = os.environ.get("TRITON_INTERPRET")
 
@@ -224,6 +225,139 @@ def test_random_cases_cover_page_boundaries():
 
 
 # ---------------------------------------------------------------------------------------------
+# Split-KV: the prefix cut into S chunks, partial states merged by a second kernel
+# ---------------------------------------------------------------------------------------------
+# A Latin square over GQA group x head dim x forced S (every pair once), block size and dtype
+# alternating: 9 cases instead of 27 keep the interpreter's run short.
+SPLIT_GRID = [
+    (1, 64, 2, 16, torch.float32), (1, 80, 3, 32, torch.bfloat16), (1, 128, 8, 16, torch.float32),
+    (2, 64, 3, 32, torch.float32), (2, 80, 8, 16, torch.float32), (2, 128, 2, 32, torch.bfloat16),
+    (7, 64, 8, 32, torch.bfloat16), (7, 80, 2, 16, torch.float32), (7, 128, 3, 32, torch.float32),
+]
+
+
+def split_case(group, head_dim, block_size, dtype, seed=0):
+    """A ragged batch for the split path: an empty prefix, one shorter than a single key tile (so
+    all but the first split are empty, the last one holding only the tree), one of several
+    chunks; trees of 1 node, of many, and in between. The interpreter's time grows with the q
+    blocks x kv heads: group 7 (2 nodes per fp32 q block) gets smaller trees and one kv head."""
+    rng = random.Random(f"split-{group}-{head_dim}-{block_size}-{seed}")
+    prefixes = [0, rng.randint(1, 20), rng.randint(100, 300)] + [rng.randint(21, 99)] * rng.randint(0, 1)
+    small = group <= 2
+    sizes = [1, 64 if small else 16, rng.randint(2, 20 if small else 8), rng.randint(2, 20 if small else 8)]
+    sizes = sizes[:len(prefixes)]
+    rng.shuffle(sizes)
+    trees = [random_parents(rng.choice(TREE_KINDS), n, rng) for n in sizes]
+    return make_batch(prefixes, trees, hkv=2 if small else 1, group=group, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, seed=seed)[0]
+
+
+@pytest.mark.parametrize("group,head_dim,splits,block_size,dtype", SPLIT_GRID)
+def test_split_kv_parity(group, head_dim, splits, block_size, dtype):
+    batch = split_case(group, head_dim, block_size, dtype)
+    assert 0 in batch["prefix_lens"].tolist()
+    out = tree_attention(**on_device(batch), backend="triton", num_splits=splits).cpu()
+    ref = tree_attention_reference(**batch)
+    assert torch.isfinite(out).all(), "a split read a NaN slot, or the merge divided 0 by 0"
+    # fp32: as tight as the single pass (test_parity_fp32); bf16 as test_parity_half
+    tol = 1e-3 if dtype == torch.float32 else 4e-2
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_head_dim_256(splits):
+    # D = 256 has its own row in the tile table (M = 32, 32-wide key tiles)
+    rng = random.Random(256)
+    trees = [random_parents("bushy", 40, rng), random_parents("chain", 3, rng)]
+    batch, _, _ = make_batch([70, 0], trees, hkv=1, group=2, head_dim=256, block_size=16,
+                             dtype=torch.bfloat16, seed=2)
+    out = tree_attention(**on_device(batch), backend="triton", num_splits=splits).cpu()
+    assert torch.isfinite(out).all()
+    assert (out.float() - tree_attention_reference(**batch).float()).abs().max().item() <= 4e-2
+
+
+def test_split_heuristic():
+    # Issue 15's H100 shapes: 132 SMs, Hkv 8, bf16 key tiles of 64.
+    pick = functools.partial(ta.choose_num_splits, num_kv_heads=8, num_sms=132, block_n=64)
+    # 32 requests x 8 kv heads already fill the SMs: the single pass, no merge launch
+    assert pick(batch=32, num_q_blocks=1, max_prefix_len=8192) == 1
+    assert pick(batch=8, num_q_blocks=4, max_prefix_len=8192) == 1
+    # 1 request: 8 programs on 132 SMs; a long prefix is worth cutting
+    s = pick(batch=1, num_q_blocks=1, max_prefix_len=8192)
+    assert 1 < s <= ta.MAX_SPLITS
+    # ... a short one is not (the merge's launch would cost more than a few key tiles)
+    assert pick(batch=1, num_q_blocks=1, max_prefix_len=512) == 1
+    # tempting wrong answer: S = SMs / programs (16 here) whatever the prefix; chunks of fewer than
+    # MIN_SPLIT_TOKENS tokens are not worth their partial-state store
+    assert pick(batch=1, num_q_blocks=1, max_prefix_len=1024) <= 1024 // ta.MIN_SPLIT_TOKENS
+    # every S it returns shortens the longest chunk (S - 1 splits would do the same work otherwise)
+    for b, nq, p in itertools.product((1, 2, 4, 8), (1, 4), (1024, 2048, 5000, 8192, 32768)):
+        s = pick(batch=b, num_q_blocks=nq, max_prefix_len=p)
+        tiles = -(-p // 64)
+        assert s == 1 or -(-tiles // s) < -(-tiles // (s - 1)), (b, nq, p, s)
+    assert ta.choose_num_splits(1, 8, 1, num_sms=1, max_prefix_len=8192, block_n=64) == 1
+
+
+def test_split_heuristic_in_the_wrapper(monkeypatch):
+    # As on a 132-SM GPU: the wrapper splits on the host-side bound alone (a loose hint leaves most
+    # splits empty, a too-small one only stops the split) and launches the merge only when S > 1.
+    rng = random.Random(13)
+    batch, _, _ = make_batch([100], [random_parents("ouroboros", 5, rng)], hkv=1, group=2,
+                             head_dim=32, block_size=16, seed=13)
+    ref = tree_attention_reference(**batch)
+    chosen, merges = [], []
+    real_choose, real_merge = ta.choose_num_splits, ta.tree_attention_merge_kernel
+
+    class MergeSpy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real_merge[grid]
+
+    def choose_spy(*a, **k):
+        chosen.append(real_choose(*a, **k))
+        return chosen[-1]
+
+    monkeypatch.setattr(ta, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ta, "choose_num_splits", choose_spy)
+    monkeypatch.setattr(ta, "tree_attention_merge_kernel", MergeSpy())
+    args = on_device(batch)
+    assert args["block_table"].shape[1] * 16 < ta.MIN_PREFIX_TO_SPLIT
+    for hint in (4096, 0, None):  # None: the block table's width (8 pages, 128 tokens) bounds it
+        out = tree_attention(**args, backend="triton", max_query_len=5, max_prefix_len=hint).cpu()
+        assert (out - ref).abs().max().item() <= 1e-3, hint
+    assert chosen[0] > 1 and chosen[1:] == [1, 1], chosen
+    assert len(merges) == 1
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graph capture needs a CUDA device")
+def test_split_path_captures_in_a_cuda_graph():
+    # No host-device synchronisation on the split path (capture raises on one); the scratch comes
+    # from the graph's pool.
+    rng = random.Random(12)
+    batch, _, _ = make_batch([3000], [random_parents("ouroboros", 16, rng)], hkv=2, group=4,
+                             head_dim=64, block_size=16, dtype=torch.bfloat16, seed=12)
+    ref = tree_attention_reference(**batch)
+    args = on_device(batch)
+    _, _, splits = ta._launch_plan(torch.bfloat16, 8, 2, 64, 1, 16, 3000, args["q"].device)
+    assert splits > 1, "the heuristic no longer splits this shape: the test checks nothing new"
+    out = torch.empty_like(args["q"])
+
+    def call():
+        tree_attention(**args, out=out, max_query_len=16, max_prefix_len=3000)
+
+    call()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float().cpu() - ref.float()).abs().max().item() <= 4e-2
+
+
+# ---------------------------------------------------------------------------------------------
 # The reference itself, the wrapper's fallback and checks, the bitmask helper
 # ---------------------------------------------------------------------------------------------
 def test_reference_chain_equals_causal_attention():
@@ -272,8 +406,11 @@ def test_torch_path_reads_d_major_keys():
     assert d_major.stride(-1) != 1 and torch.allclose(d_major, k, equal_nan=True)
     out = tree_attention(**{**batch, "k_cache": d_major}, backend="torch")
     assert (out - ref).abs().max().item() <= 1e-4
+    # the kernel refuses them, on the device it runs on (CPU tensors never reach a compiled kernel)
+    dev = on_device(batch)
+    dev["k_cache"] = dev["k_cache"].permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     with pytest.raises(ValueError, match="last"):
-        tree_attention(**{**batch, "k_cache": d_major}, backend="triton")
+        tree_attention(**dev, backend="triton")
 
 
 def test_fallback_to_reference(monkeypatch):
@@ -319,6 +456,8 @@ def test_wrapper_rejects_bad_inputs():
     rng = random.Random(8)
     batch, _, _ = make_batch([5], [random_parents("chain", 3, rng)], hkv=2, group=2, head_dim=32,
                              block_size=16, seed=8)
+    # on the kernel's device: the stride and node-count checks only apply where Triton can run
+    batch = on_device(batch)
     bad = [
         (dict(block_table=batch["block_table"].long()), TypeError, "block_table"),
         (dict(k_cache=batch["k_cache"].half()), TypeError, "k_cache"),
@@ -329,11 +468,14 @@ def test_wrapper_rejects_bad_inputs():
         (dict(k_cache=batch["k_cache"].transpose(1, 3).contiguous().transpose(1, 3)), ValueError,
          "last"),
     ]
+    bad += [(dict(num_splits=s), ValueError, "num_splits") for s in (0, ta.MAX_SPLITS + 1, 2.0, True)]
+    bad += [(dict(max_prefix_len=-1), ValueError, "max_prefix_len")]
     for override, exc, match in bad:
         with pytest.raises(exc, match=match):
             tree_attention(**{**batch, **override}, backend="triton")
-    too_big = dict(q=torch.zeros(65, 4, 32), tree_mask=torch.zeros(65, dtype=torch.long),
-                   query_start=torch.tensor([0, 65], dtype=torch.int32))
+    too_big = dict(q=torch.zeros(65, 4, 32, device=DEVICE),
+                   tree_mask=torch.zeros(65, dtype=torch.long, device=DEVICE),
+                   query_start=torch.tensor([0, 65], dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="at most 64"):
         tree_attention(**{**batch, **too_big}, backend="triton")
 

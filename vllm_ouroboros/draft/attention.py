@@ -181,7 +181,9 @@ def masked_attention(
     B, Q, Hq, D = q.shape
     block_table, prefix_lens, query_start, tree_mask = meta.kernel_inputs
     # [num_slots, max_len, Hkv, D] views: a slot is one page of max_len positions.
+    # kv_len - Q bounds every row's prefix (the whole cache inside a CUDA graph): it sizes the
+    # split-KV grid; a loose bound only leaves the last splits empty.
     out = tree_attention(q.reshape(B * Q, Hq, D), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                          block_table, prefix_lens, query_start, tree_mask, scale,
-                         max_query_len=Q, backend="triton")
+                         max_query_len=Q, max_prefix_len=meta.kv_len - Q, backend="triton")
     return out.view(B, Q, Hq, D)

@@ -36,6 +36,7 @@ class TreeAttentionStep:
     write_local: torch.Tensor  # [W] int64, rows of q_rows to write back
     write_rows: torch.Tensor   # [W] int64, their query rows
     max_rows: int
+    max_prefix: int = 0        # max(prefix_lens), known on the host: sizes the split-KV grid
 
 
 _active: TreeAttentionStep | None = None
@@ -184,6 +185,7 @@ def _tree_rows(impl, query, kv_cache, output, step: TreeAttentionStep) -> None:
     k_cache, v_cache = _LAYOUTS[type(impl).__name__](kv_cache, impl.head_size)
     q = query.view(query.shape[0], impl.num_heads, impl.head_size)[step.q_rows]
     o = tree_attention(q, k_cache, v_cache, step.block_table, step.prefix_lens, step.q_start,
-                       step.bits, impl.scale, max_query_len=step.max_rows)
+                       step.bits, impl.scale, max_query_len=step.max_rows,
+                       max_prefix_len=step.max_prefix)
     out = output.view(output.shape[0], impl.num_heads, -1)
     out[step.write_rows] = o[step.write_local].to(out.dtype)

@@ -112,7 +112,8 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
             q_rows=to_dev(plan.q_rows), q_start=to_dev(plan.q_start),
             prefix_lens=to_dev(plan.prefix_lens), bits=to_dev(plan.bits),
             block_table=bt[to_dev(plan.tree_reqs)], write_local=to_dev(write),
-            write_rows=to_dev(plan.q_rows[write]), max_rows=plan.max_rows))
+            write_rows=to_dev(plan.q_rows[write]), max_rows=plan.max_rows,
+            max_prefix=int(plan.prefix_lens.max(initial=0))))
 
     # The tree of every request (chains included): flat tokens padded per request.
     F = max(int(c.max()), 1)

@@ -1,12 +1,19 @@
-"""Shared fixtures: tiny random models built once per test session (no model hub here)."""
+"""Shared fixtures: tiny random models built once per test session (no model hub here), and
+the device the draft side and the algorithm modules are tested on.
+
+Device: "cuda" when there is one, else "cpu"; OUROBOROS_TEST_DEVICE=cpu|cuda overrides. Tests
+take the `device` fixture; module-level helpers (hand-made tensors) read DEVICE.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -16,6 +23,44 @@ from tiny_models import model_pair  # noqa: E402
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _test_device() -> str:
+    want = os.environ.get("OUROBOROS_TEST_DEVICE")
+    if want is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"OUROBOROS_TEST_DEVICE={want!r}: use cpu or cuda")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("OUROBOROS_TEST_DEVICE=cuda, but torch sees no CUDA device")
+    return want
+
+
+DEVICE = _test_device()
+# The lent GPU machine has no vLLM: tests that start an engine skip there (the algorithm,
+# draft and kernel tests still run).
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_report_header(config):
+    name = f" ({torch.cuda.get_device_name()})" if DEVICE == "cuda" else ""
+    return [f"ouroboros test device: {DEVICE}{name}; vLLM {'installed' if HAVE_VLLM else 'absent'}"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_VLLM:
+        return
+    skip = pytest.mark.skip(reason="starts a vLLM engine; vLLM is not installed here "
+                                   "(e.g. the lent GPU machine)")
+    for item in items:
+        if item.get_closest_marker("engine"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the draft side and the algorithm's tensors live in these tests: "cuda" or "cpu"."""
+    return DEVICE
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +74,6 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def one_thread():
     """One torch thread for a module of tiny-tensor tests: on this busy 2-core machine the
     intra-op pool's wake-ups cost more than the work (up to 10x slower otherwise)."""
-    import torch
-
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

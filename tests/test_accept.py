@@ -12,10 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from vllm_ouroboros.accept import accept_greedy, accept_sampled, select, walk_steps
 from vllm_ouroboros.tree import build_tree
 
-T = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+T = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+
+
+def gen(seed):
+    """A seeded generator on the device accept_sampled draws its uniforms on."""
+    return torch.Generator(DEVICE).manual_seed(seed)
 
 
 def one_tree(draft, suffixes, D=None, L=None):
@@ -182,7 +189,7 @@ def test_sampled_with_one_hot_target_equals_greedy():
         tree, tn, *_ = random_batch(seed)
         probs = torch.nn.functional.one_hot(tn, 3).float()
         g = accept_greedy(tree, tn)
-        s = accept_sampled(tree, probs, torch.Generator().manual_seed(seed))
+        s = accept_sampled(tree, probs, gen(seed))
         for f in ("accepted_nodes", "emitted", "num_emitted", "kv_keep_src", "suffix_index"):
             assert torch.equal(getattr(g, f), getattr(s, f)), f
 
@@ -191,7 +198,7 @@ def test_sampled_duplicate_head_continues_on_the_later_suffix():
     tree = one_tree([5], [[1, 2], [1, 3]])  # nodes 0:5 | 1:1 2:2 | 3:1 4:3
     tn = T([[5, 1, 3, 0, 3, 70]])  # after "5 1" the target says 3: only suffix 1 continues
     probs = torch.nn.functional.one_hot(tn, 80).float()
-    res = accept_sampled(tree, probs, torch.Generator().manual_seed(0))
+    res = accept_sampled(tree, probs, gen(0))
     # Tempting: [5, 1, 3] + stop (walking suffix 0 only after accepting its head 1).
     assert emitted(res) == [5, 1, 3, 70]
     assert res.kv_keep_src[0, :3].tolist() == [0, 3, 4]
@@ -200,10 +207,10 @@ def test_sampled_duplicate_head_continues_on_the_later_suffix():
 def test_sampled_never_emits_zero_probability_tokens():
     B = 4000
     tree = build_tree(T([[1, 2]] * B), T([2] * B), T([[[3, 4], [3, 4]]] * B), T([[2, 2]] * B))
-    probs = torch.zeros(B, tree.N + 1, 6)
+    probs = torch.zeros(B, tree.N + 1, 6, device=DEVICE)
     probs[:, :, 0] = 0.5
     probs[:, :, 1] = 0.5  # only 0 and 1 possible anywhere (top-k style): 2, 3, 4 always rejected
-    res = accept_sampled(tree, probs, torch.Generator().manual_seed(0))
+    res = accept_sampled(tree, probs, gen(0))
     e = res.emitted
     assert ((e == -1) | (e == 0) | (e == 1)).all()
     assert (res.num_accepted <= 1).all()  # only the draft's 1 can be accepted
@@ -214,26 +221,25 @@ def test_sampled_placeholder_token_ids_are_rejected_not_indexed():
     # outside the vocabulary is a child no distribution can accept (tempting: gather at -1,
     # which raises, or wraps to the last token id and may accept it).
     tree = one_tree([5, -1, 7], [[1, 2]])
-    probs = torch.full((1, tree.N + 1, 8), 1 / 8)
+    probs = torch.full((1, tree.N + 1, 8), 1 / 8, device=DEVICE)
     probs[0, 1, 7] = 10.0  # after node 0 the last id is likely: a wrapped -1 would be accepted
     for seed in range(20):
-        res = accept_sampled(tree, probs, torch.Generator().manual_seed(seed))
+        res = accept_sampled(tree, probs, gen(seed))
         e = emitted(res)
         assert res.num_accepted.tolist()[0] <= 1 and -1 not in e and all(0 <= t < 8 for t in e)
 
 
 def test_edge_shapes_no_suffixes_and_empty_tree():
     # K = 0: a plain chain, as vLLM's own rejection sampler would see it.
-    tree = build_tree(T([[4, 5, 6], [4, 5, 0]]), T([3, 2]), torch.zeros(2, 0, 2, dtype=torch.long),
-                      torch.zeros(2, 0, dtype=torch.long))
+    empty = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=DEVICE)  # noqa: E731
+    tree = build_tree(T([[4, 5, 6], [4, 5, 0]]), T([3, 2]), empty(2, 0, 2), empty(2, 0))
     tn = T([[4, 5, 6, 9], [4, 1, 0, 0]])
     g = accept_greedy(tree, tn)
     assert emitted(g, 0) == [4, 5, 6, 9] and emitted(g, 1) == [4, 1]
-    s = accept_sampled(tree, torch.nn.functional.one_hot(tn, 10).float(), torch.Generator().manual_seed(0))
+    s = accept_sampled(tree, torch.nn.functional.one_hot(tn, 10).float(), gen(0))
     assert torch.equal(s.emitted, g.emitted) and torch.equal(s.kv_keep_src, g.kv_keep_src)
     # N = 0 (no draft, no suffix): just the target's token after the root.
-    tree = build_tree(torch.zeros(1, 0, dtype=torch.long), T([0]), torch.zeros(1, 0, 2, dtype=torch.long),
-                      torch.zeros(1, 0, dtype=torch.long))
+    tree = build_tree(empty(1, 0), T([0]), empty(1, 0, 2), empty(1, 0))
     assert emitted(accept_greedy(tree, T([[7]]))) == [7]
     s = accept_sampled(tree, torch.nn.functional.one_hot(T([[7]]), 10).float())
     assert emitted(s) == [7]
@@ -392,7 +398,7 @@ def run_production(configs, seed):
         n.append(len(dr))
         s.append([x + [0] * (L - len(x)) for x in sf])
         sl.append([len(x) for x in sf])
-    w = torch.from_numpy(which)
+    w = torch.from_numpy(which).to(DEVICE)
     tree = build_tree(T(d)[w], T(n)[w], T(s)[w], T(sl)[w])
     # probs per config: row 0 = p(. | root), row 1 + i = p(. | path to node i).
     rows = []
@@ -406,8 +412,8 @@ def run_production(configs, seed):
                 j = par[j]
             r.append(p_of(path[::-1]) if i < int(tree.num_nodes[ci]) else np.zeros(V))
         rows.append(r)
-    probs = torch.tensor(np.array(rows), dtype=torch.float32)[w]
-    res = accept_sampled(tree, probs, torch.Generator().manual_seed(seed))
+    probs = torch.tensor(np.array(rows), dtype=torch.float32, device=DEVICE)[w]
+    res = accept_sampled(tree, probs, gen(seed))
     return res, which
 
 
@@ -415,7 +421,7 @@ def test_sampling_is_lossless_chi_square():
     pa, pb = make_target(BOOST_A, 1), make_target(BOOST_B, 2)
     configs = [(TREE_A, pa), (TREE_B, pb)]
     res, which = run_production(configs, seed=1234)
-    seqs, lens = res.emitted.numpy(), res.num_emitted.numpy()
+    seqs, lens = res.emitted.cpu().numpy(), res.num_emitted.cpu().numpy()
     for ci, (cfg, p_of) in enumerate(configs):
         rows = which == ci
         assert not ends_at_tree_context(seqs[rows], lens[rows], tree_contexts(**cfg)).any()
@@ -430,7 +436,7 @@ def test_sampled_accepted_tokens_lie_on_reported_nodes():
     pa, pb = make_target(BOOST_A, 1), make_target(BOOST_B, 2)
     res, which = run_production([(TREE_A, pa), (TREE_B, pb)], seed=7)
     tree_tokens = {0: one_tree(**TREE_A), 1: one_tree(**TREE_B, D=2, L=3)}
-    src, na = res.kv_keep_src.numpy(), res.num_accepted.numpy()
+    src, na = res.kv_keep_src.cpu().numpy(), res.num_accepted.cpu().numpy()
     for b in range(0, len(which), 2501):
         t = tree_tokens[int(which[b])]
         nodes = src[b, :na[b]].tolist()
@@ -440,9 +446,9 @@ def test_sampled_accepted_tokens_lie_on_reported_nodes():
 
 def test_uniforms_argument_reproduces_generator_draws():
     tree = one_tree(**TREE_A)
-    probs = torch.rand(1, tree.N + 1, V)
-    u = torch.rand(1, walk_steps(tree), tree.K + 1, generator=torch.Generator().manual_seed(3))
-    a = accept_sampled(tree, probs, torch.Generator().manual_seed(3))
+    probs = torch.rand(1, tree.N + 1, V, device=DEVICE)
+    u = torch.rand(1, walk_steps(tree), tree.K + 1, generator=gen(3), device=DEVICE)
+    a = accept_sampled(tree, probs, gen(3))
     b = accept_sampled(tree, probs, uniforms=u)
     assert torch.equal(a.emitted, b.emitted)
 

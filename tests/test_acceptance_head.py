@@ -6,6 +6,7 @@ full causal forwards, and the head applied to the hidden state that produced eac
 adaptive draft must be exactly its prefix up to where 1 - prod(P(accept)) first exceeds h.
 """
 
+import copy
 import json
 
 import numpy as np
@@ -23,6 +24,7 @@ from vllm_ouroboros.draft.acceptance_head import (
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
 
+from conftest import DEVICE
 from tiny_models import acceptance_head
 
 BETA, W, G = 4, 4, 4
@@ -124,13 +126,16 @@ def expected_len(probs, h, cap):
 
 
 def make_runtime(draft_path, head, h, adaptive=True, **kw):
-    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device="cpu")
+    """Model, pool, runtime and a copy of the head on the test device (the references above
+    stay on the host)."""
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=DEVICE)
     V = model.vocab_size
-    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), shared=True)
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), device=DEVICE, shared=True)
     settings = DraftSettings(gamma=4, beta=BETA, window_size=W, num_guesses=G, num_suffixes=1,
                              draft_length="adaptive" if adaptive else "fixed",
                              acceptance_threshold=h, max_draft_length=CAP, **kw)
-    return DraftRuntime(model, pool, settings, 4, 512, "cpu", head=head), pool
+    head = copy.deepcopy(head).to(DEVICE) if head is not None else None
+    return DraftRuntime(model, pool, settings, 4, 512, DEVICE, head=head), pool
 
 
 def run(rt, slots, contexts):

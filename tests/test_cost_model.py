@@ -117,8 +117,8 @@ def test_rows_to_speculate_maximises_the_modeled_rate():
             assert rate(chosen) >= rate(flip) - 1e-9, (E, chosen, i)
 
 
-def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread):
-    model = DraftModel.from_pretrained(str(tiny_models["draft"]), dtype=torch.float32, device="cpu")
+def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread, device):
+    model = DraftModel.from_pretrained(str(tiny_models["draft"]), dtype=torch.float32, device=device)
     model.allocate_cache(1, 40)
     c = cost_model.measure_draft_curve(model, 40)
     assert c.n[0] == 1 and c.n[-1] <= 32 and all(b == 2 * a for a, b in zip(c.n, c.n[1:]))

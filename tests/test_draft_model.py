@@ -1,4 +1,8 @@
-"""DraftModel vs Hugging Face transformers (float32, eager attention) on tiny random models."""
+"""DraftModel vs Hugging Face transformers (float32, eager attention) on tiny random models.
+
+The DraftModel runs on the test device (conftest.device); the HF reference runs on the host.
+Tests build their inputs on the host and drive the model through `_fwd` / `_greedy`.
+"""
 
 import json
 
@@ -57,10 +61,19 @@ def pair(request, tmp_path_factory):
     return hf, str(path)
 
 
-def _load(path, num_slots=4, max_len=64) -> DraftModel:
-    m = DraftModel.from_pretrained(path, dtype=torch.float32, device="cpu")
+def _load(path, device, num_slots=4, max_len=64) -> DraftModel:
+    m = DraftModel.from_pretrained(path, dtype=torch.float32, device=device)
     m.allocate_cache(num_slots, max_len)
     return m
+
+
+def _fwd(m, *inputs, **kw) -> torch.Tensor:
+    """m.forward on host inputs, moved to the model's device; hidden states back on the host."""
+    return m(*(x.to(m.device) for x in inputs), **kw).cpu()
+
+
+def _greedy(m, hidden) -> torch.Tensor:
+    return m.greedy_tokens(hidden.to(m.device)).cpu()
 
 
 @torch.no_grad()
@@ -73,18 +86,18 @@ def _causal(B, Q):
     return torch.ones(Q, Q, dtype=torch.bool).tril().expand(B, Q, Q)
 
 
-def test_config_and_loading(pair):
+def test_config_and_loading(pair, device):
     hf, path = pair
-    m = _load(path)
+    m = _load(path, device)
     assert (m.vocab_size, m.num_layers, m.num_kv_heads, m.head_dim, m.hidden_size) == (VOCAB, 2, 2, 32, 64)
     assert m.k_cache.shape == (2, 4, 2, 64, 32)
     assert (m.lm_head is None) == hf.config.tie_word_embeddings
     assert all(not p.requires_grad for p in m.parameters())
 
 
-def test_ragged_prefill_then_decode_matches_hf_greedy(pair):
+def test_ragged_prefill_then_decode_matches_hf_greedy(pair, device):
     hf, path = pair
-    m = _load(path)
+    m = _load(path, device)
     g = torch.Generator().manual_seed(3)
     lens = [5, 9, 3]
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
@@ -94,10 +107,10 @@ def test_ragged_prefill_then_decode_matches_hf_greedy(pair):
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
     positions = torch.arange(Q).expand(B, Q)
-    h = m(ids, positions, slots, torch.zeros(B, dtype=torch.long), _causal(B, Q))
+    h = _fwd(m, ids, positions, slots, torch.zeros(B, dtype=torch.long), _causal(B, Q))
     for b, p in enumerate(prompts):
         torch.testing.assert_close(h[b, :len(p)], _hf_hidden(hf, p), atol=ATOL, rtol=0)
-    lg = m.logits(h)
+    lg = m.logits(h.to(device)).cpu()
     assert lg.dtype == torch.float32 and lg.shape == (B, Q, VOCAB)
     with torch.no_grad():
         hf_lg = hf(input_ids=prompts[1][None]).logits[0]
@@ -106,19 +119,19 @@ def test_ragged_prefill_then_decode_matches_hf_greedy(pair):
     # Incremental decode, committing exactly the real tokens (padding scratch is simply overwritten).
     cache_lens = torch.tensor(lens)
     last = h[torch.arange(B), cache_lens - 1]  # [B, H]
-    tok = m.greedy_tokens(last)  # [B]
+    tok = _greedy(m, last)  # [B]
     generated = [[] for _ in range(B)]
     steps = 6
     for _ in range(steps):
         for b in range(B):
             generated[b].append(int(tok[b]))
-        h = m(tok[:, None], cache_lens[:, None], slots, cache_lens, _causal(B, 1),
-              max_cache_len=int(cache_lens.max()))
+        h = _fwd(m, tok[:, None], cache_lens[:, None], slots, cache_lens, _causal(B, 1),
+                 max_cache_len=int(cache_lens.max()))
         for b in range(B):
             ref = _hf_hidden(hf, torch.cat([prompts[b], torch.tensor(generated[b])]))[-1]
             torch.testing.assert_close(h[b, 0], ref, atol=ATOL, rtol=0)
         cache_lens = cache_lens + 1
-        tok = m.greedy_tokens(h[:, 0])
+        tok = _greedy(m, h[:, 0])
     for b in range(B):
         generated[b].append(int(tok[b]))
         out = hf.generate(prompts[b][None], max_new_tokens=steps + 1, do_sample=False,
@@ -126,20 +139,20 @@ def test_ragged_prefill_then_decode_matches_hf_greedy(pair):
         assert out[0, lens[b]:].tolist() == generated[b]
 
 
-def test_chunked_prefill_mixed_with_decode(pair):
+def test_chunked_prefill_mixed_with_decode(pair, device):
     """Ragged Q within one forward: row 0 continues its prompt (3 tokens), row 1 decodes 1 token (padded)."""
     hf, path = pair
-    m = _load(path)
+    m = _load(path, device)
     g = torch.Generator().manual_seed(4)
     seq0, seq1 = torch.randint(0, VOCAB, (7,), generator=g), torch.randint(0, VOCAB, (5,), generator=g)
     slots = torch.tensor([1, 3])
     # step 1: row 0 prefills 4 tokens, row 1 prefills 4 tokens
-    m(torch.stack([seq0[:4], seq1[:4]]), torch.arange(4).expand(2, 4), slots,
-      torch.zeros(2, dtype=torch.long), _causal(2, 4))
+    _fwd(m, torch.stack([seq0[:4], seq1[:4]]), torch.arange(4).expand(2, 4), slots,
+         torch.zeros(2, dtype=torch.long), _causal(2, 4))
     # step 2: row 0 gets seq0[4:7] at positions 4..6; row 1 gets seq1[4] + 2 pads
     ids = torch.stack([seq0[4:7], torch.tensor([int(seq1[4]), 0, 0])])
     pos = torch.tensor([[4, 5, 6], [4, 5, 6]])
-    h = m(ids, pos, slots, torch.tensor([4, 4]), _causal(2, 3))
+    h = _fwd(m, ids, pos, slots, torch.tensor([4, 4]), _causal(2, 3))
     torch.testing.assert_close(h[0], _hf_hidden(hf, seq0)[4:7], atol=ATOL, rtol=0)
     torch.testing.assert_close(h[1, 0], _hf_hidden(hf, seq1)[4], atol=ATOL, rtol=0)
 
@@ -169,18 +182,18 @@ def _prefill_prefixes(m, prefix, slots):
     ids = torch.zeros(len(prefix), Q, dtype=torch.long)
     for b, p in enumerate(prefix):
         ids[b, :len(p)] = p
-    m(ids, torch.arange(Q).expand(len(prefix), Q), slots, torch.zeros(len(prefix), dtype=torch.long),
-      _causal(len(prefix), Q))
+    _fwd(m, ids, torch.arange(Q).expand(len(prefix), Q), slots,
+         torch.zeros(len(prefix), dtype=torch.long), _causal(len(prefix), Q))
     return torch.tensor([len(p) for p in prefix])
 
 
-def test_tree_mask_matches_hf_branches(pair):
+def test_tree_mask_matches_hf_branches(pair, device):
     hf, path = pair
-    m = _load(path)
+    m = _load(path, device)
     prefix, (A, Bb, C), ids, pos, mask = _tree_inputs()
     slots = torch.tensor([3, 1])
     cache_lens = _prefill_prefixes(m, prefix, slots)
-    h = m(ids, pos, slots, cache_lens, mask)
+    h = _fwd(m, ids, pos, slots, cache_lens, mask)
     ref_a = _hf_hidden(hf, torch.cat([prefix[0], A]))[6:]
     ref_b = _hf_hidden(hf, torch.cat([prefix[0], Bb]))[6:]
     ref_c = _hf_hidden(hf, torch.cat([prefix[1], C]))[4:]
@@ -188,38 +201,39 @@ def test_tree_mask_matches_hf_branches(pair):
     torch.testing.assert_close(h[0, [1, 3]], ref_b, atol=ATOL, rtol=0)
     torch.testing.assert_close(h[1], ref_c, atol=ATOL, rtol=0)
     # greedy over a [B, Q] block equals per-token argmax of the logits
+    h = h.to(device)
     assert torch.equal(m.greedy_tokens(h), m.logits(h).argmax(-1))
 
 
-def test_rollback_and_partial_commit(pair):
+def test_rollback_and_partial_commit(pair, device):
     """Scratch K/V are invisible until committed by advancing cache_lens; committing a prefix of them works."""
     hf, path = pair
-    m = _load(path)
+    m = _load(path, device)
     prefix, (A, Bb, C), ids, pos, mask = _tree_inputs()
     slots = torch.tensor([3, 1])
     cache_lens = _prefill_prefixes(m, prefix, slots)
     x = torch.tensor([[7], [11]])
-    fresh = m(x, cache_lens[:, None], slots, cache_lens, _causal(2, 1))  # before any scratch
-    m(ids, pos, slots, cache_lens, mask)  # scratch: tree tokens written after each prefix
-    again = m(x, cache_lens[:, None], slots, cache_lens, _causal(2, 1))  # rolled back: old cache_lens
+    fresh = _fwd(m, x, cache_lens[:, None], slots, cache_lens, _causal(2, 1))  # before any scratch
+    _fwd(m, ids, pos, slots, cache_lens, mask)  # scratch: tree tokens written after each prefix
+    again = _fwd(m, x, cache_lens[:, None], slots, cache_lens, _causal(2, 1))  # rolled back: old cache_lens
     torch.testing.assert_close(again, fresh, atol=0, rtol=0)
     torch.testing.assert_close(again[0, 0], _hf_hidden(hf, torch.cat([prefix[0], x[0]]))[-1],
                                atol=ATOL, rtol=0)
 
     # Commit row 0's a0 (cache index 6) and row 1's C[0:3] (indices 4..6), then continue.
-    m(ids, pos, slots, cache_lens, mask)
+    _fwd(m, ids, pos, slots, cache_lens, mask)
     committed = cache_lens + torch.tensor([1, 3])
     y = torch.tensor([[5], [9]])
-    h = m(y, committed[:, None], slots, committed, _causal(2, 1))
+    h = _fwd(m, y, committed[:, None], slots, committed, _causal(2, 1))
     torch.testing.assert_close(h[0, 0], _hf_hidden(hf, torch.cat([prefix[0], A[:1], y[0]]))[-1],
                                atol=ATOL, rtol=0)
     torch.testing.assert_close(h[1, 0], _hf_hidden(hf, torch.cat([prefix[1], C[:3], y[1]]))[-1],
                                atol=ATOL, rtol=0)
 
 
-def test_ensure_capacity_preserves_cache(pair):
+def test_ensure_capacity_preserves_cache(pair, device):
     hf, path = pair
-    m = _load(path, num_slots=2, max_len=12)
+    m = _load(path, device, num_slots=2, max_len=12)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, VOCAB, (8,), generator=g), torch.randint(0, VOCAB, (6,), generator=g)]
     slots = torch.tensor([1, 0])
@@ -233,43 +247,44 @@ def test_ensure_capacity_preserves_cache(pair):
     assert torch.equal(m.k_cache[:, :2, :, :12], old_k) and torch.equal(m.v_cache[:, :2, :, :12], old_v)
     # continue both rows with 20 tokens each (past the old max_len), plus a new slot 4 from scratch
     ext = torch.randint(0, VOCAB, (2, 20), generator=g)
-    h = m(ext, cache_lens[:, None] + torch.arange(20), slots, cache_lens, _causal(2, 20))
+    h = _fwd(m, ext, cache_lens[:, None] + torch.arange(20), slots, cache_lens, _causal(2, 20))
     for b in range(2):
         torch.testing.assert_close(h[b], _hf_hidden(hf, torch.cat([prompts[b], ext[b]]))[-20:],
                                    atol=ATOL, rtol=0)
-    h4 = m(ext[:1], torch.arange(20)[None], torch.tensor([4]), torch.tensor([0]), _causal(1, 20))
+    h4 = _fwd(m, ext[:1], torch.arange(20)[None], torch.tensor([4]), torch.tensor([0]), _causal(1, 20))
     torch.testing.assert_close(h4[0], _hf_hidden(hf, ext[0]), atol=ATOL, rtol=0)
 
 
-def test_greedy_tokens_chunked(pair):
+def test_greedy_tokens_chunked(pair, device):
     _, path = pair
-    m = _load(path)
-    hidden = torch.randn(3, 7, m.hidden_size)
+    m = _load(path, device)
+    hidden = torch.randn(3, 7, m.hidden_size, device=device)
     m.logits_chunk_elems = VOCAB * 4  # 4 rows per chunk: 21 rows -> 6 chunks, last one partial
     assert torch.equal(m.greedy_tokens(hidden), m.logits(hidden).argmax(-1))
 
 
-def test_dense_mask_layout():
+def test_dense_mask_layout(device):
     """Prefix columns visible, new tokens at cache_lens[b] + j' per new_mask, nothing past them."""
-    new_mask = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool)
-    meta = build_attention_metadata(torch.tensor([0, 1]), torch.tensor([3, 1]), new_mask)
+    new_mask = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool, device=device)
+    meta = build_attention_metadata(torch.tensor([0, 1], device=device),
+                                    torch.tensor([3, 1], device=device), new_mask)
     assert meta.kv_len == 5
     expect = torch.tensor([
         [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],  # row 0: prefix 0..2, new tokens at 3, 4
         [[1, 1, 0, 0, 0], [1, 0, 1, 0, 0]],  # row 1: prefix 0, new tokens at 1, 2 (no causal link)
     ], dtype=torch.bool)
-    assert torch.equal(meta.dense_mask[:, 0], expect)
+    assert torch.equal(meta.dense_mask[:, 0].cpu(), expect)
 
 
-def test_llama3_rope_scaling_and_sharded_checkpoint(tmp_path):
+def test_llama3_rope_scaling_and_sharded_checkpoint(tmp_path, device):
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     hf = _make_hf("llama", tie=True, rope_parameters=rope)
     hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    m = _load(str(tmp_path))
+    m = _load(str(tmp_path), device)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(7))
-    h = m(ids, torch.arange(100, 140)[None], torch.tensor([0]), torch.tensor([0]), _causal(1, 40))
+    h = _fwd(m, ids, torch.arange(100, 140)[None], torch.tensor([0]), torch.tensor([0]), _causal(1, 40))
     with torch.no_grad():
         ref = hf.model(input_ids=ids, position_ids=torch.arange(100, 140)[None]).last_hidden_state
     torch.testing.assert_close(h, ref, atol=ATOL, rtol=0)
@@ -302,7 +317,7 @@ def test_onednn_gemm_matches_f_linear(pair, min_rows):
     proposer installs it) give the F.linear forward's hidden states and logits (float32)."""
     _, path = pair
     factory = _onednn_factory(min_rows)
-    ref, m = _load(path), _load(path)
+    ref, m = _load(path, "cpu"), _load(path, "cpu")  # vLLM's CPU GEMM: on the host everywhere
     m.use_gemm(factory)
     g = torch.Generator().manual_seed(3)
     for B, Q in ((1, 1), (2, 3), (3, 6)):  # 1, 6 and 18 rows: both sides of min_rows
@@ -340,10 +355,10 @@ def test_onednn_factory_for_bfloat16_works_or_declines(pair, caplog):
                                atol=0.1, rtol=0.02)
 
 
-def test_use_gemm_routes_every_product(pair):
+def test_use_gemm_routes_every_product(pair, device):
     """Every projection of every layer and the LM head go through the installed factory's product."""
     _, path = pair
-    m = _load(path)
+    m = _load(path, device)
     calls = []
 
     def factory(weight):
@@ -354,7 +369,7 @@ def test_use_gemm_routes_every_product(pair):
 
     m.use_gemm(factory)
     ids = torch.tensor([[1, 2, 3]])
-    m.greedy_tokens(m.forward(ids, torch.arange(3)[None], torch.zeros(1, dtype=torch.long),
-                              torch.zeros(1, dtype=torch.long), _causal(1, 3)))
+    _greedy(m, _fwd(m, ids, torch.arange(3)[None], torch.zeros(1, dtype=torch.long),
+                    torch.zeros(1, dtype=torch.long), _causal(1, 3)))
     assert len(calls) == 4 * m.num_layers + 1
     assert calls[-1] == tuple(m.lm_head_weight.shape)

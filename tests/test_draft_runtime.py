@@ -58,14 +58,14 @@ def greedy(draft_path):
     return run
 
 
-def make_runtime(draft_path, num_slots, shared=True, **kw):
-    """A fresh draft model (its own KV cache), pool and runtime."""
-    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device="cpu")
+def make_runtime(draft_path, device, num_slots, shared=True, **kw):
+    """A fresh draft model (its own KV cache), pool and runtime, all on `device`."""
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
     V = model.vocab_size
-    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), shared=shared)
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), device=device, shared=shared)
     settings = DraftSettings(**{**dict(gamma=GAMMA, beta=BETA, window_size=W, num_guesses=G,
                                        num_suffixes=K), **kw})
-    return DraftRuntime(model, pool, settings, num_slots, MAX_LEN, "cpu"), pool
+    return DraftRuntime(model, pool, settings, num_slots, MAX_LEN, device), pool
 
 
 def table(contexts, order, width=None, fill=-7):
@@ -126,8 +126,8 @@ def check_round(out, drafts, contexts, greedy, rt=None, slots=None):
             assert rt.cached[s, :kv].tolist() == seq[:kv]
         # Candidate suffixes: the pool's K best phrases for the draft's last token.
         phr, valid = rt.pool.lookup(torch.tensor([d[-1] for d in drafts]), torch.tensor(slots), K)
-        assert (out.suffix_valid == valid.numpy()).all()
-        assert (out.suffixes == phr.numpy()).all()
+        assert (out.suffix_valid == valid.cpu().numpy()).all()
+        assert (out.suffixes == phr.cpu().numpy()).all()
     assert (out.draft_lens >= GAMMA).all() and (out.draft_lens < GAMMA + BETA).all()
     for b in range(B):
         assert drafts[b] == greedy(contexts[b], len(drafts[b])), (b, len(contexts[b]))
@@ -147,9 +147,9 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_drafts_are_the_draft_models_greedy_continuation(config, draft_path, greedy):
+def test_drafts_are_the_draft_models_greedy_continuation(config, draft_path, greedy, device):
     rng = np.random.default_rng(sorted(CONFIGS).index(config))
-    rt, pool = make_runtime(draft_path, num_slots=2, **CONFIGS[config])  # grows to 8 slots
+    rt, pool = make_runtime(draft_path, device, num_slots=2, **CONFIGS[config])  # grows to 8 slots
     V = rt.model.vocab_size
     slots = [4, 0, 7, 2, 5]
     contexts = [rng.integers(2, V, n).tolist() for n in CONTEXT_LENS]
@@ -171,10 +171,10 @@ def test_drafts_are_the_draft_models_greedy_continuation(config, draft_path, gre
     assert (guessed > 0) == (rt.G > 0)
 
 
-def test_one_forward_yields_beta_tokens_from_a_right_phrase(draft_path, greedy):
+def test_one_forward_yields_beta_tokens_from_a_right_phrase(draft_path, greedy, device):
     """With the draft's own continuation in the pool, one forward drafts beta tokens."""
     rng = np.random.default_rng(10)
-    rt, pool = make_runtime(draft_path, num_slots=3, gamma=BETA, use_lookahead=False)
+    rt, pool = make_runtime(draft_path, device, num_slots=3, gamma=BETA, use_lookahead=False)
     V = rt.model.vocab_size
     contexts = [rng.integers(2, V, n).tolist() for n in (6, 40, 11)]
     for s in (0, 1):  # rows 0, 1 get their continuation as a phrase; row 2 gets nothing
@@ -193,11 +193,11 @@ def test_one_forward_yields_beta_tokens_from_a_right_phrase(draft_path, greedy):
     assert out.forwards == out.row_forwards[2]
 
 
-def test_guesses_save_forwards_on_a_repetitive_context(draft_path, greedy):
+def test_guesses_save_forwards_on_a_repetitive_context(draft_path, greedy, device):
     """The target agrees with the draft: the Jacobi window and the pool then find phrases the
     draft confirms, so over the rounds it drafts more tokens than it runs forwards."""
     rng = np.random.default_rng(11)
-    rt, pool = make_runtime(draft_path, num_slots=1)
+    rt, pool = make_runtime(draft_path, device, num_slots=1)
     V = rt.model.vocab_size
     ctx = (rng.integers(2, V, 4).tolist() * 6)[:21]
     tokens = forwards = guessed = 0
@@ -213,12 +213,12 @@ def test_guesses_save_forwards_on_a_repetitive_context(draft_path, greedy):
     assert forwards < tokens
 
 
-def test_batching_shares_forwards(draft_path, greedy):
+def test_batching_shares_forwards(draft_path, greedy, device):
     """8 requests with the same contexts as 1 request: the same drafts with the same number of
     batched forwards per round (not 8 times as many, not more than the 1-request run)."""
     rng = np.random.default_rng(12)
-    solo, _ = make_runtime(draft_path, num_slots=1)
-    batch, _ = make_runtime(draft_path, num_slots=8)
+    solo, _ = make_runtime(draft_path, device, num_slots=1)
+    batch, _ = make_runtime(draft_path, device, num_slots=8)
     V = solo.model.vocab_size
     ctx = rng.integers(2, V, 30).tolist()
     slots = [3, 0, 6, 1, 7, 2, 5, 4]
@@ -233,11 +233,11 @@ def test_batching_shares_forwards(draft_path, greedy):
         ctx = simulate_target(ctx, d1[0], rng, greedy, V)
 
 
-def test_ragged_batch_forwards_follow_the_slowest_row(draft_path, greedy):
+def test_ragged_batch_forwards_follow_the_slowest_row(draft_path, greedy, device):
     """Without guesses each forward gives exactly one token per row: gamma forwards per round
     whatever the batch size and context lengths."""
     rng = np.random.default_rng(13)
-    rt, _ = make_runtime(draft_path, num_slots=8, use_guesses=False)
+    rt, _ = make_runtime(draft_path, device, num_slots=8, use_guesses=False)
     V = rt.model.vocab_size
     contexts = [rng.integers(2, V, n).tolist() for n in (1, 2, 5, 13, 20, 33, 60, 7)]
     for _ in range(3):
@@ -248,9 +248,9 @@ def test_ragged_batch_forwards_follow_the_slowest_row(draft_path, greedy):
         contexts = [simulate_target(c, d, rng, greedy, V) for c, d in zip(contexts, drafts)]
 
 
-def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy):
+def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, device):
     rng = np.random.default_rng(14)
-    rt, _ = make_runtime(draft_path, num_slots=2)
+    rt, _ = make_runtime(draft_path, device, num_slots=2)
     V = rt.model.vocab_size
     old, other = rng.integers(2, V, 50).tolist(), rng.integers(2, V, 8).tolist()
     for _ in range(3):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from vllm_ouroboros.accept import accept_greedy
@@ -9,25 +11,26 @@ from vllm_ouroboros.kv_relocate import move_kv, relocation_slots
 from vllm_ouroboros.tree import build_tree
 
 
-def test_accepted_suffix_is_moved_behind_the_draft():
+def test_accepted_suffix_is_moved_behind_the_draft(device):
+    T = partial(torch.tensor, device=device)
     # Request 0: draft [5, 6], suffixes [[7, 8], [9, 10], [11, 12]]; the target follows suffix 2.
     # Request 1: a chain that is fully accepted: nothing moves.
-    draft = torch.tensor([[5, 6], [1, 2]])
-    sfx = torch.tensor([[[7, 8], [9, 10], [11, 12]], [[3, 4], [0, 0], [0, 0]]])
-    slen = torch.tensor([[2, 2, 2], [2, 0, 0]])
-    tree = build_tree(draft, torch.tensor([2, 2]), sfx, slen)
-    tn = torch.full((2, tree.N + 1), 99)
-    tn[0, :3] = torch.tensor([5, 6, 11])   # after root, d0, d1
-    tn[0, 1 + 6] = 12                       # after node 6 (suffix 2 head = 11)
-    tn[1, :5] = torch.tensor([1, 2, 3, 4, 50])
+    draft = T([[5, 6], [1, 2]])
+    sfx = T([[[7, 8], [9, 10], [11, 12]], [[3, 4], [0, 0], [0, 0]]])
+    slen = T([[2, 2, 2], [2, 0, 0]])
+    tree = build_tree(draft, T([2, 2]), sfx, slen)
+    tn = torch.full((2, tree.N + 1), 99, device=device)
+    tn[0, :3] = T([5, 6, 11])  # after root, d0, d1
+    tn[0, 1 + 6] = 12  # after node 6 (suffix 2 head = 11)
+    tn[1, :5] = T([1, 2, 3, 4, 50])
     res = accept_greedy(tree, tn)
     assert res.num_accepted.tolist() == [4, 4] and res.suffix_index.tolist() == [2, 0]
 
     bs, H, D = 4, 2, 3
-    root_rows = torch.tensor([0, 9])        # request 1's rows start at 9
-    slot_mapping = torch.arange(20) + 3     # row r -> slot r + 3 (crosses blocks)
-    k = torch.randn(8, bs, H, D)
-    v = torch.randn(8, bs, H, D)
+    root_rows = T([0, 9])  # request 1's rows start at 9
+    slot_mapping = torch.arange(20, device=device) + 3  # row r -> slot r + 3 (crosses blocks)
+    k = torch.randn(8, bs, H, D, device=device)
+    v = torch.randn(8, bs, H, D, device=device)
     k0, v0 = k.clone(), v.clone()
     src, dst = relocation_slots(res, root_rows, slot_mapping)
     # Request 0: nodes 6, 7 (rows 7, 8) -> accepted positions 2, 3 (rows 3, 4).
@@ -42,19 +45,20 @@ def test_accepted_suffix_is_moved_behind_the_draft():
             assert torch.equal(k[slot // bs, slot % bs], k0[slot // bs, slot % bs])
 
 
-def test_overlapping_moves_read_before_write():
+def test_overlapping_moves_read_before_write(device):
+    T = partial(torch.tensor, device=device)
     # Suffix 0 has 1 token, suffix 1 three: its rows 3..5 move to rows 2..4 (overlapping).
-    draft = torch.tensor([[5]])
-    sfx = torch.tensor([[[7, 0, 0], [10, 11, 12]]])
-    tree = build_tree(draft, torch.tensor([1]), sfx, torch.tensor([[1, 3]]))
-    tn = torch.full((1, tree.N + 1), 99)
+    draft = T([[5]])
+    sfx = T([[[7, 0, 0], [10, 11, 12]]])
+    tree = build_tree(draft, T([1]), sfx, T([[1, 3]]))
+    tn = torch.full((1, tree.N + 1), 99, device=device)
     tn[0, 0], tn[0, 1] = 5, 10
     tn[0, 1 + 2], tn[0, 1 + 3], tn[0, 1 + 4] = 11, 12, 13
     res = accept_greedy(tree, tn)
     assert res.num_accepted.tolist() == [4] and res.suffix_index.tolist() == [1]
-    src, dst = relocation_slots(res, torch.tensor([0]), torch.arange(16))
+    src, dst = relocation_slots(res, T([0]), torch.arange(16, device=device))
     assert src.tolist() == [3, 4, 5] and dst.tolist() == [2, 3, 4]
-    k = torch.arange(16.).view(4, 4, 1, 1).clone()
+    k = torch.arange(16., device=device).view(4, 4, 1, 1).clone()
     v = k.clone() + 100
     move_kv([(k, v)], src, dst)
     assert k.flatten()[2:5].tolist() == [3., 4., 5.] and v.flatten()[2:5].tolist() == [103., 104., 105.]

@@ -3,9 +3,14 @@
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
 
-T = torch.tensor
+
+def T(x):
+    return torch.tensor(x, device=DEVICE)
+
 
 
 # Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
@@ -38,7 +43,7 @@ OFFSET_U2_W3_L2_G2 = [0, 1,   1, 2, 3, 2, 3, 4,   1, 2, 1, 2]
 
 
 def test_build_layout_literal():
-    lay = build_layout(2, 3, 2, 2)
+    lay = build_layout(2, 3, 2, 2, DEVICE)
     assert (lay.U, lay.W, lay.L, lay.G, lay.Q) == (2, 3, 2, 2, 12)
     assert (lay.win_start, lay.guess_start) == (2, 8)
     assert lay.static_mask.dtype == torch.bool
@@ -47,11 +52,11 @@ def test_build_layout_literal():
 
 
 def test_build_layout_without_window_or_guesses():
-    lay = build_layout(3, 0, 2, 0)
+    lay = build_layout(3, 0, 2, 0, DEVICE)
     assert lay.Q == 3
     assert lay.static_mask.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     assert lay.pos_offset.tolist() == [0, 1, 2]
-    lay = build_layout(1, 0, 3, 2)  # guesses only
+    lay = build_layout(1, 0, 3, 2, DEVICE)  # guesses only
     assert lay.Q == 7 and lay.guess_start == lay.win_start == 1
     assert lay.pos_offset.tolist() == [0, 1, 2, 3, 1, 2, 3]
 
@@ -60,7 +65,7 @@ def test_build_layout_without_window_or_guesses():
 def test_every_new_token_sees_one_contiguous_sequence(U, W, L, G):
     """Each window / guess token sees all uncached tokens and, among the window/guess tokens,
     exactly one token at each position p+1 .. its own position: a plain sequence to the model."""
-    lay = build_layout(U, W, L, G)
+    lay = build_layout(U, W, L, G, DEVICE)
     m, off = lay.static_mask, lay.pos_offset
     for q in range(U, lay.Q):
         assert m[q, :U].all()
@@ -69,7 +74,7 @@ def test_every_new_token_sees_one_contiguous_sequence(U, W, L, G):
 
 
 def test_row_inputs_padding_and_positions():
-    lay = build_layout(2, 3, 2, 2)
+    lay = build_layout(2, 3, 2, 2, DEVICE)
     num_uncached, cache_lens = T([2, 1]), T([10, 5])
     mask, pos = row_inputs(lay, num_uncached, cache_lens)
     assert mask.shape == (2, 12, 12) and pos.shape == (2, 12)
@@ -91,7 +96,7 @@ def test_row_inputs_padding_and_positions():
 
 def _out(lay, t1_col_vals, win=None, guess=None, B=1, num_uncached=None):
     """An `out` row: uncached columns, window outputs [L, W] (level-major), guess outputs [G, L]."""
-    out = torch.full((B, lay.Q), 0, dtype=torch.long)
+    out = torch.full((B, lay.Q), 0, dtype=torch.long, device=DEVICE)
     for b in range(B):
         out[b, : lay.U] = T(t1_col_vals[b])
         if win is not None:
@@ -103,7 +108,7 @@ def _out(lay, t1_col_vals, win=None, guess=None, B=1, num_uncached=None):
 
 # Shared small layout for readout: U=2, W=3, L=2, G=2. Current token x_p is uncached column
 # num_uncached-1; its output is t1.
-LAY = build_layout(2, 3, 2, 2)
+LAY = build_layout(2, 3, 2, 2, DEVICE)
 WIN = T([[[10, 11, 12], [13, 14, 15]]])  # the window that was fed, [1, L, W]
 WIN_OUT = [[[20, 21, 22], [23, 24, 25]]]  # o[l][c]
 
@@ -194,11 +199,11 @@ def test_read_output_batched_rows_are_independent():
 
 
 def test_read_output_without_guesses_or_window():
-    lay = build_layout(2, 0, 2, 0)
+    lay = build_layout(2, 0, 2, 0, DEVICE)
     out = T([[4, 9]])
-    win = torch.zeros(1, 2, 0, dtype=torch.long)
-    res = read_output(lay, out, T([2]), win, torch.zeros(1, 0, 2, dtype=torch.long),
-                      torch.zeros(1, 0, dtype=torch.bool))
+    win = torch.zeros(1, 2, 0, dtype=torch.long, device=DEVICE)
+    res = read_output(lay, out, T([2]), win, torch.zeros(1, 0, 2, dtype=torch.long, device=DEVICE),
+                      torch.zeros(1, 0, dtype=torch.bool, device=DEVICE))
     assert res.new_tokens.tolist() == [[9, 0, 0]] and res.num_new.tolist() == [1]
     assert res.phrase_keys.shape == (1, 0) and res.phrases.shape == (1, 0, 2)
 

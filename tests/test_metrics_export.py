@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
-from prometheus_client import CollectorRegistry, generate_latest
+import pytest
 
-from vllm_ouroboros.metrics_export import OuroborosCollector, SnapshotWriter, read_totals
+# prometheus_client comes with vLLM; the lent GPU machine has neither.
+pytest.importorskip("prometheus_client", reason="prometheus_client (a vLLM dependency) is not installed")
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+
+from vllm_ouroboros.metrics_export import OuroborosCollector, SnapshotWriter, read_totals  # noqa: E402
 
 
 def test_snapshots_are_summed_and_exposed(tmp_path):

@@ -4,9 +4,14 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from vllm_ouroboros.pool import PhrasePool
 
-T = torch.tensor
+
+def T(x):
+    return torch.tensor(x, device=DEVICE)
+
 A, B, C, D, E = (1, 1), (2, 2), (3, 3), (4, 4), (5, 5)
 
 
@@ -16,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make(vocab=16, L=2, W=2, pages=None, shared=True):
     pages = vocab if pages is None else pages
-    return PhrasePool(vocab, L, W, PhrasePool.budget_for(vocab, L, W, pages), shared=shared)
+    return PhrasePool(vocab, L, W, PhrasePool.budget_for(vocab, L, W, pages), device=DEVICE,
+                      shared=shared)
 
 
 def ins(pool, key, phrases, owner=0):
@@ -143,7 +149,7 @@ def test_page_eviction_lru_and_current_keys_survive():
 
 def test_million_phrases_stay_within_budget():
     V, L, W, budget = 151936, 4, 8, 8 << 20
-    pool = PhrasePool(V, L, W, budget)
+    pool = PhrasePool(V, L, W, budget, device=DEVICE)
     assert pool.memory_bytes() <= budget
     g = torch.Generator().manual_seed(0)
     newest = {}
@@ -191,7 +197,7 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
                     torch.randint(0, 5, (20, 3), generator=g),
                     torch.randint(-1, 3, (20,), generator=g))
     pool.save(tmp_path / "pool.pt")
-    loaded = PhrasePool.load(tmp_path / "pool.pt")
+    loaded = PhrasePool.load(tmp_path / "pool.pt", device=DEVICE)
     keys = torch.arange(32).repeat(4)
     slots = torch.arange(-1, 3).repeat_interleave(32)
     for a, b in zip(pool.lookup(keys, slots, 4), loaded.lookup(keys, slots, 4)):

@@ -9,12 +9,14 @@ import os
 import pytest
 import torch
 
+from conftest import DEVICE
+
 from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
 from vllm_ouroboros.pool import PhrasePool, PoolFileError
 
 
 def small_pool(L=4, W=4, vocab=384) -> PhrasePool:
-    pool = PhrasePool(vocab, L, W, 2**16)
+    pool = PhrasePool(vocab, L, W, 2**16, device=DEVICE)
     keys = torch.arange(10)
     pool.insert(keys, torch.arange(10 * L).view(10, L) % vocab, torch.zeros(10, dtype=torch.long))
     return pool
@@ -37,7 +39,7 @@ def test_save_is_atomic_when_interrupted(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert path.read_bytes() == before  # tempting: torch.save(path) truncates it first
     assert os.listdir(tmp_path) == ["pool.pt"]  # no temporary file left behind
-    assert PhrasePool.load(path).stats()["phrases"] == 10
+    assert PhrasePool.load(path, device=DEVICE).stats()["phrases"] == 10
 
 
 def test_truncated_and_corrupt_files_are_refused(tmp_path):

@@ -39,7 +39,7 @@ def test_truncate_layout_matches_a_flat_walk():
         assert got_n[0] == want_n and got_sl[0].tolist() == want_sl
 
 
-def test_plan_matches_tree_masks_and_positions():
+def test_plan_matches_tree_masks_and_positions(device):
     rng = np.random.default_rng(1)
     for trial in range(40):
         B, K, L = int(rng.integers(1, 7)), 3, 4
@@ -51,10 +51,13 @@ def test_plan_matches_tree_masks_and_positions():
         nc = rng.integers(0, 100, B)
         plan = build_plan(c, n, sl, qs, nc)
         n2, sl2 = truncate_layout(c, n, sl)
-        tree = build_tree(torch.zeros(B, 8 + 1, dtype=torch.long), torch.from_numpy(n2),
-                          torch.zeros(B, K, L, dtype=torch.long), torch.from_numpy(sl2))
-        bits = ancestor_bits(tree, with_root=True).numpy()  # [B, N+1]
-        depth = tree.depth.numpy()
+        # The plan is host numpy; the tree it must agree with lives on the device.
+        tree = build_tree(torch.zeros(B, 8 + 1, dtype=torch.long, device=device),
+                          torch.from_numpy(n2).to(device),
+                          torch.zeros(B, K, L, dtype=torch.long, device=device),
+                          torch.from_numpy(sl2).to(device))
+        bits = ancestor_bits(tree, with_root=True).cpu().numpy()  # [B, N+1]
+        depth = tree.depth.cpu().numpy()
         expect_tree = [b for b in range(B) if (sl2[b, 1:] > 0).any()]
         assert plan.tree_reqs.tolist() == expect_tree
         moved = dict(zip(plan.pos_rows.tolist(), plan.pos_delta.tolist()))
@@ -67,7 +70,7 @@ def test_plan_matches_tree_masks_and_positions():
             for f in range(1, c[b] + 1):
                 assert moved.get(qs[b] + f, 0) == f - depth[b, f - 1]
             write = plan.write[plan.q_start[t]:plan.q_start[t + 1]]
-            branch = tree.branch_of[b, :c[b]].numpy()
+            branch = tree.branch_of[b, :c[b]].cpu().numpy()
             assert write.tolist() == [False] + (branch >= 1).tolist()
         # Rows of other requests never move.
         tree_rows = set(plan.q_rows.tolist())

@@ -8,9 +8,11 @@ import random
 
 import torch
 
+from conftest import DEVICE
+
 from vllm_ouroboros.tree import PAD_BRANCH, ancestor_bits, build_tree, flatten
 
-T = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+T = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
 
 
 def ref_ancestors(parents, num_nodes, N):
@@ -114,8 +116,8 @@ def build_ref(draft, suffixes):
 def test_random_ragged_batch_matches_reference():
     rnd = random.Random(0)
     B, D, K, L = 16, 5, 3, 4
-    draft = torch.randint(0, 50, (B, D), generator=torch.Generator().manual_seed(1))
-    suffixes = torch.randint(0, 50, (B, K, L), generator=torch.Generator().manual_seed(2))
+    draft = torch.randint(0, 50, (B, D), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    suffixes = torch.randint(0, 50, (B, K, L), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     n = T([rnd.randint(0, D) for _ in range(B)])
     slen = T([[rnd.choice([0, 0, 1, L, L - 1, L]) for _ in range(K)] for _ in range(B)])
     tree = build_tree(draft, n, suffixes, slen)
@@ -136,11 +138,11 @@ def test_random_ragged_batch_matches_reference():
 
 
 def test_no_suffixes_and_no_draft_shapes():
-    none = torch.zeros(1, 0, dtype=torch.long)
-    tree = build_tree(T([[1, 2]]), T([2]), torch.zeros(1, 0, 3, dtype=torch.long), none)
+    empty = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=DEVICE)  # noqa: E731
+    tree = build_tree(T([[1, 2]]), T([2]), empty(1, 0, 3), empty(1, 0))
     assert tree.tokens.tolist() == [[1, 2]] and tree.parents.tolist() == [[-1, 0]]
     assert tree.paths.shape == (1, 0, 5)
-    tree = build_tree(torch.zeros(2, 0, dtype=torch.long), T([0, 0]), T([[[7, 8]], [[9, 6]]]), T([[2], [1]]))
+    tree = build_tree(empty(2, 0), T([0, 0]), T([[[7, 8]], [[9, 6]]]), T([[2], [1]]))
     assert tree.tokens.tolist() == [[7, 8], [9, 0]]
     assert tree.parents.tolist() == [[-1, 0], [-1, -1]]
     assert tree.depth.tolist() == [[1, 2], [1, 0]]
@@ -171,8 +173,9 @@ def test_ancestor_bits_match_mask():
 def test_ancestor_bits_use_all_64_bits():
     # 63 draft nodes + the root fill an int64: the last node's word has bit 63 set (negative).
     D = 63
-    tree = build_tree(torch.arange(D)[None], T([D]), torch.zeros(1, 0, 1, dtype=torch.long),
-                      torch.zeros(1, 0, dtype=torch.long))
+    tree = build_tree(torch.arange(D, device=DEVICE)[None], T([D]),
+                      torch.zeros(1, 0, 1, dtype=torch.long, device=DEVICE),
+                      torch.zeros(1, 0, dtype=torch.long, device=DEVICE))
     bits = ancestor_bits(tree, with_root=True)[0]
     assert int(bits[-1]) == -1  # all 64 bits
     assert int(bits[-2]) == (1 << 63) - 1

@@ -220,18 +220,26 @@ def forward_curve(model: DraftModel, plan: Plan, all_positions: bool, graphs: bo
     out = []
     for B, n in shapes:
         fn = forward_fn(model, B, n, plan.prefix, all_positions, gen)
-        point = {"batch": B, "n": n, "eager_ms": median(time_calls(fn, dev, plan.warmup, plan.reps)),
-                 "graph_ms": None}
-        if graphs:
-            try:
-                graph = cuda_graph(fn, pool)
-                point["graph_ms"] = median(time_calls(graph.replay, dev, plan.warmup, plan.reps))
-                del graph
-            except Exception:  # noqa: BLE001 - record it, time the rest (a GPU hour is scarce)
-                errors[f"curves/{tag}/graph B={B} n={n}"] = traceback.format_exc()
+        point = {"batch": B, "n": n}
+        # The fused layer kernels (kernels/fused_ops.py) only where they compile: on CUDA.
+        for fused in (False, True) if dev.type == "cuda" else (False,):
+            key = "fused_" if fused else ""
+            model.fused_ops = fused
+            point[key + "eager_ms"] = median(time_calls(fn, dev, plan.warmup, plan.reps))
+            point[key + "graph_ms"] = None
+            if graphs:
+                try:
+                    graph = cuda_graph(fn, pool)
+                    point[key + "graph_ms"] = median(time_calls(graph.replay, dev, plan.warmup, plan.reps))
+                    del graph
+                except Exception:  # noqa: BLE001 - record it, time the rest (a GPU hour is scarce)
+                    errors[f"curves/{tag}/{key}graph B={B} n={n}"] = traceback.format_exc()
+        model.fused_ops = False
         out.append(point)
+        fused = (f"  fused: eager {_ms(point.get('fused_eager_ms'))} graph {_ms(point.get('fused_graph_ms'))} ms"
+                 if "fused_eager_ms" in point else "")
         print(f"  {tag:6} B={B:>2} n={n:>3}: eager {point['eager_ms']:8.3f} ms  graph "
-              f"{_ms(point['graph_ms'])} ms", flush=True)
+              f"{_ms(point['graph_ms'])} ms{fused}", flush=True)
     return out
 
 
@@ -613,6 +621,9 @@ def parse_args() -> argparse.Namespace:
                     help="default bfloat16 (--tiny: float32)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["target", "rounds", "kernel", "graph"],
                     help="sections to leave out (graph: no CUDA-graph timings)")
+    ap.add_argument("--fused-ops", action="store_true",
+                    help="the drafting rounds with DraftModel.fused_ops (kernels/fused_ops.py); the "
+                         "forward curves measure both on CUDA")
     ap.add_argument("--kernel-batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--kernel-prefix", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--kernel-tree", type=int, nargs="+", default=[16, 64])
@@ -699,6 +710,8 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         skipped["rounds"] = "skipped: --skip rounds"
     else:
         modes = ["host", "device"] + (["graph"] if graphs else [])
+        draft.fused_ops = args.fused_ops
+        res["fused_ops_in_rounds"] = args.fused_ops
         res["rounds"] = run_section("rounds", lambda: round_section(draft, plan, modes, errors), errors) or []
     del draft
     gc.collect()

@@ -78,6 +78,10 @@ class OuroborosConfig:
     # The draft's attention: "auto" runs the Triton tree-attention kernel on CUDA for forwards of
     # at most 64 new tokens per row (torch SDPA with a dense mask elsewhere); "torch" keeps SDPA.
     draft_attention: str = "auto"
+    # The draft's layers through fused Triton kernels (add+RMSNorm, RoPE + KV write, SiLU*up;
+    # kernels/fused_ops.py): fewer kernel launches per layer. Off until a GPU run of
+    # scripts/bench_gpu.py shows them faster; where Triton cannot run they fall back to torch.
+    draft_fused_ops: bool = False
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16
     # Where a round's drafting loop runs (draft/runtime.py): "host" sizes each forward from the

@@ -164,6 +164,24 @@ class DraftLayer(nn.Module):
         gemm = self.gemms.get(name)
         return F.linear(x, getattr(self, name + "_weight"), bias) if gemm is None else gemm(x, bias)
 
+    def forward_fused(self, h, residual, cos, sin, k_cache, v_cache, meta, scale):
+        """The layer through the fused kernels (kernels/fused_ops.py): add+RMSNorm, RoPE with
+        the KV write, SiLU*up; the closing residual add is left to the next layer's norm.
+
+        Shape: h [B, Q, H] and residual [B, Q, H] | None (the stream is h + residual); returns
+        (h, residual) in the same convention. Same arithmetic as `forward` (RMSNorm's sum may
+        differ in order: a few float32 ulps)."""
+        from vllm_ouroboros.kernels.fused_ops import add_rms_norm, rope_qkv_write, silu_mul
+
+        B, Q, _ = h.shape
+        x, residual = add_rms_norm(h, residual, self.input_norm, self.eps)
+        q = rope_qkv_write(self.project("qkv", x), cos, sin, k_cache, v_cache, meta.slots,
+                           meta.write_pos, self.num_heads, self.num_kv_heads, self.head_dim)
+        o = masked_attention(q, k_cache, v_cache, meta, scale)  # [B, Q, Hq, D]
+        x, residual = add_rms_norm(self.project("o", o.reshape(B, Q, -1)), residual,
+                                   self.post_norm, self.eps)
+        return self.project("down", silu_mul(self.project("gate_up", x))), residual
+
     def forward(self, h, cos, sin, k_cache, v_cache, meta, scale):
         # h: [B, Q, H]; cos, sin: [B, Q, 1, D]; k_cache, v_cache: [num_slots, Hkv, max_len, D]
         B, Q, _ = h.shape
@@ -209,6 +227,10 @@ class DraftModel(nn.Module):
         # Attention path (draft/attention.build_attention_metadata): "auto" runs the Triton
         # tree-attention kernel on CUDA for forwards of <= 64 new tokens per row.
         self.attention_backend = "auto"
+        # Layers through the fused Triton kernels of kernels/fused_ops.py (add+RMSNorm, RoPE +
+        # KV write, SiLU*up): fewer launches per layer where launches dominate (a GPU); where
+        # Triton cannot run they fall back to the same math in torch.
+        self.fused_ops = False
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -314,6 +336,14 @@ class DraftModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         h = F.embedding(input_ids, self.embed_weight)  # [B, Q, H]
+        if self.fused_ops:
+            from vllm_ouroboros.kernels.fused_ops import add_rms_norm
+
+            residual = None
+            for i, layer in enumerate(self.layers):
+                h, residual = layer.forward_fused(h, residual, cos, sin, self.k_cache[i],
+                                                  self.v_cache[i], meta, self.scale)
+            return add_rms_norm(h, residual, self.norm_weight, self.cfg.rms_norm_eps)[0]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, self.k_cache[i], self.v_cache[i], meta, self.scale)
         return rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)

@@ -256,6 +256,32 @@ def test_graph_replay_equals_eager_device_round(config, tiny_models, device):
     assert graph.device_round._states and all(st.graphs for st in graph.device_round._states.values())
 
 
+@pytest.mark.parametrize("config", ["phrases", "adaptive"])
+def test_capture_and_replay_bookkeeping(config, tiny_models, device):
+    """The graph path's orchestration on any machine, with recorded stand-ins for CUDA graphs
+    (a capture records, a replay runs): captures happen on a neutral state before a round's
+    inputs go in, lazily per width bucket and batch bucket and ahead of time via capture(), and
+    are dropped when the cache is reallocated; the rounds equal the host loop's."""
+    from vllm_ouroboros.draft.device_round import DeviceRound
+
+    path = str(tiny_models["draft"])
+    host = make(path, device, "host", **CONFIGS[config])
+    rec = make(path, device, "device", round_forwards=99, **CONFIGS[config])
+    rec.device_round = DeviceRound(rec, graphs=True, emulate_graphs=True)
+    assert rec.device_round.capture([1, 3]) > 0  # ahead of time: buckets 1 and 4, all widths
+    captured = {A: set(st.graphs) for A, st in rec.device_round._states.items()}
+    assert set(captured) == {1, 4} and all({"step", "finish"} <= g for g in captured.values())
+    V = host.model.vocab_size
+    rng = np.random.default_rng(9)
+    generations = {rec.generation}  # the first round adds slots: a new cache, graphs again
+    for outs, slots in drive([host, rec], 10, rng, V):
+        compare(outs[0], outs[1], config)
+        assert np.array_equal(host.kv_len[slots], rec.kv_len[slots])
+        generations.add(rec.generation)
+    assert len(generations) > 1, "the cache never grew: the recapture path went untested"
+    assert all(st.graphs for st in rec.device_round._states.values())
+
+
 def test_graph_mode_needs_cuda(tiny_models):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")

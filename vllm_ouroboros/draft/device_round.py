@@ -104,12 +104,15 @@ class DeviceRound:
     """Runs a round's drafting loop for a DraftRuntime on the device (see the module docstring).
 
     graphs: capture each bucket's three functions in CUDA graphs (CUDA only) and replay them.
+    emulate_graphs: with graphs, stand-ins that record at capture and run at replay
+    (`RecordedGraph`), so the capture/replay bookkeeping is tested on a CPU.
     """
 
-    def __init__(self, runtime, graphs: bool = False):
+    def __init__(self, runtime, graphs: bool = False, emulate_graphs: bool = False):
         self.rt = runtime
         self.graphs = graphs
-        if graphs and runtime.device.type != "cuda":
+        self.emulate = emulate_graphs
+        if graphs and runtime.device.type != "cuda" and not emulate_graphs:
             raise ValueError("CUDA graphs need a CUDA device; the draft runs on "
                              f"{runtime.device.type}")
         s = runtime.s
@@ -184,6 +187,8 @@ class DeviceRound:
         A = bucket(B, BATCH_BUCKETS)
         U = self.width_bucket(int(u0.max()))
         st = self._state(A)
+        if self.graphs:  # before the inputs go in: a capture runs on a neutral inbox
+            self._ensure_captured(st, U)
         # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued
         # work). Reusing the buffer is safe: the last round's output read waited for its copy.
         host = st.staging.get(U)
@@ -306,10 +311,12 @@ class DeviceRound:
         st.active.logical_and_(going)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
-    def _replay(self, st: RoundState, U: int, F: int) -> None:
+    def _ensure_captured(self, st: RoundState, U: int) -> None:
         for name in (f"start{U}", "step", "finish"):
             if name not in st.graphs:
                 self._capture(st, name, U)
+
+    def _replay(self, st: RoundState, U: int, F: int) -> None:
         st.graphs[f"start{U}"].replay()
         for _ in range(F - 1):
             st.graphs["step"].replay()
@@ -336,6 +343,7 @@ class DeviceRound:
         rt = self.rt
         # A neutral state: every row padding, inactive.
         st.slots.fill_(rt.pad_slot)
+        st.kv.zero_()
         st.real.zero_()
         st.active.zero_()
         st.next_u.fill_(1)
@@ -345,6 +353,10 @@ class DeviceRound:
         if name.startswith("start"):
             box = self._inbox(st, U)
             box[:, 0], box[:, 2], box[:, 3] = rt.pad_slot, 1, 0
+        if self.emulate:
+            fn()  # the warm-up; the "capture" only records
+            st.graphs[name] = RecordedGraph(fn)
+            return
         side = torch.cuda.Stream(rt.device)
         side.wait_stream(torch.cuda.current_stream(rt.device))
         with torch.cuda.stream(side):
@@ -356,6 +368,17 @@ class DeviceRound:
         with torch.cuda.graph(graph, pool=self._pool), _inference():
             fn()
         st.graphs[name] = graph
+
+
+class RecordedGraph:
+    """A CUDA graph's stand-in where there is no CUDA (tests): the capture records the function
+    without running it, as a capture does; replay runs it on whatever the static tensors hold."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
 
 
 def _inference():

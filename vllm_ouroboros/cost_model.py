@@ -101,10 +101,15 @@ def measure_curve(timer_at: Callable[[int], Callable[[], float]], max_tokens: in
     return CostCurve(tuple(points), tuple(times))
 
 
-def measure_draft_curve(model, max_tokens: int, reps: int = 3) -> CostCurve:
+def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = False) -> CostCurve:
     """The draft model's t(n) (measure_curve): a forward over n new tokens in one row, empty
-    prefix, slot 0 of its KV cache (what was written there is overwritten later)."""
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    prefix, slot 0 of its KV cache (what was written there is overwritten later).
+
+    graphs: time the forward replayed from a CUDA graph, as the graph drafting round runs it
+    (draft/device_round.py); eager GPU forwards cost what their kernel launches cost, ~10x a
+    replay at these sizes, and would make the back-off refuse drafts that pay."""
+    cuda = model.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     slots = torch.zeros(1, dtype=torch.long, device=model.device)
     zero = torch.zeros(1, dtype=torch.long, device=model.device)
 
@@ -113,10 +118,25 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 3) -> CostCurve:
         pos = torch.arange(n, device=model.device)[None]
         mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()[None]
 
+        def forward():
+            model.greedy_tokens(model.forward(ids, pos, slots, zero, mask, max_cache_len=0))
+
+        step = forward
+        if graphs and cuda:
+            side = torch.cuda.Stream(model.device)
+            side.wait_stream(torch.cuda.current_stream(model.device))
+            with torch.cuda.stream(side):
+                forward()  # warm-up off the capture (cuBLAS handles, Triton compilation)
+            torch.cuda.current_stream(model.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                forward()
+            step = graph.replay
+
         def run() -> float:
             sync()
             t0 = time.perf_counter()
-            model.greedy_tokens(model.forward(ids, pos, slots, zero, mask, max_cache_len=0))
+            step()
             sync()
             return time.perf_counter() - t0
         return run

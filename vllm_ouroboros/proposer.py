@@ -142,7 +142,10 @@ class OuroborosProposer:
         init_slots = min(self.max_slots, 16)
         init_len = min(self.max_model_len, cfg.draft_initial_len)
         model.allocate_cache(init_slots, init_len)
-        self.cost = cost_model.measure_draft_curve(model, min(init_len, 256))
+        draft_round = resolved_draft_round(cfg, self.device.type)
+        # Timed as the round will run it: replayed from CUDA graphs in graph mode.
+        self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
+                                                   graphs=draft_round == "graph")
         if target_model is not None:
             from vllm_ouroboros.patches.target_cost import measure_target_curve
 
@@ -188,7 +191,7 @@ class OuroborosProposer:
             max_draft_forwards=cfg.max_draft_forwards,
             draft_length=cfg.draft_length, acceptance_threshold=threshold,
             max_draft_length=cfg.max_draft_length,
-            draft_round=resolved_draft_round(cfg, self.device.type),
+            draft_round=draft_round,
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
                                     self.device, head=head)

@@ -200,7 +200,7 @@ class DraftRuntime:
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)
         self._init_windows(slots, token_ids, rows, lens)
         if self.device_round is not None:
-            return self._device_round(slots, token_ids, rows, lens, prefill_forwards, row_prefills)
+            return self._draft_on_device(slots, token_ids, rows, lens, prefill_forwards, row_prefills)
 
         adaptive = self.head is not None
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
@@ -250,7 +250,7 @@ class DraftRuntime:
                            row_forwards, guess_tokens, guess_hit_forwards, row_prefills,
                            by_rule if adaptive else None)
 
-    def _device_round(self, slots, token_ids, rows, lens, prefill_forwards, row_prefills) -> RoundOutput:
+    def _draft_on_device(self, slots, token_ids, rows, lens, prefill_forwards, row_prefills) -> RoundOutput:
         """Step 3 and 4 on the device (draft/device_round.py), then the host's bookkeeping of
         what the round committed to each slot (the uncached context, then the draft but for
         its last forward's tokens), from the round's one device->host copy."""

@@ -133,7 +133,8 @@ def diff(after: dict, before: dict) -> dict:
     return d
 
 
-def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, progress):
+def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, progress,
+               prompts_at_one=PROMPTS_AT_ONE):
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros.metrics import engine_snapshot
@@ -146,7 +147,7 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
     try:
         llm.generate(["def warm_up():"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         for workload, conc, temp in plan:
-            prompts = workloads[workload][: max(conc, PROMPTS_AT_ONE if conc == 1 else conc)]
+            prompts = workloads[workload][: max(conc, prompts_at_one if conc == 1 else conc)]
             sp = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
             c0, s0 = spec_counters(llm), engine_snapshot(llm) if ours else None
             outputs, t0 = [], time.perf_counter()
@@ -403,6 +404,10 @@ def main() -> int:
     ap.add_argument("--methods", default=None, help="comma-separated subset (no-spec is always run)")
     ap.add_argument("--quick", action="store_true", help="two cells for the main methods; ablations only where --methods names them (one cell each)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "benchmark")
+    ap.add_argument("--humaneval-offset", type=int, default=0,
+                    help="HumanEval tasks from this one on (100: past the acceptance head's training tasks)")
+    ap.add_argument("--prompts-at-one", type=int, default=PROMPTS_AT_ONE,
+                    help="prompts per concurrency-1 cell (the full table's default fits the hour)")
     ap.add_argument("--acceptance-head", type=Path, default=None,
                     help="head for the adaptive-length rows (default models/acceptance_head.safetensors, "
                          "written by scripts/train_acceptance_head.py)")
@@ -430,7 +435,7 @@ def main() -> int:
     if args.quick and not args.methods:  # ablations named in --methods still run (one cell each)
         names = [n for n in names if n not in ABLATIONS]
     plan = cells(args.quick)
-    workloads = {"humaneval": humaneval_prompts(16), "mtbench": mtbench_prompts(16, AutoTokenizer.from_pretrained(target))}
+    workloads = {"humaneval": humaneval_prompts(args.humaneval_offset + 16)[args.humaneval_offset:], "mtbench": mtbench_prompts(16, AutoTokenizer.from_pretrained(target))}
     command = "python " + " ".join(sys.argv)
     import subprocess
 
@@ -438,7 +443,7 @@ def main() -> int:
                          capture_output=True, text=True).stdout.strip() or "unknown"
     header = (f"Command: `{command}` at commit {rev}\n\nTarget {target.name}, draft {draft.name}, {args.max_tokens} tokens per "
               f"request, float32, greedy unless temp > 0. Cells per method: main methods {plan}; ablations "
-              f"(humaneval, 1, 0.0). KV cache 2 GiB per engine. Prompt counts: {PROMPTS_AT_ONE} at concurrency 1, else = concurrency (reduced to fit "
+              f"(humaneval, 1, 0.0). KV cache 2 GiB per engine. Prompt counts: {args.prompts_at_one} at concurrency 1, else = concurrency (reduced to fit "
               f"one hour on 2 CPU cores). Defaults send K = 1 suffix where its measured acceptance pays for "
               f"its target tokens; the K = 1 and K = 3 rows send them at every step (K = 3: a token tree).")
     print(header.replace("\n\n", "\n"), flush=True)
@@ -448,7 +453,7 @@ def main() -> int:
         for name in names:
             cell_plan = [("humaneval", 1, 0.0)] if name in ONE_CELL else plan
             rows += run_method(name, all_methods[name], workloads, cell_plan, args.max_tokens,
-                               target, 16, progress)
+                               target, 16, progress, args.prompts_at_one)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".raw.json").write_text(json.dumps(rows))  # in case a later step fails
     t_curve, d_curve = target_curve(target), draft_curve(draft)

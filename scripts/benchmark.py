@@ -449,13 +449,12 @@ def main() -> int:
               f"one hour on 2 CPU cores). Defaults send K = 1 suffix where its measured acceptance pays for "
               f"its target tokens; the K = 1 and K = 3 rows send them at every step (K = 3: a token tree).")
     print(header.replace("\n\n", "\n"), flush=True)
-    total = sum(1 if n in ONE_CELL else len(plan) for n in names)
+    one_cell_only = all(n in ONE_CELL for n in names if n != "no-spec")  # no-spec: their baseline only
+    plans = {n: [("humaneval", 1, 0.0)] if n in ONE_CELL or one_cell_only else plan for n in names}
     rows = []
-    with tqdm(total=total, desc="cells") as progress:
+    with tqdm(total=sum(map(len, plans.values())), desc="cells") as progress:
         for name in names:
-            cell_plan = [("humaneval", 1, 0.0)] if name in ONE_CELL else plan
-            if name == "no-spec" and all(n in ONE_CELL for n in names if n != "no-spec"):
-                cell_plan = [("humaneval", 1, 0.0)]  # the baseline of one-cell rows only
+            cell_plan = plans[name]
             rows += run_method(name, all_methods[name], workloads, cell_plan, args.max_tokens,
                                target, 16, progress, args.prompts_at_one)
     args.out.parent.mkdir(parents=True, exist_ok=True)

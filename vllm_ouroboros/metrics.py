@@ -122,3 +122,46 @@ def engine_snapshot(llm) -> dict:
     if not snaps or snaps[0] is None:
         raise RuntimeError("this engine does not run the ouroboros method")
     return snaps[0]
+
+
+TRACE_ENV = "VLLM_OUROBOROS_TRACE"
+
+
+class RoundTrace:
+    """One JSON line per request and round, for studying draft lengths: what the round drafted
+    and what the target accepted of it. Off, at no cost, unless the environment variable
+    VLLM_OUROBOROS_TRACE names a file (appended to; one writer process: the drafting rank).
+
+    Fields: req (vLLM's request id), draft (sentence-draft tokens drafted), sent (of those, sent
+    after the token cap), forwards (draft forwards the row took part in), stop ("rule" / "cap"
+    with adaptive length, else "gamma"), accepted (tokens the target accepted, suffix included),
+    accepted_draft (of the sent draft)."""
+
+    def __init__(self, path: str | None):
+        self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - lives with the proposer
+        self._pending: dict[int, dict] = {}
+
+    @property
+    def on(self) -> bool:
+        return self._file is not None
+
+    def drafted(self, slots, req_ids, draft_lens, sent, forwards, stopped_by_rule) -> None:
+        """Per drafting row (host arrays [R]); stopped_by_rule None in fixed mode."""
+        if self._file is None:
+            return
+        for i, s in enumerate(slots.tolist()):
+            stop = "gamma" if stopped_by_rule is None else ("rule" if stopped_by_rule[i] else "cap")
+            self._pending[s] = {"req": req_ids[i], "draft": int(draft_lens[i]), "sent": int(sent[i]),
+                                "forwards": int(forwards[i]), "stop": stop}
+
+    def verified(self, slots, accepted) -> None:
+        """What the target accepted for each slot's last round (host arrays [B])."""
+        if self._file is None:
+            return
+        import json
+
+        for s, a in zip(slots.tolist(), accepted.tolist()):
+            rec = self._pending.pop(s, None)
+            if rec is not None:
+                rec.update(accepted=int(a), accepted_draft=min(int(a), rec["sent"]))
+                self._file.write(json.dumps(rec) + "\n")

@@ -25,7 +25,7 @@ from vllm_ouroboros.config import OuroborosConfig, resolved_draft_round, resolve
 from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
-from vllm_ouroboros.metrics import OuroborosStats
+from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
@@ -111,6 +111,7 @@ class OuroborosProposer:
         # proposals (patches/distributed.py); it alone reports.
         self._tp = TensorParallel.current()
         self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if self._tp.leads else None)
+        self._trace = RoundTrace(os.environ.get(TRACE_ENV) if self._tp.leads else None)
 
     # ---- set-up ------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
@@ -361,6 +362,7 @@ class OuroborosProposer:
         # What the tree added over chain verification in this very step (against the argmax, so
         # exact for greedy requests).
         tree_gain = along.max(1) - along[:, 0]
+        self._trace.verified(slots, num_acc)
         self.stats.add(
             slots, target_forwards=np.ones_like(n), drafted_tokens=num_nodes, tree_gain=tree_gain,
             accepted_tokens=num_acc,
@@ -489,6 +491,9 @@ class OuroborosProposer:
                        sentence_draft_tokens=out.draft_lens)
         if out.stopped_by_rule is not None:
             self.stats.add(slots, stops_rule=out.stopped_by_rule, stops_cap=~out.stopped_by_rule)
+        if self._trace.on:
+            self._trace.drafted(slots, [req_ids[i] for i in rows], out.draft_lens, n_main,
+                                out.row_forwards, out.stopped_by_rule)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals

@@ -57,6 +57,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+def set_triton_interpret(on: bool) -> None:
+    """Triton's CPU interpreter for the kernel tests where there is no CUDA device: on, or back
+    to what the environment had. @triton.jit reads TRITON_INTERPRET when a function is decorated
+    (Triton's library when triton is first imported, a kernel when its module is) and the
+    interpreter reads it again while running, so a kernel test module turns it on around its
+    imports and during its tests (`triton_interpreter`)."""
+    if DEVICE == "cuda":
+        return
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif _SAVED_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    set_triton_interpret(True)
+    yield
+    set_triton_interpret(False)
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     """Where the draft side and the algorithm's tensors live in these tests: "cuda" or "cpu"."""

@@ -23,27 +23,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
+from conftest import DEVICE, set_triton_interpret  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
 
-_saved_env = os.environ.get("TRITON_INTERPRET")
-
-
-def _set_interpret(on: bool) -> None:
-    if DEVICE == "cuda":
-        return
-    if on:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif _saved_env is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_env
-
-
-_set_interpret(True)
+set_triton_interpret(True)
 try:
     from vllm_ouroboros.kernels import fused_ops as fo
 finally:
-    _set_interpret(False)
+    set_triton_interpret(False)
 
 from vllm_ouroboros.draft.attention import build_attention_metadata, write_kv  # noqa: E402
 from vllm_ouroboros.draft.model import apply_rope, rms_norm  # noqa: E402
@@ -57,15 +43,8 @@ needs_triton = pytest.mark.skipif(
            "tests/test_fused_ops.py in its own pytest process")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def interpret_during_this_module():
-    _set_interpret(True)
-    yield
-    _set_interpret(False)
-
-
 # Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "triton_interpreter")
 
 
 # ---------------------------------------------------------------------------------------------

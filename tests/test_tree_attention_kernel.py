@@ -19,23 +19,9 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICE  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
+from conftest import DEVICE, set_triton_interpret  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
 _TRITON_WAS_IMPORTED = "triton" in sys.modules
-_saved_env = os.environ.get("TRITON_INTERPRET")
-
-
-def _set_interpret(on: bool) -> None:
-    if DEVICE == "cuda":
-        return
-    if on:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif _saved_env is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_env
-
-
-_set_interpret(True)
+set_triton_interpret(True)
 try:
     import triton
 
@@ -43,18 +29,11 @@ try:
     from vllm_ouroboros.kernels.reference import gather_pages, tree_attention_reference
     from vllm_ouroboros.kernels.tree_attention import ancestor_bitmask, tree_attention
 finally:
-    _set_interpret(False)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpret_during_this_module():
-    _set_interpret(True)
-    yield
-    _set_interpret(False)
+    set_triton_interpret(False)
 
 
 # Tiny tensors: thread wake-ups cost more than the work (conftest.one_thread).
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "triton_interpreter")
 
 
 # ---------------------------------------------------------------------------------------------

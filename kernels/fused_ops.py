@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+
+from .triton_runtime import is_interpreted as _is_interpreted
+from .triton_runtime import pick_kernel
 
 logger = logging.getLogger("vllm.ouroboros")
 
@@ -246,28 +248,9 @@ def _log_once(op: str, reason: str) -> None:
         logger.info("%s: Triton cannot run, using the torch reference: %s", op, reason)
 
 
-def _is_interpreted(fn) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(fn, InterpretedFunction)
-
-
 def _pick_kernel(kernel, device: torch.device) -> tuple[object | None, str | None]:
     """(kernel, None) where Triton can run `kernel` on `device`, else (None, reason)."""
-    if kernel is None:
-        return None, _TRITON_IMPORT_ERROR
-    # @triton.jit reads TRITON_INTERPRET when a function is decorated: Triton's own library when
-    # triton is first imported, these kernels when this module is. The interpreter needs both.
-    if _is_interpreted(kernel):
-        if not _is_interpreted(tl.zeros):
-            return None, ("TRITON_INTERPRET was set after triton was imported: set it before the "
-                          "first `import triton` of the process")
-        return kernel, None
-    if device.type == "cuda":
-        return kernel, None
-    requested = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-    late = " when this module was imported (setting it later has no effect)" if requested else ""
-    return None, f"tensors are on {device.type} and TRITON_INTERPRET was not set{late}"
+    return pick_kernel(kernel, device, _TRITON_IMPORT_ERROR)
 
 
 def _resolve(op: str, kernel, device: torch.device, backend: str):

@@ -25,11 +25,12 @@ import contextlib
 import functools
 import logging
 import math
-import os
 
 import torch
 
 from .reference import tree_attention_reference
+from .triton_runtime import is_interpreted as _is_interpreted
+from .triton_runtime import pick_kernel
 
 logger = logging.getLogger("vllm.ouroboros")
 
@@ -267,32 +268,9 @@ def _log_once(reason: str) -> None:
         logger.info("tree_attention: Triton cannot run, using the batched torch path: %s", reason)
 
 
-def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
 def _pick_kernel(device: torch.device):
-    """(kernel, None) where Triton can run on `device`, else (None, reason)."""
-    if tree_attention_kernel is None:
-        return None, _TRITON_IMPORT_ERROR
-    # @triton.jit reads TRITON_INTERPRET when a function is decorated: Triton's own library
-    # (tl.zeros, ...) when triton is first imported, this kernel when this module is imported. The
-    # interpreter needs both; setting the variable any later changes nothing.
-    if _is_interpreted(tree_attention_kernel):
-        if not _is_interpreted(tl.zeros):
-            return None, ("TRITON_INTERPRET was set after triton was imported: set it before the "
-                          "first `import triton` of the process")
-        return tree_attention_kernel, None  # runs on any device
-    if device.type == "cuda":
-        return tree_attention_kernel, None
-    late = " when triton was imported (setting it later has no effect)" if _interpret_requested() else ""
-    return None, f"tensors are on {device.type} and TRITON_INTERPRET was not set{late}"
-
-
-def _is_interpreted(kernel) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel, InterpretedFunction)
+    """(kernel, None) where Triton can run this kernel on `device`, else (None, reason)."""
+    return pick_kernel(tree_attention_kernel, device, _TRITON_IMPORT_ERROR)
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtypes, device: torch.device) -> None:

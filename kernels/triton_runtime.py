@@ -1,0 +1,38 @@
+"""Where Triton can run a kernel of this package: CUDA tensors, or anywhere under its CPU
+interpreter (TRITON_INTERPRET=1, set before triton is first imported). Shared by every kernel's
+host wrapper, which falls back to its torch path (or raises) with the reason returned here."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def is_interpreted(fn) -> bool:
+    """Whether a @triton.jit function was decorated under the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(fn, InterpretedFunction)
+
+
+def pick_kernel(kernel, device: torch.device, import_error: str | None):
+    """(kernel, None) where Triton can run `kernel` on `device`, else (None, reason).
+
+    @triton.jit reads TRITON_INTERPRET when a function is decorated: Triton's own library
+    (tl.zeros, ...) when triton is first imported, a kernel when its module is imported. The
+    interpreter needs both; setting the variable any later changes nothing."""
+    if kernel is None:
+        return None, import_error
+    if is_interpreted(kernel):
+        import triton.language as tl
+
+        if not is_interpreted(tl.zeros):
+            return None, ("TRITON_INTERPRET was set after triton was imported: set it before the "
+                          "first `import triton` of the process")
+        return kernel, None  # runs on any device
+    if device.type == "cuda":
+        return kernel, None
+    requested = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    late = " when triton was imported (setting it later has no effect)" if requested else ""
+    return None, f"tensors are on {device.type} and TRITON_INTERPRET was not set{late}"

@@ -120,3 +120,25 @@ def test_flag_counters_give_the_rates_asked_for():
     assert r["draft_forwards_per_token"] == pytest.approx(0.8)
     # No plain steps: per token, 0.8 draft forwards (1 ms) + 1/4.75 target forwards of 5 tokens.
     assert r["modeled"] == pytest.approx(10.0 / (0.8 * 1.0 + (10.0 + 2.0 * 4 / 7) / 4.75))
+
+
+def test_gpu_check_script_runs_a_selection_and_the_tiny_benchmark(tmp_path):
+    """scripts/gpu_check.sh (what a session lent a GPU runs through the device tool): a test
+    selection and the benchmark, logs and a summary in $OUT, a part past its limit marked."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OUT=str(tmp_path), GPU_CHECK_NO_INSTALL="1", GPU_CHECK_BENCH_ARGS="--tiny",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "all",
+                           "tests/test_request_slots.py"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6 passed" in (tmp_path / "tests.log").read_text()
+    for part in ("tests", "bench", "bench-fused-ops"):
+        assert f"{part}: exit 0" in summary, summary
+    assert json.loads((tmp_path / "bench_gpu.json").read_text())["tiny"]
+    assert "NOT MEASURED" in summary and (tmp_path / "machine.txt").exists()
+    env["GPU_CHECK_LIMIT"] = "25"  # the tests get half of it: more than the 20 s floor is not left
+    subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "all", "tests/test_request_slots.py"],
+                   capture_output=True, text=True, env=env, timeout=600)
+    assert "tests: not run (no time left)" in (tmp_path / "summary.txt").read_text()

@@ -15,6 +15,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ouroboros.draft import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
@@ -157,10 +158,46 @@ def test_fewer_forwards_draft_a_prefix(tiny_models, device):
     assert dr.forwards_for_next_round() == 2
 
 
+aten = torch.ops.aten
+# ATen ops that read the device from the host on a GPU (a scalar read, an output whose shape
+# depends on the data) or copy host data to the device (illegal inside a CUDA graph capture),
+# whoever calls them: Python code or another op's implementation.
+SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_numpy.default,
+               aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+               aten.unique_consecutive.default, aten.bincount.default, aten.equal.default,
+               aten.is_nonzero.default, aten.allclose.default, aten.lift_fresh.default}
+INDEXING_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                aten._index_put_impl_.default}
+
+
+class _SyncingOps(TorchDispatchMode):
+    """Counts the ATen calls of SYNCING_OPS, boolean-mask indexing (a nonzero on a GPU) and
+    repeat_interleave by a tensor without output_size (its length is read back)."""
+
+    def __init__(self, counts: dict):
+        super().__init__()
+        self.counts = counts
+
+    def _count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNCING_OPS:
+            self._count(str(func))
+        elif func in INDEXING_OPS and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self._count(f"{func} by a bool mask")
+        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            self._count(str(func))
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def no_host_reads(counts: dict):
-    """Count every way Python code can read a tensor back to the host (a device sync on a
-    GPU): item/tolist/cpu/numpy, bool/int/float/index conversions, data-dependent shapes."""
+    """Count every way the code can read a tensor back to the host (a device sync on a GPU) or
+    copy host data in: at the Python level item/tolist/cpu/numpy, bool/int/float/index
+    conversions, data-dependent shapes and boolean indexing; and at the ATen level the same
+    ops wherever they are called from (`_SyncingOps`)."""
     patched = {}
 
     def hook(cls, name):
@@ -196,7 +233,8 @@ def no_host_reads(counts: dict):
 
     torch.Tensor.__getitem__, torch.Tensor.__setitem__ = get, set_
     try:
-        yield counts
+        with _SyncingOps(counts):
+            yield counts
     finally:
         torch.Tensor.__getitem__, torch.Tensor.__setitem__ = getitem, setitem
         for (cls, name), orig in patched.items():
@@ -235,7 +273,15 @@ def test_no_host_read_inside_a_round(config, tiny_models, device):
         torch.ones(2, device=device).sum().item()
         x = torch.arange(3, device=device)
         x[x > 0]
+        torch.where(x > 0)  # no Python-level hook sees these three
+        x.repeat_interleave(x)
+        x[1:] = torch.tensor([5, 6])
     assert outer.get("item") == 1 and outer.get("bool index") == 1
+    assert outer.get(str(aten._local_scalar_dense.default)) == 1
+    assert outer.get(str(aten.nonzero.default)) == 1, outer
+    assert outer.get(str(aten.repeat_interleave.Tensor)) == 1
+    assert outer.get(str(aten.lift_fresh.default)) == 1
+    assert outer.get(f"{aten.index.Tensor} by a bool mask") == 1
     assert torch.Tensor.cpu is orig_cpu
 
 

@@ -38,3 +38,5 @@ def test_short_soak_loses_nothing(tiny_models, tmp_path):
     assert s["greedy_identical"] >= 25 and not s["greedy_diffs"]
     assert s["ouroboros_counters"]["drafted_tokens_total"] > 0
     assert s["ouroboros_counters"]["suffix_accepted_total"] > 0
+    # Preempted requests came back to the draft slot (and cache) they kept: request_slots.py.
+    assert s["ouroboros_counters"]["requests_returned_total"] > 0

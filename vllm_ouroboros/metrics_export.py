@@ -46,6 +46,9 @@ COUNTERS = {
     "sentence_draft_tokens": "Sentence-draft tokens drafted (mean draft length = this / draft_rounds)",
     "stops_rule": "Adaptive draft length: drafts stopped by the acceptance head's rule",
     "stops_cap": "Adaptive draft length: drafts stopped by max_draft_length (or max_draft_forwards)",
+    "requests_returned": "Requests back in a step after steps out of the batch (preempted or left out by "
+                         "the token budget), to the draft slot and cache they kept",
+    "slots_evicted": "Requests out of the batch whose draft slot went to a new request (all slots taken)",
 }
 POOL_GAUGES = {
     "phrases": "Phrases in the pool",

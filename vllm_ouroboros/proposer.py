@@ -29,6 +29,7 @@ from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
+from vllm_ouroboros.request_slots import RequestSlots
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -68,8 +69,7 @@ class OuroborosProposer:
         self.stats = OuroborosStats(self.max_slots)
         self.runtime: DraftRuntime | None = None
         self.pool: PhrasePool | None = None
-        self._slot_of: dict[str, int] = {}
-        self._free_slots = list(range(self.max_slots - 1, -1, -1))
+        self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
         # What each slot was proposed last step, to read its verification (host arrays):
@@ -222,12 +222,18 @@ class OuroborosProposer:
             self.save_pool()
 
     # ---- request lifetime -------------------------------------------------------------------
+    def note_finished(self, req_ids) -> None:
+        """Requests vLLM finished or aborted this step (called by the runner patch from
+        `_update_states`, on every step, scheduled work or not); their slots go at the next sync."""
+        self._slot_of.finished(req_ids)
+
     def _sync_requests(self, req_ids) -> None:
-        """Give new requests a slot; release the slots (and pool ownership) of finished ones."""
-        live = set(req_ids)
-        gone = [r for r in self._slot_of if r not in live]
-        if gone:
-            slots = [self._slot_of.pop(r) for r in gone]
+        """Give new requests a slot; release the slots (and pool ownership) of finished ones.
+        A request absent from this batch (preempted, or left out by the token budget) keeps
+        its slot: request_slots.py."""
+        changes = self._slot_of.sync(req_ids)
+        if changes.released:
+            slots = changes.released
             if self.pool is not None:  # None on a TP rank that follows the first
                 self.pool.release(torch.tensor(slots, dtype=torch.long, device=self.device))
             for s in slots:
@@ -236,17 +242,14 @@ class OuroborosProposer:
                 self.stats.finish(s)
                 self._last_suffix_len[s] = 0
                 self._last_main[s] = self._ctx_seen[s] = 0
-            self._free_slots += slots
-        for r in req_ids:
-            if r is not None and r not in self._slot_of:
-                slot = self._slot_of[r] = self._free_slots.pop()
-                self.stats.start(slot, r)
-                self._tokens_per_fwd[slot] = self._prior_tokens_per_fwd
-                self._draft_forwards[slot] = self.cfg.gamma
-                self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
-                self._base_tokens[slot] = self._prior_tokens_per_fwd
-                self._suffix_gain[slot] = self._suffix_gain_all
-                self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
+        for r, slot in changes.assigned:
+            self.stats.start(slot, r)
+            self._tokens_per_fwd[slot] = self._prior_tokens_per_fwd
+            self._draft_forwards[slot] = self.cfg.gamma
+            self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
+            self._base_tokens[slot] = self._prior_tokens_per_fwd
+            self._suffix_gain[slot] = self._suffix_gain_all
+            self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
     # ---- tree verification switches (set by the runner patches) --------------------------
     def set_tree_available(self, ok: bool) -> None:
@@ -425,7 +428,7 @@ class OuroborosProposer:
         proposals: list[list[int]] = [[] for _ in range(B)]
         if len(rows) == 0:
             return proposals
-        slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
+        slots = np.array([self._slot_of.slot_of[req_ids[i]] for i in rows], np.int64)
         spec = self._speculate(slots)
         if not spec.all():
             # Plain decoding this step for these: nothing sent, nothing drafted; the draft
@@ -560,6 +563,8 @@ class OuroborosProposer:
         """Aggregate (and per-request) counters, plus the pool's."""
         pool = self.pool.stats() if self.pool is not None else None
         out = self.stats.snapshot(pool, per_request=per_request)
+        out["requests_returned"] = self._slot_of.returned
+        out["slots_evicted"] = self._slot_of.evicted
         if self.runtime is not None:  # what "auto" resolved to on this device
             out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,

@@ -187,6 +187,7 @@ class DeviceRound:
         A = bucket(B, BATCH_BUCKETS)
         U = self.width_bucket(int(u0.max()))
         st = self._state(A)
+        self._layouts(U)
         if self.graphs:  # before the inputs go in: a capture runs on a neutral inbox
             self._ensure_captured(st, U)
         # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued
@@ -221,6 +222,12 @@ class DeviceRound:
         self._recent = (self._recent + [needed])[-8:]
         return DeviceRoundOutput(out[:, :D], dlen, rf, gt, gh, rule.astype(bool), dlen - last,
                                  act.astype(bool), sfx, valid, F)
+
+    def _layouts(self, U: int) -> None:
+        """Build (once) the masks the round's forwards use, outside the functions a graph
+        captures: a layout is made on the host and copied in, which a capture cannot hold."""
+        self.rt.layout(U, self.rt.G)
+        self.rt.layout(self.rt.L + 1, self.rt.G)
 
     # ---- the three functions (run eagerly or captured) -----------------------------------------
     def _start(self, st: RoundState, U: int, bound: int) -> None:
@@ -341,6 +348,7 @@ class DeviceRound:
         compilation) and the capture both see a neutral state: padding rows, none active, so
         the real pool, windows and caches are untouched."""
         rt = self.rt
+        self._layouts(U if name.startswith("start") else rt.L + 1)
         # A neutral state: every row padding, inactive.
         st.slots.fill_(rt.pad_slot)
         st.kv.zero_()

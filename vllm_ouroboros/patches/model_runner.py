@@ -5,6 +5,9 @@
 `_sample` (patched): the tree walk replaces vLLM's rejection sampler for ouroboros steps, the
     accepted branch's KV is moved into place, and the target's tokens at every node go to the
     proposer's pool feedback, all before `propose()` runs in the same step.
+`_update_states` (patched): the requests vLLM finished or aborted go to the proposer, which
+    releases their draft slots; one that is only absent from a step (preempted, or left out by
+    the token budget) keeps its slot and draft cache (request_slots.py).
 `_input_fits_in_drafter` (patched): vLLM skips the drafter for the WHOLE batch once any request
     is within num_speculative_tokens of max_model_len, and then schedules that many placeholder
     drafts (not real tokens) for every request, which the proposer never made. Ours drafts per
@@ -21,6 +24,16 @@ from vllm_ouroboros.patches._util import patch_method, require
 def _drafter(runner):
     d = getattr(runner, "drafter", None)
     return d if getattr(d, "is_ouroboros", False) else None
+
+
+def _update_states(original):
+    def update_states(self, scheduler_output):
+        drafter = _drafter(self)
+        if drafter is not None and scheduler_output.finished_req_ids:
+            drafter.note_finished(scheduler_output.finished_req_ids)
+        return original(self, scheduler_output)
+
+    return update_states
 
 
 def _prepare_inputs(original):
@@ -75,6 +88,8 @@ def apply() -> None:
             "target_logits_indices", "bonus_logits_indices", "logits_indices"}
     if not need <= fields:
         require(SpecDecodeMetadata, *sorted(need - fields))
+    if "finished_req_ids" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+        require(SchedulerOutput, "finished_req_ids")
     if "has_structured_output_requests" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
         require(SchedulerOutput, "has_structured_output_requests")
     from vllm.v1.sample import rejection_sampler
@@ -82,6 +97,7 @@ def apply() -> None:
 
     require(rejection_sampler, "apply_sampling_constraints")
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
+    patch_method(GPUModelRunner, "_update_states", _update_states)
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)
     patch_method(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)

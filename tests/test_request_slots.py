@@ -1,0 +1,79 @@
+"""Draft slots across vLLM's steps (request_slots.py): a request absent from a step keeps its
+slot, a finished one gives it back, and when every slot is taken the absent request seen
+longest ago is evicted."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_ouroboros.request_slots import RequestSlots
+
+
+def test_new_requests_take_slots_in_order_and_empty_rows_are_ignored():
+    s = RequestSlots(4)
+    ch = s.sync(["a", None, "b", "c"])
+    assert ch.assigned == [("a", 0), ("b", 1), ("c", 2)] and ch.released == []
+    assert s.get("b") == 1 and s.get("zzz") == -1 and "c" in s and None not in s.slot_of
+
+
+def test_an_absent_request_keeps_its_slot():
+    """Preempted, or left out by the token budget: it comes back to the same slot (its draft
+    cache and private phrases are still there)."""
+    s = RequestSlots(4)
+    s.sync(["a", "b", "c"])
+    ch = s.sync(["a", "c"])
+    assert ch.released == [] and ch.assigned == []
+    assert s.get("b") == 1
+    assert s.returned == 0
+    ch = s.sync(["c", "b", "d"])
+    assert ch.assigned == [("d", 3)] and s.get("b") == 1
+    assert s.returned == 1
+    s.sync(["c", "b", "d"])
+    assert s.returned == 1
+
+
+def test_finished_requests_are_released_at_the_next_sync_and_their_slot_reused():
+    s = RequestSlots(3)
+    s.sync(["a", "b", "c"])
+    s.finished({"b", "never-seen"})
+    assert s.get("b") == 1  # nothing happens before the next sync
+    ch = s.sync(["a", "c", "d"])
+    assert ch.released == [1] and ch.assigned == [("d", 1)]
+    # Finished while absent (aborted in vLLM's waiting queue after a preemption).
+    s.sync(["a", "d"])
+    s.finished(["c"])
+    ch = s.sync(["a", "d"])
+    assert ch.released == [2] and "c" not in s
+    assert s.evicted == 0
+
+
+def test_when_every_slot_is_taken_the_absent_request_seen_longest_ago_gives_its_slot_up():
+    s = RequestSlots(3)
+    s.sync(["a", "b", "c"])
+    s.sync(["a", "b"])   # c last seen at step 1
+    s.sync(["b"])        # a last seen at step 2
+    ch = s.sync(["b", "d"])
+    assert ch.released == [2] and ch.assigned == [("d", 2)] and s.evicted == 1
+    ch = s.sync(["b", "d", "c"])  # c comes back: a (absent since step 2) makes room
+    assert ch.released == [0] and ch.assigned == [("c", 0)] and s.evicted == 2
+    assert s.slot_of == {"b": 1, "d": 2, "c": 0}
+
+
+def test_the_same_calls_give_the_same_slots():
+    """Tensor-parallel ranks replay the same scheduler outputs: their slots must agree."""
+    calls = [(["a", "b", "c"], ()), (["c", "d"], {"a"}), (["e", "f", "d"], {"c"}), (["b", "g", "h"], ())]
+
+    def run():
+        s, out = RequestSlots(4), []
+        for batch, done in calls:
+            s.finished(done)
+            out.append(s.sync(batch))
+        return out, dict(s.slot_of)
+
+    assert run() == run()
+
+
+def test_a_batch_larger_than_the_slots_is_an_error():
+    s = RequestSlots(2)
+    with pytest.raises(ValueError, match="3 requests in one batch, but only 2 draft slots"):
+        s.sync(["a", "b", "c"])

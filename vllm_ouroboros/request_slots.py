@@ -1,0 +1,90 @@
+"""Which draft slot (draft KV cache row, pool owner, per-request statistics) each request holds.
+
+vLLM's runner drops from its batch every request the scheduler did not schedule this step: a
+preempted one, and also a running one that the token budget left out. Such a request comes back
+later with the same context (or a longer one), so it keeps its slot: its draft cache is still
+valid up to the rollback point and its private pool phrases still apply. A slot is released when
+vLLM says the request finished (or was aborted: `finished_req_ids`), or, if every slot is taken,
+the absent request seen longest ago gives its slot up (a preempted request may wait in vLLM's
+queue while max_num_seqs others run). No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SlotChanges:
+    """What one `sync` changed: slots to reset (their requests ended or were evicted) and the
+    new requests' slots, both in the order they happened."""
+
+    released: list[int] = field(default_factory=list)
+    assigned: list[tuple[str, int]] = field(default_factory=list)
+
+
+class RequestSlots:
+    """Slots 0..num_slots-1 for requests; absent requests keep theirs (see the module docstring).
+
+    Deterministic for a given sequence of calls, so every tensor-parallel rank that replays the
+    same scheduler outputs holds the same slots.
+    """
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._finished: set[str] = set()
+        self._last_seen: dict[str, int] = {}  # request -> step it was last in the batch
+        self._step = 0
+        self.evicted = 0  # absent requests that gave their slot up before they finished
+        self.returned = 0  # requests back in a batch, to the slot they kept, after steps out
+
+    def get(self, req_id: str, default: int = -1) -> int:
+        return self.slot_of.get(req_id, default)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.slot_of
+
+    def finished(self, req_ids) -> None:
+        """Requests vLLM finished or aborted (released at the next `sync`)."""
+        self._finished.update(req_ids)
+
+    def sync(self, req_ids) -> SlotChanges:
+        """The batch of this step (None entries are empty batch rows): release finished
+        requests' slots, give new ones a slot. Raises if the batch alone needs more slots
+        than there are."""
+        out = SlotChanges()
+        self._step += 1
+        live = [r for r in req_ids if r is not None]
+        if len(set(live)) > self.num_slots:
+            raise ValueError(f"{len(set(live))} requests in one batch, but only {self.num_slots} "
+                             "draft slots (max_num_seqs)")
+        if self._finished:
+            for r in self._finished:
+                if r in self.slot_of:
+                    out.released.append(self._release(r))
+            self._finished.clear()
+        batch = set(live)
+        for r in live:
+            if r in self.slot_of and self._last_seen[r] < self._step - 1:
+                self.returned += 1
+            if r not in self.slot_of:
+                if not self._free:
+                    out.released.append(self._release(self._oldest_absent(batch)))
+                self.slot_of[r] = self._free.pop()
+                out.assigned.append((r, self.slot_of[r]))
+            self._last_seen[r] = self._step
+        return out
+
+    def _oldest_absent(self, batch: set[str]) -> str:
+        absent = [r for r in self.slot_of if r not in batch]
+        r = min(absent, key=lambda r: self._last_seen[r])
+        self.evicted += 1
+        return r
+
+    def _release(self, req_id: str) -> int:
+        slot = self.slot_of.pop(req_id)
+        self._last_seen.pop(req_id, None)
+        self._free.append(slot)
+        return slot

@@ -40,6 +40,7 @@ POOL_SAVE_INTERVAL = 10.0  # seconds
 # MAX_PROBE_GAP), so a stretch of poor acceptance costs little and a recovery is seen soon.
 ESTIMATE_RATE = 0.3
 PROBE_GAP = 4
+CAPTURED_BATCH = 64  # draft_round "graph": batches captured at load (larger ones on first use)
 MAX_PROBE_GAP = 32
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -140,10 +141,12 @@ class OuroborosProposer:
             factory = onednn_gemm_factory(dtype=model.dtype)
             if factory is not None:
                 model.use_gemm(factory)
-        init_slots = min(self.max_slots, 16)
-        init_len = min(self.max_model_len, cfg.draft_initial_len)
-        model.allocate_cache(init_slots, init_len)
         draft_round = resolved_draft_round(cfg, self.device.type)
+        # With graphs, slots for every batch captured below: a cache that grows drops the graphs
+        # (they hold its address), so the 17th request would otherwise cost a recapture.
+        init_slots = min(self.max_slots, CAPTURED_BATCH if draft_round == "graph" else 16)
+        init_len = min(self.max_model_len, cfg.draft_initial_len)
+        model.allocate_cache(init_slots + 1, init_len)  # + the runtime's spare padding slot
         # Timed as the round will run it: replayed from CUDA graphs in graph mode.
         self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
                                                    graphs=draft_round == "graph")
@@ -199,14 +202,16 @@ class OuroborosProposer:
         if settings.draft_round == "graph":
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
             t0 = time.perf_counter()
-            n = self.runtime.device_round.capture(range(1, min(self.max_slots, 64) + 1))
+            n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
             logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
                         time.perf_counter() - t0)
         logger.info("ouroboros: drafting loop: %s", settings.draft_round)
         if cfg.pool_save_path:
             atexit.register(self.save_pool)
-        logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB", cfg.draft_model,
-                    dtype, cfg.pool_budget_mb)
+        logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
+                    "(%d slots x %d tokens; grows on demand)", cfg.draft_model, dtype,
+                    cfg.pool_budget_mb, 2 * model.k_cache.numel() * model.k_cache.element_size() / 2**20,
+                    model.k_cache.shape[1], model.k_cache.shape[3])
 
     def save_pool(self, path: str | None = None) -> None:
         """Write the pool (atomically: a reader never sees half a file)."""

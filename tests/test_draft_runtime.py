@@ -266,3 +266,23 @@ def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, 
             new = simulate_target(new, drafts[0], rng, greedy, V)
             other = simulate_target(other, drafts[1], rng, greedy, V)
         rt.reset_slot(1)
+
+
+def test_cache_bytes_and_the_growth_warning(draft_path, device):
+    """The draft cache's size (k and v, every layer) and the load-time warning when growing it
+    on demand could outrun the memory vLLM leaves free."""
+    from vllm_ouroboros.draft.runtime import cache_growth_warning
+
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
+    model.allocate_cache(3, 40)
+    got = model.cache_bytes(3, 40)
+    assert got == model.k_cache.numel() * 4 * 2
+    assert model.cache_bytes(6, 40) == 2 * got
+    GiB = 2**30
+    # The real 0.5B draft in bf16 (12,288 bytes a token): 17 slots of 2,048 tokens fit easily in
+    # 80 GiB x 8%; 257 slots of 32k do not.
+    tok = 12288
+    assert cache_growth_warning(17 * 2048 * tok, 17 * 2048 * tok, 0.08 * 80 * GiB, 16, 2048) is None
+    msg = cache_growth_warning(257 * 32768 * tok, 65 * 2048 * tok, 0.08 * 80 * GiB, 256, 32768)
+    assert msg is not None and "256 requests of 32768 tokens" in msg and "it would reach 96.4 GiB" in msg
+    assert "lower max_num_seqs" in msg

@@ -24,7 +24,7 @@ from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
 from vllm_ouroboros.config import OuroborosConfig, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.model import DraftModel
-from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
+from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_growth_warning
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
@@ -206,6 +206,15 @@ class OuroborosProposer:
             logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
                         time.perf_counter() - t0)
         logger.info("ouroboros: drafting loop: %s", settings.draft_round)
+        if self.device.type == "cuda":
+            warning = cache_growth_warning(
+                model.cache_bytes(self.max_slots + 1, self.runtime.max_slot_len),
+                model.cache_bytes(model.num_slots, model.max_len),
+                (1 - self.vllm_config.cache_config.gpu_memory_utilization)
+                * torch.cuda.get_device_properties(self.device).total_memory,
+                self.max_slots, self.runtime.max_slot_len)
+            if warning:
+                logger.warning("ouroboros: %s", warning)
         if cfg.pool_save_path:
             atexit.register(self.save_pool)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "

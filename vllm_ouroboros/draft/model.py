@@ -282,6 +282,11 @@ class DraftModel(nn.Module):
     def max_len(self) -> int:
         return 0 if self.k_cache is None else self.k_cache.shape[3]
 
+    def cache_bytes(self, num_slots: int, max_len: int) -> int:
+        """Bytes of the k and v caches for num_slots slots of max_len tokens."""
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return num_slots * max_len * per_token
+
     @torch.inference_mode()
     def allocate_cache(self, num_slots: int, max_len: int) -> None:
         """(Re)allocate zeroed k/v caches [num_layers, num_slots, Hkv, max_len, D]; old content is dropped.

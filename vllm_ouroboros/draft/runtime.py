@@ -128,6 +128,12 @@ class DraftRuntime:
         self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
                              if settings.draft_round != "host" else None)
 
+    @property
+    def max_slot_len(self) -> int:
+        """The longest the cache of one slot can grow (tokens): context, a round's draft and one
+        forward's scratch."""
+        return self._max_cap
+
     # ---- slots -------------------------------------------------------------------------------
     @property
     def pad_slot(self) -> int:
@@ -418,3 +424,22 @@ class DraftRuntime:
             gcols = layout.guess_start + g[:, None] * L + torch.arange(L, device=dev)[None, :]
             cols = torch.cat([cols[:, :1], gcols], dim=1)
         return hidden.gather(1, cols[:, :, None].expand(A, L + 1, hidden.shape[2]))
+
+
+def cache_growth_warning(worst_bytes: int, allocated_bytes: int, headroom_bytes: float,
+                         num_slots: int, max_len: int) -> str | None:
+    """A warning when the draft's KV cache, which grows on demand after vLLM measured its memory,
+    could outgrow what vLLM leaves free on the device (`headroom_bytes`: (1 -
+    gpu_memory_utilization) of it). Growing copies the cache, so old and new coexist for a moment.
+
+    worst_bytes: the cache at num_slots slots of max_len tokens; allocated_bytes: at load."""
+    peak = worst_bytes + max(worst_bytes // 2, allocated_bytes)  # the last doubling's copy
+    if peak <= 0.5 * headroom_bytes:
+        return None
+    gib = 2**30
+    return (f"the draft's KV cache is {allocated_bytes / gib:.2f} GiB now and grows on demand, outside "
+            f"vLLM's memory profile: with {num_slots} requests of {max_len} tokens it would reach "
+            f"{worst_bytes / gib:.1f} GiB (about {peak / gib:.1f} GiB while it is copied), against "
+            f"{headroom_bytes / gib:.1f} GiB that vLLM leaves free (gpu_memory_utilization). If "
+            "the draft runs out of memory, lower max_num_seqs or max_model_len, or "
+            "gpu_memory_utilization.")

@@ -40,8 +40,8 @@ POOL_SAVE_INTERVAL = 10.0  # seconds
 # MAX_PROBE_GAP), so a stretch of poor acceptance costs little and a recovery is seen soon.
 ESTIMATE_RATE = 0.3
 PROBE_GAP = 4
-CAPTURED_BATCH = 64  # draft_round "graph": batches captured at load (larger ones on first use)
 MAX_PROBE_GAP = 32
+CAPTURED_BATCH = 64  # draft_round "graph": batches captured at load (larger ones on first use)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -219,8 +219,8 @@ class OuroborosProposer:
             atexit.register(self.save_pool)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
                     "(%d slots x %d tokens; grows on demand)", cfg.draft_model, dtype,
-                    cfg.pool_budget_mb, 2 * model.k_cache.numel() * model.k_cache.element_size() / 2**20,
-                    model.k_cache.shape[1], model.k_cache.shape[3])
+                    cfg.pool_budget_mb, model.cache_bytes(model.num_slots, model.max_len) / 2**20,
+                    model.num_slots, model.max_len)
 
     def save_pool(self, path: str | None = None) -> None:
         """Write the pool (atomically: a reader never sees half a file)."""
@@ -442,7 +442,7 @@ class OuroborosProposer:
         proposals: list[list[int]] = [[] for _ in range(B)]
         if len(rows) == 0:
             return proposals
-        slots = np.array([self._slot_of.slot_of[req_ids[i]] for i in rows], np.int64)
+        slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
         spec = self._speculate(slots)
         if not spec.all():
             # Plain decoding this step for these: nothing sent, nothing drafted; the draft

@@ -43,6 +43,9 @@ class RequestSlots:
     def get(self, req_id: str, default: int = -1) -> int:
         return self.slot_of.get(req_id, default)
 
+    def __getitem__(self, req_id: str) -> int:
+        return self.slot_of[req_id]
+
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.slot_of
 
@@ -57,15 +60,15 @@ class RequestSlots:
         out = SlotChanges()
         self._step += 1
         live = [r for r in req_ids if r is not None]
-        if len(set(live)) > self.num_slots:
-            raise ValueError(f"{len(set(live))} requests in one batch, but only {self.num_slots} "
+        batch = set(live)
+        if len(batch) > self.num_slots:
+            raise ValueError(f"{len(batch)} requests in one batch, but only {self.num_slots} "
                              "draft slots (max_num_seqs)")
         if self._finished:
             for r in self._finished:
                 if r in self.slot_of:
                     out.released.append(self._release(r))
             self._finished.clear()
-        batch = set(live)
         for r in live:
             if r in self.slot_of and self._last_seen[r] < self._step - 1:
                 self.returned += 1

@@ -52,7 +52,9 @@ def tp_env():
 
 def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models):
     base, _ = run_tp2(tiny_models["target"], None)
-    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
+    # The close draft: its drafts are accepted in full often enough that later suffixes are
+    # accepted whatever the CPU's rounding (tests/tiny_models.py model_pair).
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64,
             "use_suffixes": True}
     ours, snaps = run_tp2(tiny_models["target"], spec)

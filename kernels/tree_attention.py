@@ -564,6 +564,64 @@ def tree_attention(
 
 
 # ----------------------------------------------------------------------------------------------
+# Check before serving
+# ----------------------------------------------------------------------------------------------
+# Twice the parity tests' tolerances: only a broken build fails the check, not rounding.
+_CHECK_TOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+def check_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                 max_query_len: int = MAX_TREE_NODES, max_splits: int = MAX_SPLITS,
+                 seed: int = 0) -> str | None:
+    """Compile and run the kernel where it is about to serve, for every launch configuration that
+    calls with these caches' layout and `num_heads` can pick, against the torch path: each power
+    of two max_query_len up to `max_query_len`'s (at most 64), single-pass and split in two, and the merge kernel
+    for each power of two S up to `max_splits`. Compiling them here also means no request waits
+    for Triton later.
+
+    Shape: k_cache, v_cache [num_blocks, block_size, Hkv, D], with the dtype and strides of the
+        caches the kernel will read (Triton compiles per dtype, block size and stride alignment),
+        filled with random values by the caller; only read. num_blocks * block_size must hold
+        max_query_len rounded up to a power of two.
+    Returns None, or why the kernel must not be used on this device: a compilation or launch
+    error (e.g. a GPU with less shared memory than a tile needs), or the largest difference to
+    the torch path. Synchronises (it reads each result).
+    """
+    device, dtype = k_cache.device, k_cache.dtype
+    num_blocks, block_size, _, head_dim = k_cache.shape
+    capacity = num_blocks * block_size
+    # Launches differ by max_query_len's next power of two (tile rows, tree width).
+    top = _next_pow2(min(max(max_query_len, 1), MAX_TREE_NODES))
+    if capacity < top:
+        raise ValueError(f"caches of {capacity} positions cannot hold {top} tree nodes")
+    gen = torch.Generator().manual_seed(seed)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    sizes = [1 << i for i in range(top.bit_length())]
+    splits = [1 << i for i in range(2, max_splits.bit_length())]
+    runs = [(m, 1) for m in sizes] + [(m, 2) for m in sizes] + [(1, s) for s in splits]
+    tol = _CHECK_TOL[dtype]
+    for m, num_splits in runs:
+        q = torch.randn(m, num_heads, head_dim, generator=gen).to(device, dtype)
+        # A chain of m nodes behind the longest prefix the caches hold: node i sees nodes < i.
+        bits = torch.ones(m, dtype=torch.long).bitwise_left_shift(torch.arange(m)) - 1
+        args = (q, k_cache, v_cache, block_table,
+                torch.tensor([capacity - m], dtype=torch.int32, device=device),
+                torch.tensor([0, m], dtype=torch.int32, device=device), bits.to(device),
+                head_dim ** -0.5)
+        what = f"{m} tree nodes, S = {num_splits}, {dtype}, {num_heads}/{k_cache.shape[2]} heads, D = {head_dim}"
+        try:
+            got = tree_attention(*args, backend="triton", num_splits=num_splits, max_query_len=m)
+            want = tree_attention(*args, backend="torch")
+            err = (got.float() - want.float()).abs().max().item()  # also surfaces launch errors
+        except Exception as e:  # noqa: BLE001 (any failure means: do not serve with it)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return f"{what}: {type(e).__name__}: {first}"
+        if not err <= tol:  # NaN fails too
+            return f"{what}: differs from the torch path by {err:.3g} (tolerance {tol})"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
 # Batched torch path (where Triton cannot run: CPU)
 # ----------------------------------------------------------------------------------------------
 def tree_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -208,6 +208,33 @@ def forward_fn(model: DraftModel, B: int, n: int, prefix: int, all_positions: bo
     return run
 
 
+def kernel_check(model: DraftModel, plan: Plan, layout: str) -> dict:
+    """The tree-attention kernel's check before serving, as the plugin runs it at load: on the
+    draft's own cache (DraftModel.check_attention_kernel) or, for the target's shapes, on a cache
+    laid out as vLLM's FlashAttention one (key | value per token, 16-token blocks; what
+    patches/tree_attention.check_layer_kernel reads). Seconds: on a machine whose Triton cache is
+    empty, the compilation of every launch configuration (a server's first start pays it once)."""
+    from vllm_ouroboros.kernels.tree_attention import check_kernel
+
+    t0 = time.perf_counter()
+    if layout == "draft cache":
+        model.allocate_cache(1, plan.prefix + 72)
+        model.attention_backend = "auto"
+        reason = model.check_attention_kernel()
+        model.attention_backend = "auto"  # the sections below measure the kernel path regardless
+    else:
+        D = model.head_dim
+        raw = torch.randn(24, model.num_kv_heads, 16, 2 * D, device=model.device, dtype=model.dtype)
+        kv = raw.transpose(1, 2)
+        reason = check_kernel(kv[..., :D], kv[..., D:], model.num_heads)
+    out = {"layout": layout, "heads": f"{model.num_heads}/{model.num_kv_heads}",
+           "head_dim": model.head_dim, "seconds": time.perf_counter() - t0, "passed": reason is None,
+           "reason": reason}
+    print(f"  {layout}: {'passed' if reason is None else 'FAILED: ' + reason} "
+          f"({out['seconds']:.1f} s)", flush=True)
+    return out
+
+
 def forward_curve(model: DraftModel, plan: Plan, all_positions: bool, graphs: bool,
                   errors: dict, tag: str) -> list[dict]:
     """t(n) points [{batch, n, eager_ms, graph_ms}] (medians), 1 request over plan.points and the
@@ -536,6 +563,13 @@ def markdown(res: dict) -> str:
     for a in res["acceptance"]:
         lines.append(f"| {a['name']} {a['op']} {a['target']} {a['unit']} | {_ms(a['value'])}{_others(a)} | "
                      f"{a['status']} |")
+    checks = [c for c in (res.get("kernel_check") or {}).values() if c]
+    if checks:
+        lines += ["", "## Kernel check before serving (first start: compiles every configuration)", "",
+                  "| cache layout | heads | D | result | seconds |", "|---|---|---|---|---|"]
+        lines += [f"| {c['layout']} | {c['heads']} | {c['head_dim']} | "
+                  f"{'passed' if c['passed'] else 'FAILED: ' + c['reason']} | {c['seconds']:.1f} |"
+                  for c in checks]
     lines += _md_curves(res) + _md_rounds(res) + _md_kernel(res.get("kernel")) + _md_modeled(res.get("modeled"))
     if res["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in res["skipped"].items()]
@@ -694,6 +728,12 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     if not graphs:
         skipped["graph"] = "skipped: no CUDA" if device.type != "cuda" else "skipped: --skip graph"
     draft, res["models"]["draft"] = load_model("draft", args.draft, plan.tiny, dtype, device)
+    res["kernel_check"] = {}
+    if device.type != "cuda":
+        skipped["kernel_check"] = "skipped: no CUDA (the check compiles the kernel for the GPU)"
+    else:
+        res["kernel_check"]["draft"] = run_section("kernel_check/draft", lambda: kernel_check(
+            draft, plan, "draft cache"), errors)
     with torch.inference_mode():
         res["curves"]["draft"] = run_section("curves/draft", lambda: forward_curve(
             draft, plan, False, graphs, errors, "draft"), errors) or []
@@ -702,6 +742,9 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
             res["models"]["target"] = {"source": "skipped", "weights": "-"}
         else:
             target, res["models"]["target"] = load_model("target", args.target, plan.tiny, dtype, device)
+            if device.type == "cuda":
+                res["kernel_check"]["target"] = run_section("kernel_check/target", lambda: kernel_check(
+                    target, plan, "vLLM paged cache"), errors)
             res["curves"]["target"] = run_section("curves/target", lambda: forward_curve(
                 target, plan, True, graphs, errors, "target"), errors) or []
             del target  # the rounds and the kernel get its memory

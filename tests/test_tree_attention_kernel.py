@@ -585,6 +585,146 @@ def test_draft_attention_backend_choice():
         build_attention_metadata(one, one, mask(8), 0, backend="cuda")
 
 
+# ---------------------------------------------------------------------------------------------
+# The check before serving (check_kernel): passes on a working build, names what failed otherwise
+# ---------------------------------------------------------------------------------------------
+# On CPU (the interpreter) a few launch configurations; on a GPU all of them, as at load.
+CHECK_SIZES = dict(max_query_len=4, max_splits=4) if DEVICE == "cpu" else {}
+
+
+def check_caches(layout, dtype=torch.float32, blocks=6, block_size=16, hkv=2, head_dim=32):
+    """Random K/V caches [blocks, block_size, hkv, head_dim]: contiguous, or as
+    patches/tree_attention's views read vLLM's FlashAttention cache (key | value per token)."""
+    g = torch.Generator().manual_seed(5)
+    if layout == "contiguous":
+        kv = torch.randn(2, blocks, block_size, hkv, head_dim, generator=g).to(DEVICE, dtype)
+        return kv[0], kv[1]
+    raw = torch.randn(blocks, hkv, block_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
+    kv = raw.transpose(1, 2)
+    return kv[..., :head_dim], kv[..., head_dim:]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "key_value_per_token"])
+def test_check_kernel_passes_on_a_working_build(layout):
+    k, v = check_caches(layout)
+    assert ta.check_kernel(k, v, num_heads=4, **CHECK_SIZES) is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the real pair's shapes in bf16 need a GPU (the "
+                                                 "interpreter would take minutes)")
+@pytest.mark.parametrize("heads,hkv,head_dim", [(14, 2, 64), (12, 2, 128)])
+def test_check_kernel_passes_for_the_real_pair(heads, hkv, head_dim):
+    k, v = check_caches("key_value_per_token", torch.bfloat16, blocks=24, hkv=hkv, head_dim=head_dim)
+    assert ta.check_kernel(k, v, num_heads=heads) is None
+
+
+class _Launch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args)` calls `fn(*args)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def test_check_kernel_names_a_failing_launch(monkeypatch):
+    def launch(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 101376")
+
+    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(launch), None))
+    reason = ta.check_kernel(*check_caches("contiguous"), num_heads=4, **CHECK_SIZES)
+    assert reason.startswith("1 tree nodes, S = 1, torch.float32, 4/2 heads, D = 32: RuntimeError: "
+                             "out of resource: shared memory"), reason
+
+
+def test_check_kernel_names_wrong_numbers(monkeypatch):
+    def launch(q, k_cache, v_cache, out, *args, **kwargs):
+        out.zero_()
+
+    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(launch), None))
+    reason = ta.check_kernel(*check_caches("contiguous"), num_heads=4, **CHECK_SIZES)
+    assert "differs from the torch path by" in reason, reason
+
+
+def test_check_kernel_needs_room_for_the_tree():
+    k, v = check_caches("contiguous", blocks=2, block_size=16)
+    with pytest.raises(ValueError, match="cannot hold 64 tree nodes"):
+        ta.check_kernel(k, v, num_heads=4, max_query_len=40)
+
+
+def test_target_layer_check_and_fallback(monkeypatch):
+    """patches/tree_attention: the check runs on scratch caches laid out as the layer's (its own
+    cache untouched); a failure makes the layer's tree rows use the torch path."""
+    from vllm_ouroboros.patches import tree_attention as pta
+
+    class FlashAttentionImpl:  # the name selects the layout, as for vLLM's class
+        num_heads, head_size, scale = 4, 32, 32 ** -0.5
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return output  # the causal result (not needed here)
+
+    class Layer:
+        impl = FlashAttentionImpl()
+        kv_cache = torch.zeros(3, 2, 16, 64, device=DEVICE)  # [blocks, Hkv, block_size, 2 D]
+
+    layer = Layer()
+    assert pta.check_layer_kernel(layer, max_nodes=CHECK_SIZES.get("max_query_len", 64)) is None
+    assert not layer.kv_cache.any()
+
+    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(lambda *a, **k: 1 / 0), None))
+    reason = pta.check_layer_kernel(layer, max_nodes=4)
+    assert "ZeroDivisionError" in reason
+    pta._wrap(layer.impl, "torch")
+    backends = []
+
+    def spy(q, *args, backend, **kwargs):
+        backends.append(backend)
+        return torch.ones_like(q)
+
+    monkeypatch.setattr(pta, "tree_attention", spy)
+    rows = torch.tensor([1, 2], device=DEVICE)
+    step = pta.TreeAttentionStep(
+        q_rows=rows, q_start=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE),
+        prefix_lens=torch.tensor([5], dtype=torch.int32, device=DEVICE),
+        bits=torch.tensor([1, 3], device=DEVICE), block_table=torch.zeros(1, 3, dtype=torch.int32,
+                                                                          device=DEVICE),
+        write_local=torch.tensor([1], device=DEVICE), write_rows=torch.tensor([2], device=DEVICE),
+        max_rows=2)
+    out = torch.zeros(3, 4 * 32, device=DEVICE)
+    pta.set_active(step)
+    try:
+        layer.impl.forward(layer, torch.randn(3, 4 * 32, device=DEVICE), None, None, layer.kv_cache,
+                           object(), output=out)
+    finally:
+        pta.set_active(None)
+    assert backends == ["torch"] and out[2].eq(1).all() and not out[:2].any()
+
+
+def test_draft_model_checks_the_kernel_it_will_use(tiny_models, monkeypatch):
+    """DraftModel.check_attention_kernel: "triton" is checked wherever it is asked for (here the
+    interpreter) and raises on a failing kernel; "torch", and "auto" off CUDA, run nothing."""
+    from vllm_ouroboros.draft.model import DraftModel
+
+    m = DraftModel.from_pretrained(tiny_models["draft"], dtype=torch.float32, device=DEVICE)
+    m.allocate_cache(2, 64)
+    m.attention_backend = "triton"
+    if DEVICE == "cpu":  # a few configurations under the interpreter
+        monkeypatch.setattr("vllm_ouroboros.draft.model.MAX_KERNEL_QUERIES", 4)
+    assert m.check_attention_kernel() is None
+    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(lambda *a, **k: 1 / 0), None))
+    with pytest.raises(RuntimeError, match="failed its check.*ZeroDivisionError"):
+        m.check_attention_kernel()
+    m.attention_backend = "auto"
+    if DEVICE == "cuda":  # falls back to SDPA, with the reason
+        assert "ZeroDivisionError" in m.check_attention_kernel()
+        assert m.attention_backend == "torch"
+    else:
+        assert m.check_attention_kernel() is None and m.attention_backend == "auto"
+    m.attention_backend = "torch"
+    assert m.check_attention_kernel() is None
+
+
 def test_triton_path_is_active():
     # guards every parity test above: they must have run the kernel, not a fallback
     if DEVICE == "cpu":

@@ -147,6 +147,11 @@ class OuroborosProposer:
         init_slots = min(self.max_slots, CAPTURED_BATCH if draft_round == "graph" else 16)
         init_len = min(self.max_model_len, cfg.draft_initial_len)
         model.allocate_cache(init_slots + 1, init_len)  # + the runtime's spare padding slot
+        # On CUDA: the kernel checked (and compiled) before anything is timed or captured.
+        reason = model.check_attention_kernel()
+        if reason is not None:
+            logger.warning("ouroboros: the tree-attention kernel failed its check on this GPU, so "
+                           "the draft's attention uses torch SDPA: %s", reason)
         # Timed as the round will run it: replayed from CUDA graphs in graph mode.
         self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
                                                    graphs=draft_round == "graph")

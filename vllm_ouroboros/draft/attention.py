@@ -90,7 +90,7 @@ def build_attention_metadata(
         raise ValueError(f"the tree-attention kernel takes at most {MAX_KERNEL_QUERIES} new tokens per "
                          f"row, got {Q}")
     use_kernel = backend == "triton" or (
-        backend == "auto" and new_mask.is_cuda and Q <= MAX_KERNEL_QUERIES and _kernel_importable())
+        backend == "auto" and new_mask.is_cuda and Q <= MAX_KERNEL_QUERIES and kernel_importable())
     return DraftAttentionMetadata(slots, cache_lens, new_mask.to(torch.bool), write_pos,
                                   max_cache_len + Q, use_kernel)
 
@@ -100,7 +100,7 @@ MAX_KERNEL_QUERIES = 64
 
 
 @functools.cache
-def _kernel_importable() -> bool:
+def kernel_importable() -> bool:
     # Imported on first use, not with this module: triton reads TRITON_INTERPRET at import.
     try:
         from vllm_ouroboros.kernels import tree_attention  # noqa: F401

@@ -22,7 +22,9 @@ from safetensors import safe_open
 from torch import nn
 
 from vllm_ouroboros.draft.attention import (
+    MAX_KERNEL_QUERIES,
     build_attention_metadata,
+    kernel_importable,
     masked_attention,
     write_kv,
 )
@@ -296,6 +298,39 @@ class DraftModel(nn.Module):
         shape = (self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def check_attention_kernel(self) -> str | None:
+        """Before the draft serves: run the Triton tree-attention kernel where this model would
+        use it (backend "auto" on CUDA, "triton" anywhere) on its heads, dtype and cache length,
+        against the torch path (kernels/tree_attention.check_kernel, which also compiles it).
+        Where it fails, "auto" falls back to torch SDPA and the reason is returned; "triton"
+        raises. Where the kernel would not be used (CPU with "auto", "torch"): None, nothing runs.
+        Call after allocate_cache (the kernel is compiled per cache length)."""
+        if self.k_cache is None:
+            raise RuntimeError("allocate_cache before check_attention_kernel")
+        if not (self.attention_backend == "triton"
+                or (self.attention_backend == "auto" and self.k_cache.is_cuda)):
+            return None
+        if not kernel_importable():
+            reason = "Triton is not importable"
+        else:
+            from vllm_ouroboros.kernels.tree_attention import check_kernel
+
+            gen = torch.Generator(device=self.device).manual_seed(0)
+            # Slots of random K/V in the cache's layout ([slot, position, kv head, D] views),
+            # enough of them for the largest tree behind a prefix.
+            slots = max(2, -(-2 * MAX_KERNEL_QUERIES // self.max_len))
+            kv = torch.randn((2, slots, self.num_kv_heads, self.max_len, self.head_dim),
+                             generator=gen, device=self.device, dtype=torch.float32).to(self.dtype)
+            reason = check_kernel(kv[0].transpose(1, 2), kv[1].transpose(1, 2), self.num_heads,
+                                  max_query_len=MAX_KERNEL_QUERIES)
+        if reason is not None:
+            if self.attention_backend == "triton":
+                raise RuntimeError(f"draft attention 'triton': the kernel failed its check on "
+                                   f"{self.device}: {reason}")
+            self.attention_backend = "torch"
+        return reason
 
     @torch.inference_mode()
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:

@@ -13,13 +13,14 @@ ALiBi, soft-capping, sinks, MLA, recurrent layers) makes the tree unavailable, w
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
-from vllm_ouroboros.kernels.tree_attention import tree_attention
+from vllm_ouroboros.kernels.tree_attention import MAX_TREE_NODES, check_kernel, tree_attention
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -132,8 +133,26 @@ def attention_layers(runner) -> dict[str, object]:
     return {name: layer for name, layer in ctx.items() if hasattr(layer, "kv_cache")}
 
 
-def install(runner) -> str | None:
-    """Wrap every attention layer of the target; return why the tree cannot run, or None."""
+def check_layer_kernel(layer, max_nodes: int = MAX_TREE_NODES) -> str | None:
+    """The kernel's check before serving (kernels/tree_attention.check_kernel) for this layer:
+    on scratch caches with its KV layout, dtype and block size (random values; the layer's own
+    cache is not touched), trees of up to `max_nodes` nodes. None where the kernel can serve it,
+    else why not."""
+    cache, impl = layer.kv_cache, layer.impl
+    block_size = kv_views(layer)[0].shape[1]
+    gen = torch.Generator(device=cache.device).manual_seed(0)  # leaves vLLM's RNG alone
+    blocks = -(-max(256, max_nodes) // block_size)  # a prefix of a few key tiles behind the tree
+    scratch = torch.randn((blocks, *cache.shape[1:]), generator=gen, device=cache.device,
+                          dtype=torch.float32).to(cache.dtype)
+    k, v = _LAYOUTS[type(impl).__name__](scratch, impl.head_size)
+    return check_kernel(k, v, impl.num_heads, max_query_len=max_nodes)
+
+
+def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
+    """Wrap every attention layer of the target; return why the tree cannot run, or None.
+    On CUDA the Triton kernel is checked first for each distinct layer shape (`check_layer_kernel`,
+    trees of up to `max_nodes` nodes, which also compiles it); where it fails, the tree rows are
+    computed by the batched torch path instead, slower but exact, with a warning."""
     mode = getattr(runner.compilation_config, "cudagraph_mode", None)
     if mode is not None and getattr(runner.device, "type", "cpu") == "cuda" \
             and mode.has_full_cudagraphs():
@@ -160,13 +179,31 @@ def install(runner) -> str | None:
         reason = _probe_cpu_layout(first)
         if reason is not None:
             return reason
+    backend = "auto"
+    if getattr(runner.device, "type", "cpu") == "cuda":
+        t0 = time.perf_counter()
+        shapes = {}
+        for layer in layers.values():
+            key = (type(layer.impl).__name__, tuple(layer.kv_cache.shape[1:]), layer.kv_cache.dtype,
+                   layer.impl.num_heads, layer.impl.head_size)
+            shapes.setdefault(key, layer)
+        reason = next((r for r in (check_layer_kernel(l, max_nodes) for l in shapes.values())
+                       if r is not None), None)
+        if reason is None:
+            logger.info("ouroboros: tree-attention kernel checked and compiled for %d layer "
+                        "shape(s) in %.1f s", len(shapes), time.perf_counter() - t0)
+        else:
+            backend = "torch"
+            logger.warning("ouroboros: the tree-attention kernel failed its check on this GPU, so "
+                           "tree rows use the batched torch path (exact, slower): %s", reason)
     for layer in layers.values():
-        _wrap(layer.impl)
+        _wrap(layer.impl, backend)
     return None
 
 
-def _wrap(impl) -> None:
+def _wrap(impl, backend: str = "auto") -> None:
     if getattr(impl, "_ouroboros_wrapped", False):
+        impl._ouroboros_backend = backend
         return
     original = impl.forward
 
@@ -179,6 +216,7 @@ def _wrap(impl) -> None:
 
     impl.forward = forward
     impl._ouroboros_wrapped = True
+    impl._ouroboros_backend = backend
 
 
 def _tree_rows(impl, query, kv_cache, output, step: TreeAttentionStep) -> None:
@@ -186,6 +224,6 @@ def _tree_rows(impl, query, kv_cache, output, step: TreeAttentionStep) -> None:
     q = query.view(query.shape[0], impl.num_heads, impl.head_size)[step.q_rows]
     o = tree_attention(q, k_cache, v_cache, step.block_table, step.prefix_lens, step.q_start,
                        step.bits, impl.scale, max_query_len=step.max_rows,
-                       max_prefix_len=step.max_prefix)
+                       max_prefix_len=step.max_prefix, backend=impl._ouroboros_backend)
     out = output.view(output.shape[0], impl.num_heads, -1)
     out[step.write_rows] = o[step.write_local].to(out.dtype)

@@ -68,7 +68,9 @@ class TreeState:
         elif drafter.cfg.tree_suffixes < 2:
             self.reason = "fewer than 2 suffixes: the chain is the tree"
         else:
-            self.reason = tree_attention.install(runner)
+            # A request's tree rows: its root and every drafted node.
+            self.reason = tree_attention.install(
+                runner, max_nodes=min(tree_attention.MAX_TREE_NODES, drafter.num_spec_tokens + 1))
             if self.reason is not None:
                 logger.warning("ouroboros: tree verification unavailable, verifying the chain "
                                "draft + best suffix instead: %s", self.reason)

@@ -42,6 +42,8 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"num_guesses": 9, "window_size": 4}, "num_guesses=9 exceeds window_size=4"),
     ({"num_suffixes": -1}, "'num_suffixes'=-1 is out of range"),
     ({"pool_budget_mb": 0}, "'pool_budget_mb' must be a positive number"),
+    ({"draft_cache_max_mb": -1}, "'draft_cache_max_mb' must be a positive number .or null: no bound."),
+    ({"draft_cache_max_mb": "1G"}, "'draft_cache_max_mb' must be a positive number"),
     ({"num_speculative_tokens": 500}, "'num_speculative_tokens'=500 is out of range"),
     ({"use_lookahead": "yes"}, "'use_lookahead' must be true or false"),
     ({"use_suffixes": 1}, "'use_suffixes' must be true or false .or null: auto."),

@@ -286,3 +286,85 @@ def test_cache_bytes_and_the_growth_warning(draft_path, device):
     msg = cache_growth_warning(257 * 32768 * tok, 65 * 2048 * tok, 0.08 * 80 * GiB, 256, 32768)
     assert msg is not None and "256 requests of 32768 tokens" in msg and "it would reach 96.4 GiB" in msg
     assert "lower max_num_seqs" in msg
+
+
+def _runtime_state(rt):
+    return (rt._slots, rt._cap, rt.generation, rt.cached.copy(), rt.kv_len.copy(),
+            rt.confirmed.copy(), rt.window_ready.copy(), rt.window.clone(), rt.model.k_cache,
+            rt.model.v_cache)
+
+
+def _assert_same_state(a, b):
+    assert a[:3] == b[:3]
+    for x, y in zip(a[3:7], b[3:7]):
+        assert x.shape == y.shape and (x == y).all()
+    assert torch.equal(a[7], b[7])
+    assert a[8] is b[8] and a[9] is b[9]  # the model's caches were not replaced
+
+
+def test_a_cache_that_cannot_grow_changes_nothing(draft_path, greedy, device, monkeypatch):
+    """Growing the draft cache fails for want of device memory: run_round raises DraftCacheFull
+    with the runtime and the model's caches as they were; `fits` says which rows can still
+    draft, a round of those is the draft's greedy continuation, and once the memory is there
+    the long request drafts too."""
+    from vllm_ouroboros.draft.runtime import DraftCacheFull
+
+    rng = np.random.default_rng(21)
+    rt, _ = make_runtime(draft_path, device, num_slots=2)
+    V = rt.model.vocab_size
+    short = rng.integers(2, V, 20).tolist()
+    draft_round(rt, [0], [short], rng)
+    before = _runtime_state(rt)
+    long = rng.integers(2, V, 300).tolist()  # past the cache's 256 tokens, in a new slot
+
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(rt.model, "_new_cache", no_memory)
+    with pytest.raises(DraftCacheFull, match=r"5 slots x \d+ tokens \([\d.]+ MiB\): CUDA out of memory"):
+        draft_round(rt, [3, 0], [long, short], rng)
+    _assert_same_state(before, _runtime_state(rt))
+    assert rt.fits(np.array([3, 0, 1, 1]), np.array([300, 20, 20, 300])).tolist() == [False, True, True, False]
+    out, drafts = draft_round(rt, [0], [short], rng)
+    check_round(out, drafts, [short], greedy, rt, [0])
+    monkeypatch.undo()
+    out, drafts = draft_round(rt, [3, 0], [long, short], rng)
+    check_round(out, drafts, [long, short], greedy, rt, [3, 0])
+    assert rt._slots == 4 and rt._cap >= 300
+
+
+def test_cache_budget(draft_path, greedy, device):
+    """cache_limit_bytes (draft_cache_max_mb): the cache grows within it, without the geometric
+    step where that would not fit, and a round needing more raises DraftCacheFull unchanged."""
+    from vllm_ouroboros.draft.runtime import DraftCacheFull
+
+    rng = np.random.default_rng(22)
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
+    limit = model.cache_bytes(3, 400)
+    rt, _ = make_runtime(draft_path, device, num_slots=2)
+    rt.cache_limit_bytes = limit
+    V = rt.model.vocab_size
+    a, b = rng.integers(2, V, 30).tolist(), rng.integers(2, V, 300).tolist()
+    out, drafts = draft_round(rt, [0, 1], [a, b], rng)  # 256 -> 300 + room, not 512
+    check_round(out, drafts, [a, b], greedy, rt, [0, 1])
+    assert rt._cap < 400 and rt.model.cache_bytes(rt.model.num_slots, rt.model.max_len) <= limit
+    before = _runtime_state(rt)
+    with pytest.raises(DraftCacheFull, match="over draft_cache_max_mb"):
+        draft_round(rt, [2, 0], [a, a], rng)  # a third slot does not fit
+    _assert_same_state(before, _runtime_state(rt))
+    assert rt.fits(np.array([2, 0, 1]), np.array([30, 30, 300])).tolist() == [False, True, True]
+
+
+def test_initial_cache_size_within_the_budget():
+    from vllm_ouroboros.proposer import initial_cache_size
+
+    def nbytes(slots, length):
+        return slots * length * 1024
+
+    assert initial_cache_size(nbytes, 16, 1024, None) == (16, 1024)
+    assert initial_cache_size(nbytes, 16, 1024, 17 * 1024 * 1024) == (16, 1024)
+    assert initial_cache_size(nbytes, 16, 1024, 5 * 1024 * 1024) == (4, 1024)  # 5 slots, spare included
+    assert initial_cache_size(nbytes, 16, 1024, int(12.5 * 1024 * 1024)) == (11, 1024)
+    assert initial_cache_size(nbytes, 16, 1024, 1024 * 1024) == (1, 512)
+    with pytest.raises(ValueError, match="holds less than one request of 64 tokens"):
+        initial_cache_size(nbytes, 16, 1024, 100 * 1024)

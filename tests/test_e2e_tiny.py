@@ -237,6 +237,27 @@ def test_adaptive_draft_length_greedy_identical(runs, adaptive_run, scenario):
     assert s["accepted_tokens"] > 0 and s["suffix_accepted"] > 0
 
 
+def test_draft_cache_budget_greedy_identical(runs, scenario, tiny_models):
+    """draft_cache_max_mb = 1.5 (the tiny draft's cache takes 1 KiB a token): 2 slots of 512
+    tokens at most, so most of the batch decodes without a draft while the cache cannot grow;
+    the output is the same as without speculation, and the request that comes after, alone,
+    drafts in a freed slot."""
+    base, _, _ = runs
+    one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "draft_cache_max_mb": 1.5,
+            "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                             (("one", one),))
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"draft_cache_max_mb: request {i} ({scenario['params'][i]}) differs"
+    assert ours["one"] == base["one"]
+    main, after = snaps["main"], snaps["one"]
+    print({k: (main[k], after[k]) for k in ("cache_full_steps", "draft_rounds", "accepted_tokens")})
+    assert main["cache_full_steps"] > 0 and main["draft_rounds"] > 0
+    assert after["draft_rounds"] > main["draft_rounds"]
+    assert after["cache_full_steps"] == main["cache_full_steps"]  # one request fits
+
+
 def test_device_round_greedy_identical(runs, scenario, tiny_models):
     """The fixed-shape drafting round (draft_round "device": what CUDA graphs replay on a GPU,
     run eagerly here) through the engine, with K = 3 and phrase drafting: same output as

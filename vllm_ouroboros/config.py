@@ -91,6 +91,9 @@ class OuroborosConfig:
     draft_round: str = "auto"
     # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
     draft_initial_len: int = 2048
+    # Most device memory the draft's KV cache may take, MiB (None: grown on demand without a
+    # bound). A request that would need more decodes without a draft (lossless) until it fits.
+    draft_cache_max_mb: float | None = None
     # Sentence-draft length: "fixed" drafts >= gamma tokens per round; "adaptive" (SpecDec++)
     # stops each row's draft once its acceptance head predicts that the draft so far holds a
     # rejection with probability > acceptance_threshold, or at max_draft_length tokens.
@@ -194,6 +197,12 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         raise OuroborosConfigError(
             f"ouroboros: 'pool_budget_mb' must be a positive number, got {cfg.pool_budget_mb!r}"
         )
+    if cfg.draft_cache_max_mb is not None and (
+            isinstance(cfg.draft_cache_max_mb, bool)
+            or not isinstance(cfg.draft_cache_max_mb, (int, float)) or cfg.draft_cache_max_mb <= 0):
+        raise OuroborosConfigError(
+            "ouroboros: 'draft_cache_max_mb' must be a positive number (or null: no bound), got "
+            f"{cfg.draft_cache_max_mb!r}")
     if cfg.draft_dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise OuroborosConfigError(
             f"ouroboros: 'draft_dtype'={cfg.draft_dtype!r}; use auto, float32, float16 or bfloat16"

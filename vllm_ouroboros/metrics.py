@@ -18,6 +18,8 @@ Definitions (per request, summed for the aggregate):
   inspiration_inserts, refinement_inserts: phrases written from verification output
   backoff_steps        steps in which the request decoded without a draft because speculation
                        would not pay for it on this device at that batch size (cost_model.py)
+  cache_full_steps     steps in which the request decoded without a draft because the draft's
+                       KV cache could not grow to hold it (device memory; runtime.DraftCacheFull)
   suffix_skipped       steps in which the request's draft went to the target without its
                        candidate suffixes: their measured acceptance would not pay for their
                        target tokens on this device (cost_model.rows_sending_suffixes)
@@ -40,7 +42,7 @@ import numpy as np
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
-    "inspiration_inserts", "refinement_inserts", "backoff_steps", "suffix_skipped",
+    "inspiration_inserts", "refinement_inserts", "backoff_steps", "cache_full_steps", "suffix_skipped",
     "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}

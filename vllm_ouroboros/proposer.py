@@ -24,7 +24,8 @@ from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
 from vllm_ouroboros.config import OuroborosConfig, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.model import DraftModel
-from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_growth_warning
+from vllm_ouroboros.draft.runtime import (DraftCacheFull, DraftRuntime, DraftSettings,
+                                          cache_growth_warning)
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
@@ -41,9 +42,29 @@ POOL_SAVE_INTERVAL = 10.0  # seconds
 ESTIMATE_RATE = 0.3
 PROBE_GAP = 4
 MAX_PROBE_GAP = 32
+# After the draft cache failed to grow (device memory), steps that draft only for the requests
+# that fit before growing is tried again; the wait doubles with each failure, up to this.
+MAX_CACHE_RETRY_GAP = 256
 CAPTURED_BATCH = 64  # draft_round "graph": batches captured at load (larger ones on first use)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def initial_cache_size(cache_bytes, slots: int, length: int, limit: int | None,
+                       min_len: int = 64) -> tuple[int, int]:
+    """(slots, tokens per slot) of the draft cache allocated at load: as asked, or, where
+    `cache_bytes(slots + 1, length)` (bytes, the spare padding slot included) exceeds `limit`,
+    as many slots of `length` tokens as fit, the length halved (down to `min_len`) while not
+    even one does. Raises ValueError where one slot of `min_len` tokens does not fit."""
+    if limit is None or cache_bytes(slots + 1, length) <= limit:
+        return slots, length
+    while length > min_len and cache_bytes(2, length) > limit:
+        length = max(min_len, length // 2)
+    if cache_bytes(2, length) > limit:
+        raise ValueError(f"ouroboros: draft_cache_max_mb = {limit / 2**20:g} holds less than one "
+                         f"request of {length} tokens ({cache_bytes(2, length) / 2**20:.1f} MiB "
+                         "with the spare slot)")
+    return min(slots, limit // cache_bytes(1, length) - 1), length
 
 
 class OuroborosProposer:
@@ -98,6 +119,7 @@ class OuroborosProposer:
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
+        self._cache_retry_gap, self._cache_retry_wait = PROBE_GAP, 0
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
         # Suffixes on auto (cost_model.rows_sending_suffixes): per request, running means of the
         # tokens a step gives from the draft alone (+1) and of those its suffixes add when sent;
@@ -146,6 +168,8 @@ class OuroborosProposer:
         # (they hold its address), so the 17th request would otherwise cost a recapture.
         init_slots = min(self.max_slots, CAPTURED_BATCH if draft_round == "graph" else 16)
         init_len = min(self.max_model_len, cfg.draft_initial_len)
+        limit = None if cfg.draft_cache_max_mb is None else int(cfg.draft_cache_max_mb * 2**20)
+        init_slots, init_len = initial_cache_size(model.cache_bytes, init_slots, init_len, limit)
         model.allocate_cache(init_slots + 1, init_len)  # + the runtime's spare padding slot
         # On CUDA: the kernel checked (and compiled) before anything is timed or captured.
         reason = model.check_attention_kernel()
@@ -203,7 +227,7 @@ class OuroborosProposer:
             draft_round=draft_round,
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
-                                    self.device, head=head)
+                                    self.device, head=head, cache_limit_bytes=limit)
         if settings.draft_round == "graph":
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
             t0 = time.perf_counter()
@@ -212,8 +236,9 @@ class OuroborosProposer:
                         time.perf_counter() - t0)
         logger.info("ouroboros: drafting loop: %s", settings.draft_round)
         if self.device.type == "cuda":
+            worst = model.cache_bytes(self.max_slots + 1, self.runtime.max_slot_len)
             warning = cache_growth_warning(
-                model.cache_bytes(self.max_slots + 1, self.runtime.max_slot_len),
+                worst if limit is None else min(worst, limit),
                 model.cache_bytes(model.num_slots, model.max_len),
                 (1 - self.vllm_config.cache_config.gpu_memory_utilization)
                 * torch.cuda.get_device_properties(self.device).total_memory,
@@ -223,9 +248,10 @@ class OuroborosProposer:
         if cfg.pool_save_path:
             atexit.register(self.save_pool)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
-                    "(%d slots x %d tokens; grows on demand)", cfg.draft_model, dtype,
+                    "(%d slots x %d tokens; grows on demand%s)", cfg.draft_model, dtype,
                     cfg.pool_budget_mb, model.cache_bytes(model.num_slots, model.max_len) / 2**20,
-                    model.num_slots, model.max_len)
+                    model.num_slots, model.max_len,
+                    "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
 
     def save_pool(self, path: str | None = None) -> None:
         """Write the pool (atomically: a reader never sees half a file)."""
@@ -450,21 +476,39 @@ class OuroborosProposer:
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
         spec = self._speculate(slots)
         if not spec.all():
-            # Plain decoding this step for these: nothing sent, nothing drafted; the draft
-            # catches up on the skipped tokens (chunked prefill) when speculation resumes.
-            off = slots[~spec]
-            self._last_main[off] = 0
-            self._last_suffix_len[off] = 0
-            self.stats.add(off, backoff_steps=np.ones_like(off))
+            self._no_draft(slots[~spec], backoff_steps=True)
             rows, slots = rows[spec], slots[spec]
-            if len(rows) == 0:
-                self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
-                return proposals
+        if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now
+            self._cache_retry_wait -= 1
+            fit = self.runtime.fits(slots, num_tokens_no_spec[rows])
+            self._no_draft(slots[~fit], cache_full_steps=True)
+            rows, slots = rows[fit], slots[fit]
+        if len(rows) == 0:
+            self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+            return proposals
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         t_draft = time.perf_counter()
-        out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
+        try:
+            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
+        except DraftCacheFull as e:  # nothing changed: the rows that fit draft, the others wait
+            fit = self.runtime.fits(slots, lens_ctx)
+            self._cache_retry_wait = self._cache_retry_gap
+            self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
+            logger.warning(
+                "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, the "
+                "others decode without a draft (lossless) until growing is tried again in %d "
+                "steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len leave "
+                "it room, as do a larger draft_cache_max_mb where it is the bound, or a lower "
+                "gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
+                self._cache_retry_wait)
+            self._no_draft(slots[~fit], cache_full_steps=True)
+            rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
+            if len(rows) == 0:
+                self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+                return proposals
+            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
@@ -519,6 +563,14 @@ class OuroborosProposer:
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
+
+    def _no_draft(self, slots: np.ndarray, **reason: bool) -> None:
+        """Plain decoding this step for these slots: nothing sent, nothing drafted; the draft
+        catches up on the skipped tokens (chunked prefill) when speculation resumes. `reason`:
+        the counter to add one to (backoff_steps or cache_full_steps)."""
+        self._last_main[slots] = 0
+        self._last_suffix_len[slots] = 0
+        self.stats.add(slots, **{name: np.ones_like(slots) for name in reason})
 
     def _speculate(self, slots: np.ndarray) -> np.ndarray:
         """Which of this step's decoding requests (by slot, [B]) get a draft, as a bool mask [B]:

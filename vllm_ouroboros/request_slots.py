@@ -11,6 +11,7 @@ queue while max_num_seqs others run). No vLLM imports.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -33,7 +34,10 @@ class RequestSlots:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.slot_of: dict[str, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        # A min-heap: a new request takes the lowest free slot, whatever order slots were freed
+        # in, so the slots in use stay few and low: the draft's dense cache grows less, and one
+        # bounded by draft_cache_max_mb holds the most of them.
+        self._free = list(range(num_slots))
         self._finished: set[str] = set()
         self._last_seen: dict[str, int] = {}  # request -> step it was last in the batch
         self._step = 0
@@ -75,7 +79,7 @@ class RequestSlots:
             if r not in self.slot_of:
                 if not self._free:
                     out.released.append(self._release(self._oldest_absent(batch)))
-                self.slot_of[r] = self._free.pop()
+                self.slot_of[r] = heapq.heappop(self._free)
                 out.assigned.append((r, self.slot_of[r]))
             self._last_seen[r] = self._step
         return out
@@ -89,5 +93,5 @@ class RequestSlots:
     def _release(self, req_id: str) -> int:
         slot = self.slot_of.pop(req_id)
         self._last_seen.pop(req_id, None)
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
         return slot

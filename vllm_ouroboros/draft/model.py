@@ -295,9 +295,13 @@ class DraftModel(nn.Module):
 
         Zeroed so that never-written columns are finite (masked columns still enter softmax @ V).
         """
+        self.k_cache, self.v_cache = self._new_cache(num_slots, max_len)
+
+    def _new_cache(self, num_slots: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Both before either is kept: an allocation that fails leaves the model as it was.
         shape = (self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return k, torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def check_attention_kernel(self) -> str | None:
@@ -334,17 +338,19 @@ class DraftModel(nn.Module):
 
     @torch.inference_mode()
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:
-        """Grow the caches to at least (num_slots, max_len), keeping their content; no-op if large enough."""
+        """Grow the caches to at least (num_slots, max_len), keeping their content; no-op if large
+        enough. All or nothing: an allocation that fails (torch.OutOfMemoryError) leaves the
+        caches as they were."""
         if self.k_cache is None:
             self.allocate_cache(num_slots, max_len)
             return
         old_slots, old_len = self.num_slots, self.max_len
         if num_slots <= old_slots and max_len <= old_len:
             return
-        old_k, old_v = self.k_cache, self.v_cache
-        self.allocate_cache(max(num_slots, old_slots), max(max_len, old_len))
-        self.k_cache[:, :old_slots, :, :old_len].copy_(old_k)
-        self.v_cache[:, :old_slots, :, :old_len].copy_(old_v)
+        k, v = self._new_cache(max(num_slots, old_slots), max(max_len, old_len))
+        k[:, :old_slots, :, :old_len].copy_(self.k_cache)
+        v[:, :old_slots, :, :old_len].copy_(self.v_cache)
+        self.k_cache, self.v_cache = k, v
 
     # ---- forward -------------------------------------------------------------------------------
 

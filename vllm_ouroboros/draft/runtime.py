@@ -92,13 +92,20 @@ class RoundOutput:
     stopped_by_rule: np.ndarray | None = None
 
 
+class DraftCacheFull(RuntimeError):
+    """The draft's KV cache could not grow (device memory, or its draft_cache_max_mb budget):
+    nothing changed, and a round of the rows that fit (`DraftRuntime.fits`) can still run."""
+
+
 class DraftRuntime:
     """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""
 
     def __init__(self, model, pool: PhrasePool, settings: DraftSettings, num_slots: int,
-                 max_len: int, device: torch.device | str, head=None):
+                 max_len: int, device: torch.device | str, head=None,
+                 cache_limit_bytes: int | None = None):
         """head: an AcceptanceHead (draft/acceptance_head.py), required when
-        settings.draft_length == "adaptive"."""
+        settings.draft_length == "adaptive". cache_limit_bytes: the most the model's KV cache
+        may grow to (None: unbounded); growing past it raises DraftCacheFull."""
         if settings.draft_length == "adaptive" and head is None:
             raise ValueError("adaptive draft length needs an acceptance head")
         if settings.draft_round not in ("host", "device", "graph"):
@@ -115,8 +122,10 @@ class DraftRuntime:
         self._layouts: dict[tuple[int, int], object] = {}
         # Bumped whenever the model's cache or the window is reallocated (graphs hold pointers).
         self.generation = 0
-        # The longest a slot can get: context plus a round's draft and one forward's scratch.
-        self._max_cap = max_len + 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
+        # Cache columns a round needs past a row's context: its largest uncached stretch, the
+        # draft and one forward's scratch. The longest a slot can get: max_len plus that.
+        self._round_room = 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
+        self._max_cap = max_len + self._round_room
         self._slots = 0
         self._cap = 0
         self.cached = np.zeros((0, 0), np.int64)  # tokens whose KV the slot holds
@@ -124,7 +133,9 @@ class DraftRuntime:
         self.confirmed = np.zeros(0, np.int64)  # context length at the slot's last round
         self.window = torch.zeros(0, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
         self.window_ready = np.zeros(0, bool)
-        self._grow(num_slots, min(max_len, 256))
+        self.cache_limit_bytes = cache_limit_bytes
+        # At least what the model already holds (proposer.load_model allocates up front).
+        self._grow(num_slots, max(min(max_len, 256), model.max_len))
         self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
                              if settings.draft_round != "host" else None)
 
@@ -154,27 +165,48 @@ class DraftRuntime:
             layout = self._layouts[(U, G)] = build_layout(U, self.W, self.L, G, self.device)
         return layout
 
+    def fits(self, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Which rows a round can draft without growing the cache: bool [B], for slots [B] and
+        context lengths lens [B] (tokens)."""
+        need = np.minimum(np.asarray(lens, np.int64) + self._round_room, self._max_cap)
+        return (np.asarray(slots) < self._slots) & (need <= self._cap)
+
     def _grow(self, num_slots: int, length: int) -> None:
         """Make room for `num_slots` slots of `length` tokens (host arrays and the model's KV),
-        plus the spare `pad_slot`."""
-        length = min(max(length, self._cap), self._max_cap)
+        plus the spare `pad_slot`. All or nothing: where the device memory cannot be allocated it
+        raises DraftCacheFull with nothing changed, and rounds that fit (`fits`) still run."""
+        length = asked = min(max(length, self._cap), self._max_cap)
         num_slots = max(num_slots, self._slots)
         if num_slots == self._slots and length <= self._cap:
             return
         if length > self._cap:  # grow geometrically: reallocation copies the whole cache
             length = max(length, min(2 * self._cap, self._max_cap))
+        limit = self.cache_limit_bytes
+        if limit is not None and self.model.cache_bytes(num_slots + 1, length) > limit:
+            length = asked  # within the budget: no geometric step, only what was asked
+            need = self.model.cache_bytes(num_slots + 1, length)
+            if need > limit:
+                raise DraftCacheFull(f"{num_slots + 1} slots x {length} tokens ({need / 2**20:.1f} "
+                                     f"MiB, over draft_cache_max_mb = {limit / 2**20:g})")
+        window = None
+        if num_slots > self._slots:
+            window = torch.zeros(num_slots + 1, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
+            window[: self._slots] = self.window[: self._slots]
+        before = self.model.k_cache
+        try:  # the one that may fail: first
+            self.model.ensure_capacity(num_slots + 1, length)
+        except torch.OutOfMemoryError as e:
+            need = self.model.cache_bytes(num_slots + 1, length) / 2**20
+            raise DraftCacheFull(f"{num_slots + 1} slots x {length} tokens ({need:.1f} MiB): "
+                                 f"{(str(e).splitlines() or [''])[0][:200]}") from e
+        if window is not None:
+            self.window = window
         cached = np.zeros((num_slots, length), np.int64)
         cached[: self._slots, : self._cap] = self.cached
         self.cached = cached
         self.kv_len = np.concatenate([self.kv_len, np.zeros(num_slots - self._slots, np.int64)])
         self.confirmed = np.concatenate([self.confirmed, np.zeros(num_slots - self._slots, np.int64)])
         self.window_ready = np.concatenate([self.window_ready, np.zeros(num_slots - self._slots, bool)])
-        before = self.model.k_cache
-        if num_slots > self._slots:
-            window = torch.zeros(num_slots + 1, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
-            window[: self._slots] = self.window[: self._slots]
-            self.window = window
-        self.model.ensure_capacity(num_slots + 1, length)
         if num_slots > self._slots or self.model.k_cache is not before:
             self.generation += 1
         self._slots, self._cap = num_slots, length
@@ -198,9 +230,7 @@ class DraftRuntime:
         """
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
-        # Room for the context, the largest uncached stretch, the draft and one forward's scratch.
-        span = int(lens.max()) + 2 * (self.s.draft_room + 2 * self.s.beta + 2) + (self.W + self.G) * L + 8
-        self._grow(int(slots.max()) + 1, span)
+        self._grow(int(slots.max()) + 1, int(lens.max()) + self._round_room)
         self._rollback(slots, token_ids, rows, lens)
         row_prefills = np.zeros(B, np.int64)
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)

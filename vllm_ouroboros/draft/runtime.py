@@ -470,6 +470,6 @@ def cache_growth_warning(worst_bytes: int, allocated_bytes: int, headroom_bytes:
     return (f"the draft's KV cache is {allocated_bytes / gib:.2f} GiB now and grows on demand, outside "
             f"vLLM's memory profile: with {num_slots} requests of {max_len} tokens it would reach "
             f"{worst_bytes / gib:.1f} GiB (about {peak / gib:.1f} GiB while it is copied), against "
-            f"{headroom_bytes / gib:.1f} GiB that vLLM leaves free (gpu_memory_utilization). If "
-            "the draft runs out of memory, lower max_num_seqs or max_model_len, or "
-            "gpu_memory_utilization.")
+            f"{headroom_bytes / gib:.1f} GiB that vLLM leaves free (gpu_memory_utilization). "
+            "Where it cannot grow, requests decode without a draft; to keep it within that, set "
+            "draft_cache_max_mb, or lower max_num_seqs or max_model_len, or gpu_memory_utilization.")

@@ -588,8 +588,9 @@ def test_draft_attention_backend_choice():
 # ---------------------------------------------------------------------------------------------
 # The check before serving (check_kernel): passes on a working build, names what failed otherwise
 # ---------------------------------------------------------------------------------------------
-# On CPU (the interpreter) a few launch configurations; on a GPU all of them, as at load.
-CHECK_SIZES = dict(max_query_len=4, max_splits=4) if DEVICE == "cpu" else {}
+# A few launch configurations (each compiles, or runs in the interpreter); all of them, as at
+# load, only in test_check_kernel_passes_for_the_real_pair.
+CHECK_SIZES = dict(max_query_len=4, max_splits=4)
 
 
 def check_caches(layout, dtype=torch.float32, blocks=6, block_size=16, hkv=2, head_dim=32):
@@ -669,7 +670,7 @@ def test_target_layer_check_and_fallback(monkeypatch):
         kv_cache = torch.zeros(3, 2, 16, 64, device=DEVICE)  # [blocks, Hkv, block_size, 2 D]
 
     layer = Layer()
-    assert pta.check_layer_kernel(layer, max_nodes=CHECK_SIZES.get("max_query_len", 64)) is None
+    assert pta.check_layer_kernel(layer, max_nodes=4) is None
     assert not layer.kv_cache.any()
 
     monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(lambda *a, **k: 1 / 0), None))
@@ -709,8 +710,7 @@ def test_draft_model_checks_the_kernel_it_will_use(tiny_models, monkeypatch):
     m = DraftModel.from_pretrained(tiny_models["draft"], dtype=torch.float32, device=DEVICE)
     m.allocate_cache(2, 64)
     m.attention_backend = "triton"
-    if DEVICE == "cpu":  # a few configurations under the interpreter
-        monkeypatch.setattr("vllm_ouroboros.draft.model.MAX_KERNEL_QUERIES", 4)
+    monkeypatch.setattr("vllm_ouroboros.draft.model.MAX_KERNEL_QUERIES", 4)  # a few configurations
     assert m.check_attention_kernel() is None
     monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(lambda *a, **k: 1 / 0), None))
     with pytest.raises(RuntimeError, match="failed its check.*ZeroDivisionError"):

@@ -128,7 +128,7 @@ def model_pair(root: Path) -> dict[str, Path]:
     The draft (noise 0.15) has ~4% of its drafted tokens accepted in tests/test_e2e_tiny.py's
     batch, so few drafts are accepted in full and reach their suffixes; how many suffix tokens
     from the second suffix on were accepted there swung from 1 to 20 with the noise seed (and a
-    CI machine's rounding gave 0 where this one gave 7). The close draft (noise 0.02) has ~40%
+    CI machine's rounding gave 0 where this one gave 7). The close draft (noise 0.02) has 30-40%
     accepted, still with rejections: 23 to 44 such suffix tokens over seeds 2, 3, 4.
     Returns {"target", "draft", "close_draft", "llama"} paths; built once, reused when present.
     """

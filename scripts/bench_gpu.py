@@ -214,19 +214,17 @@ def kernel_check(model: DraftModel, plan: Plan, layout: str) -> dict:
     laid out as vLLM's FlashAttention one (key | value per token, 16-token blocks; what
     patches/tree_attention.check_layer_kernel reads). Seconds: on a machine whose Triton cache is
     empty, the compilation of every launch configuration (a server's first start pays it once)."""
-    from vllm_ouroboros.kernels.tree_attention import check_kernel
+    from vllm_ouroboros.patches.tree_attention import check_layout_kernel
 
     t0 = time.perf_counter()
     if layout == "draft cache":
         model.allocate_cache(1, plan.prefix + 72)
-        model.attention_backend = "auto"
         reason = model.check_attention_kernel()
         model.attention_backend = "auto"  # the sections below measure the kernel path regardless
-    else:
+    else:  # vLLM's FlashAttention blocks: [Hkv, 16, 2 D]
         D = model.head_dim
-        raw = torch.randn(24, model.num_kv_heads, 16, 2 * D, device=model.device, dtype=model.dtype)
-        kv = raw.transpose(1, 2)
-        reason = check_kernel(kv[..., :D], kv[..., D:], model.num_heads)
+        reason = check_layout_kernel("FlashAttentionImpl", (model.num_kv_heads, 16, 2 * D),
+                                     model.dtype, model.device, model.num_heads, D)
     out = {"layout": layout, "heads": f"{model.num_heads}/{model.num_kv_heads}",
            "head_dim": model.head_dim, "seconds": time.perf_counter() - t0, "passed": reason is None,
            "reason": reason}

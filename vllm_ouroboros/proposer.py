@@ -476,12 +476,12 @@ class OuroborosProposer:
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
         spec = self._speculate(slots)
         if not spec.all():
-            self._no_draft(slots[~spec], backoff_steps=True)
+            self._no_draft(slots[~spec], "backoff_steps")
             rows, slots = rows[spec], slots[spec]
         if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now
             self._cache_retry_wait -= 1
             fit = self.runtime.fits(slots, num_tokens_no_spec[rows])
-            self._no_draft(slots[~fit], cache_full_steps=True)
+            self._no_draft(slots[~fit], "cache_full_steps")
             rows, slots = rows[fit], slots[fit]
         if len(rows) == 0:
             self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
@@ -503,7 +503,7 @@ class OuroborosProposer:
                 "it room, as do a larger draft_cache_max_mb where it is the bound, or a lower "
                 "gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
                 self._cache_retry_wait)
-            self._no_draft(slots[~fit], cache_full_steps=True)
+            self._no_draft(slots[~fit], "cache_full_steps")
             rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
             if len(rows) == 0:
                 self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
@@ -564,13 +564,13 @@ class OuroborosProposer:
         self._maybe_save_pool()
         return proposals
 
-    def _no_draft(self, slots: np.ndarray, **reason: bool) -> None:
+    def _no_draft(self, slots: np.ndarray, counter: str) -> None:
         """Plain decoding this step for these slots: nothing sent, nothing drafted; the draft
-        catches up on the skipped tokens (chunked prefill) when speculation resumes. `reason`:
-        the counter to add one to (backoff_steps or cache_full_steps)."""
+        catches up on the skipped tokens (chunked prefill) when speculation resumes. `counter`:
+        the per-request counter that says why (backoff_steps or cache_full_steps)."""
         self._last_main[slots] = 0
         self._last_suffix_len[slots] = 0
-        self.stats.add(slots, **{name: np.ones_like(slots) for name in reason})
+        self.stats.add(slots, **{counter: np.ones_like(slots)})
 
     def _speculate(self, slots: np.ndarray) -> np.ndarray:
         """Which of this step's decoding requests (by slot, [B]) get a draft, as a bool mask [B]:

@@ -133,19 +133,27 @@ def attention_layers(runner) -> dict[str, object]:
     return {name: layer for name, layer in ctx.items() if hasattr(layer, "kv_cache")}
 
 
-def check_layer_kernel(layer, max_nodes: int = MAX_TREE_NODES) -> str | None:
-    """The kernel's check before serving (kernels/tree_attention.check_kernel) for this layer:
-    on scratch caches with its KV layout, dtype and block size (random values; the layer's own
-    cache is not touched), trees of up to `max_nodes` nodes. None where the kernel can serve it,
-    else why not."""
-    cache, impl = layer.kv_cache, layer.impl
-    block_size = kv_views(layer)[0].shape[1]
-    gen = torch.Generator(device=cache.device).manual_seed(0)  # leaves vLLM's RNG alone
+def check_layout_kernel(backend: str, block_shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device, num_heads: int, head_size: int,
+                        max_nodes: int = MAX_TREE_NODES) -> str | None:
+    """The kernel's check before serving (kernels/tree_attention.check_kernel) for a cache of
+    attention backend `backend` (a key of _LAYOUTS) whose blocks have shape `block_shape` (the
+    cache's shape without its first axis): on random scratch blocks laid out so, trees of up to
+    `max_nodes` nodes. None where the kernel can serve it, else why not."""
+    block_size = _LAYOUTS[backend](torch.empty((1, *block_shape), device="meta"), head_size)[0].shape[1]
     blocks = -(-max(256, max_nodes) // block_size)  # a prefix of a few key tiles behind the tree
-    scratch = torch.randn((blocks, *cache.shape[1:]), generator=gen, device=cache.device,
-                          dtype=torch.float32).to(cache.dtype)
-    k, v = _LAYOUTS[type(impl).__name__](scratch, impl.head_size)
-    return check_kernel(k, v, impl.num_heads, max_query_len=max_nodes)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves vLLM's RNG alone
+    scratch = torch.randn((blocks, *block_shape), generator=gen, device=device,
+                          dtype=torch.float32).to(dtype)
+    k, v = _LAYOUTS[backend](scratch, head_size)
+    return check_kernel(k, v, num_heads, max_query_len=max_nodes)
+
+
+def check_layer_kernel(layer, max_nodes: int = MAX_TREE_NODES) -> str | None:
+    """`check_layout_kernel` for this layer's cache (which is not touched)."""
+    cache, impl = layer.kv_cache, layer.impl
+    return check_layout_kernel(type(impl).__name__, tuple(cache.shape[1:]), cache.dtype,
+                               cache.device, impl.num_heads, impl.head_size, max_nodes)
 
 
 def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
@@ -202,8 +210,8 @@ def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
 
 
 def _wrap(impl, backend: str = "auto") -> None:
+    impl._ouroboros_backend = backend  # what _tree_rows passes to tree_attention
     if getattr(impl, "_ouroboros_wrapped", False):
-        impl._ouroboros_backend = backend
         return
     original = impl.forward
 
@@ -216,7 +224,6 @@ def _wrap(impl, backend: str = "auto") -> None:
 
     impl.forward = forward
     impl._ouroboros_wrapped = True
-    impl._ouroboros_backend = backend
 
 
 def _tree_rows(impl, query, kv_cache, output, step: TreeAttentionStep) -> None:

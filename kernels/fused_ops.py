@@ -137,13 +137,13 @@ if triton is not None:
 
     @triton.jit
     def rope_qkv_write_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, write_pos_ptr, q_out_ptr,
+        qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, write_index_ptr, q_out_ptr,
         stride_xb, stride_xq,
         stride_cb, stride_cq, stride_sb, stride_sq,
-        stride_kc_s, stride_kc_h, stride_kc_p,
-        stride_vc_s, stride_vc_h, stride_vc_p,
+        stride_kc_p, stride_kc_r, stride_kc_h,
+        stride_vc_p, stride_vc_r, stride_vc_h,
         stride_wb, stride_wq,
-        num_slots, max_len,
+        num_pages, page_size,
         NUM_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -153,7 +153,7 @@ if triton is not None:
         SOFT_BF16: tl.constexpr,
     ):
         # One program per token (grid (Q, B)), all its heads as the rows of one tile: the token's
-        # cos/sin, slot and write position are read once for its Hq + 2 Hkv heads, and a token is
+        # cos/sin and write index are read once for its Hq + 2 Hkv heads, and a token is
         # 1-5K elements, enough for one program. Per-(token, head) programs would re-read them and
         # add nothing at these sizes: the kernel is a few us of launch either way.
         j = tl.program_id(0)
@@ -183,13 +183,14 @@ if triton is not None:
         tl.store(q_row + col, _rope_half(x1, -x2, cos1, sin1, dtype, SOFT_BF16), mask=q_ok)
         tl.store(q_row + HALF + col, _rope_half(x2, x1, cos2, sin2, dtype, SOFT_BF16), mask=q_ok)
 
-        # k heads (roped) and v heads (copied) to cache[slot, h, pos]. An out-of-range slot or
-        # position (a caller bug; torch's index_put would raise) is dropped, never written out of
-        # bounds: checking it on the host would synchronise.
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        pos = tl.load(write_pos_ptr + b.to(tl.int64) * stride_wb + j.to(tl.int64) * stride_wq)
-        pos = pos.to(tl.int64)
-        in_cache = (slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < max_len)
+        # k heads (roped) and v heads (copied) to cache[page, row, h] with index = page *
+        # page_size + row. An out-of-range index (a caller bug; torch's index_put would raise) is
+        # dropped, never written out of bounds: checking it on the host would synchronise.
+        index = tl.load(write_index_ptr + b.to(tl.int64) * stride_wb + j.to(tl.int64) * stride_wq)
+        index = index.to(tl.int64)
+        in_cache = (index >= 0) & (index < num_pages * page_size)
+        page = index // page_size
+        prow = index % page_size
         hk = tl.arange(0, HKV_PAD)
         kv_ok = (hk < NUM_KV_HEADS)[:, None] & d_ok[None, :]
         col = hk[:, None] * HEAD_DIM + offs[None, :]
@@ -197,14 +198,14 @@ if triton is not None:
         v_col = (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + col
         x1 = tl.load(row + k_col, mask=kv_ok, other=0.0).to(tl.float32)
         x2 = tl.load(row + HALF + k_col, mask=kv_ok, other=0.0).to(tl.float32)
-        k_dst = (k_cache_ptr + slot * stride_kc_s + pos * stride_kc_p
+        k_dst = (k_cache_ptr + page * stride_kc_p + prow * stride_kc_r
                  + hk[:, None].to(tl.int64) * stride_kc_h + offs[None, :])
         # where, not `kv_ok & in_cache`: the interpreter (3.9) turns a tensor & scalar bool into
         # int32, which tl.store rejects as a mask.
         w_ok = tl.where(in_cache, kv_ok, False)
         tl.store(k_dst, _rope_half(x1, -x2, cos1, sin1, dtype, SOFT_BF16), mask=w_ok)
         tl.store(k_dst + HALF, _rope_half(x2, x1, cos2, sin2, dtype, SOFT_BF16), mask=w_ok)
-        v_dst = (v_cache_ptr + slot * stride_vc_s + pos * stride_vc_p
+        v_dst = (v_cache_ptr + page * stride_vc_p + prow * stride_vc_r
                  + hk[:, None].to(tl.int64) * stride_vc_h + offs[None, :])
         # v is copied in its own dtype: no arithmetic, bits unchanged.
         tl.store(v_dst, tl.load(row + v_col, mask=kv_ok), mask=w_ok)
@@ -379,8 +380,7 @@ def rope_qkv_write(
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    write_pos: torch.Tensor,
+    write_index: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -391,14 +391,16 @@ def rope_qkv_write(
     Shape: qkv [B, Q, (Hq + 2 Hkv) D], float32, float16 or bfloat16; each token's columns are
         q heads | k heads | v heads (DraftLayer.qkv_weight's rows), unit last stride.
     Shape: cos, sin [B, Q, 1, D], qkv's dtype (model.forward's; expanded views are fine).
-    Shape: k_cache, v_cache [num_slots, Hkv, max_len, D], qkv's dtype, unit last stride.
-    Shape: slots [B] int32/int64, distinct; write_pos [B, Q] int32/int64 (cache_lens[b] + j).
+    Shape: k_cache, v_cache [num_pages, page_size, Hkv, D] (draft/kv_cache.py), qkv's dtype,
+        unit last stride.
+    Shape: write_index [B, Q] int32/int64: page * page_size + row of token j of row b
+        (draft/attention.DraftAttentionMetadata.write_index).
     Returns q [B, Q, Hq, D] contiguous, RoPE applied.
 
-    Writes k_cache[slots[b], :, write_pos[b, j]] = rope(k)[b, j] and the same for the plain v,
-    exactly draft/attention.write_kv. The caller guarantees in-range, distinct (slot, position)
-    pairs (checking would synchronise); the kernel drops an out-of-range write instead of writing
-    out of bounds, where the torch path would raise.
+    Writes k_cache[i // page_size, i % page_size] = rope(k)[b, j] for i = write_index[b, j], and
+    the same for the plain v: exactly draft/attention.write_kv. The caller guarantees in-range,
+    distinct indices (checking would synchronise); the kernel drops an out-of-range write
+    instead of writing out of bounds, where the torch path would raise.
     Rounding: apply_rope's (`x * cos` and `rot * sin` each rounded to the dtype, then their sum):
     bit-identical to draft/model.apply_rope and write_kv in every dtype.
     backend: as `add_rms_norm`'s. No host sync.
@@ -425,23 +427,21 @@ def rope_qkv_write(
             raise ValueError(f"{op}: {name} must be [B, Q, 1, D] = {(B, Q, 1, D)}, got {tuple(t.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check(op, name, t, 4, (dtype,), device)
-        if t.shape[1] != num_kv_heads or t.shape[3] != D:
-            raise ValueError(f"{op}: {name} must be [num_slots, {num_kv_heads}, max_len, {D}], "
+        if t.shape[2] != num_kv_heads or t.shape[3] != D:
+            raise ValueError(f"{op}: {name} must be [num_pages, page_size, {num_kv_heads}, {D}], "
                              f"got {tuple(t.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    _check(op, "slots", slots, 1, (torch.int32, torch.int64), device)
-    _check(op, "write_pos", write_pos, 2, (torch.int32, torch.int64), device)
-    if slots.shape[0] != B or tuple(write_pos.shape) != (B, Q):
-        raise ValueError(f"{op}: slots must be [{B}] and write_pos [{B}, {Q}], got "
-                         f"{tuple(slots.shape)} and {tuple(write_pos.shape)}")
+    _check(op, "write_index", write_index, 2, (torch.int32, torch.int64), device)
+    if tuple(write_index.shape) != (B, Q):
+        raise ValueError(f"{op}: write_index must be [{B}, {Q}], got {tuple(write_index.shape)}")
     for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                     ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{op}: {name} must be contiguous in its last axis, strides {t.stride()}")
     kernel = _resolve(op, rope_qkv_write_kernel, device, backend)
     if kernel is None:
-        return rope_qkv_write_reference(qkv, cos, sin, k_cache, v_cache, slots, write_pos,
+        return rope_qkv_write_reference(qkv, cos, sin, k_cache, v_cache, write_index,
                                         num_heads, num_kv_heads, head_dim)
 
     q = torch.empty((B, Q, num_heads, D), dtype=dtype, device=device)
@@ -451,13 +451,13 @@ def rope_qkv_write(
         raise ValueError(f"{op}: at most 65535 rows per call, got {B}")
     with _launch_ctx(device):
         kernel[(Q, B)](
-            qkv, cos, sin, k_cache, v_cache, slots, write_pos, q,
+            qkv, cos, sin, k_cache, v_cache, write_index, q,
             qkv.stride(0), qkv.stride(1),
             cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            write_pos.stride(0), write_pos.stride(1),
-            k_cache.shape[0], k_cache.shape[2],
+            write_index.stride(0), write_index.stride(1),
+            k_cache.shape[0], k_cache.shape[1],
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=D,
             HQ_PAD=_next_pow2(num_heads), HKV_PAD=_next_pow2(num_kv_heads),
             HALF_PAD=_next_pow2(D // 2),
@@ -520,8 +520,8 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weigh
 
 
 def rope_qkv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                             write_pos: torch.Tensor, num_heads: int, num_kv_heads: int,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             write_index: torch.Tensor, num_heads: int, num_kv_heads: int,
                              head_dim: int) -> torch.Tensor:
     """`rope_qkv_write` in torch: DraftLayer.forward's split, apply_rope and write_kv."""
     B, Q, _ = qkv.shape
@@ -534,9 +534,10 @@ def rope_qkv_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
     q = rope(q.view(B, Q, num_heads, D))
     k = rope(k.view(B, Q, num_kv_heads, D))
-    slot_idx = slots.long()[:, None]  # [B, 1], broadcast against write_pos [B, Q]
-    k_cache[slot_idx, :, write_pos.long()] = k
-    v_cache[slot_idx, :, write_pos.long()] = v.view(B, Q, num_kv_heads, D)
+    page_size = k_cache.shape[1]
+    idx = write_index.long()
+    k_cache[idx // page_size, idx % page_size] = k
+    v_cache[idx // page_size, idx % page_size] = v.view(B, Q, num_kv_heads, D)
     return q.contiguous()
 
 

@@ -297,14 +297,17 @@ def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str,
     pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev)
     rounds = plan.warmup_rounds + plan.timed_rounds
     growth = rounds * (GAMMA + BETA + 1)  # a round adds at most gamma - 1 + beta draft tokens + 1
-    rt = DraftRuntime(model, pool, settings, B, plan.prefix + growth + 64, dev)
+    max_len = plan.prefix + growth + 64
+    # A fresh paged cache, its pages shared by the B requests (as the proposer sizes it at load).
+    model.allocate_cache(B + 1, max_len, num_tokens=B * max_len)
+    rt = DraftRuntime(model, pool, settings, B, max_len, dev)
     rng = np.random.default_rng(seed)  # the same seed in every mode: the same contexts
     V = model.vocab_size
     contexts = [rng.integers(3, V, plan.prefix).tolist() for _ in range(B)]
     slots = np.arange(B, dtype=np.int64)
     # One round over the longest contexts the run reaches (these plus a random tail): the
-    # runtime grows its caches now, not while timing (a regrowth reallocates the KV cache and
-    # drops captured graphs). The next round rolls back to the contexts themselves.
+    # runtime takes its cache pages now, not while timing (growing the page store reallocates
+    # it and drops captured graphs). The next round rolls back to the contexts themselves.
     tail = rng.integers(3, V, (B, growth)).tolist()
     rt.run_round(slots, *token_table([c + t for c, t in zip(contexts, tail)]))
     captured = rt.device_round.capture([B]) if mode == "graph" else 0

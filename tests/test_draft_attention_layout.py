@@ -12,11 +12,12 @@ def test_prefix_attention_accepts_token_major_sdpa_output(monkeypatch, device):
     torch.manual_seed(0)
     B, Hq, Hkv, Q, D, S, P = 2, 4, 2, 5, 32, 3, 7
     q = torch.randn(B, Hq, Q, D, device=device)
-    k_cache = torch.randn(S, Hkv, P + Q, D, device=device)
-    v_cache = torch.randn(S, Hkv, P + Q, D, device=device)
+    k_cache = torch.randn(3 * S, 4, Hkv, D, device=device)  # pages of 4 tokens
+    v_cache = torch.randn(3 * S, 4, Hkv, D, device=device)
+    table = torch.randperm(3 * S, device=device).view(S, 3).int()
     meta = attention.build_attention_metadata(
         torch.tensor([2, 0], device=device), torch.tensor([P, 3], device=device),
-        torch.ones(B, Q, Q, device=device).tril().bool(), backend="torch")
+        torch.ones(B, Q, Q, device=device).tril().bool(), table, 4, backend="torch")
     want = attention.prefix_and_masked_attention(q, k_cache, v_cache, meta, 0.2)
     sdpa = F.scaled_dot_product_attention
 

@@ -90,7 +90,10 @@ def test_config_and_loading(pair, device):
     hf, path = pair
     m = _load(path, device)
     assert (m.vocab_size, m.num_layers, m.num_kv_heads, m.head_dim, m.hidden_size) == (VOCAB, 2, 2, 32, 64)
-    assert m.k_cache.shape == (2, 4, 2, 64, 32)
+    # Pages of 16 tokens: 4 slots x 64 tokens = 16 pages, each slot its own 4, plus the null page.
+    assert m.k_cache.shape == (2, 17, 16, 2, 32)
+    table = m.kv.block_table.cpu()
+    assert table.shape == (4, 4) and sorted(table.flatten().tolist()) == list(range(1, 17))
     assert (m.lm_head is None) == hf.config.tie_word_embeddings
     assert all(not p.requires_grad for p in m.parameters())
 
@@ -231,26 +234,34 @@ def test_rollback_and_partial_commit(pair, device):
                                atol=ATOL, rtol=0)
 
 
-def test_ensure_capacity_preserves_cache(pair, device):
+def test_slots_grow_page_by_page(pair, device):
+    """Slots that grow take pages as they go (interleaved, not contiguous: each row's reads and
+    writes follow its block table), the page store grows by a copy that keeps every page, and
+    a new slot starts from the pages the others left free."""
     hf, path = pair
-    m = _load(path, device, num_slots=2, max_len=12)
+    m = _load(path, device, num_slots=2, max_len=12)  # one page each, none free
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, VOCAB, (8,), generator=g), torch.randint(0, VOCAB, (6,), generator=g)]
     slots = torch.tensor([1, 0])
     cache_lens = _prefill_prefixes(m, prompts, slots)
     old_k, old_v = m.k_cache.clone(), m.v_cache.clone()
     ptr = m.k_cache.data_ptr()
-    m.ensure_capacity(2, 10)  # already large enough: no-op
+    m.kv.reserve([0, 1], [12, 12])  # already held: no-op
     assert m.k_cache.data_ptr() == ptr
-    m.ensure_capacity(5, 40)
-    assert m.k_cache.shape == (2, 5, 2, 40, 32) and m.v_cache.shape == m.k_cache.shape
-    assert torch.equal(m.k_cache[:, :2, :, :12], old_k) and torch.equal(m.v_cache[:, :2, :, :12], old_v)
+    assert m.kv.num_pages == 3
+    m.kv.resize(5, 40)
+    for extra in (16, 32):  # two steps: the second row's pages come after the first's
+        m.kv.reserve([1, 0], [8 + extra, 6 + extra])
+    assert m.kv.num_pages > 3 and torch.equal(m.k_cache[:, :3], old_k) and torch.equal(m.v_cache[:, :3], old_v)
+    held = m.kv.block_table[:2, :3].cpu()
+    assert (held[:, 1:] - held[:, :-1] != 1).any()  # a slot's pages are not one contiguous run
     # continue both rows with 20 tokens each (past the old max_len), plus a new slot 4 from scratch
     ext = torch.randint(0, VOCAB, (2, 20), generator=g)
     h = _fwd(m, ext, cache_lens[:, None] + torch.arange(20), slots, cache_lens, _causal(2, 20))
     for b in range(2):
         torch.testing.assert_close(h[b], _hf_hidden(hf, torch.cat([prompts[b], ext[b]]))[-20:],
                                    atol=ATOL, rtol=0)
+    m.kv.reserve([4], [20])
     h4 = _fwd(m, ext[:1], torch.arange(20)[None], torch.tensor([4]), torch.tensor([0]), _causal(1, 20))
     torch.testing.assert_close(h4[0], _hf_hidden(hf, ext[0]), atol=ATOL, rtol=0)
 
@@ -266,8 +277,9 @@ def test_greedy_tokens_chunked(pair, device):
 def test_dense_mask_layout(device):
     """Prefix columns visible, new tokens at cache_lens[b] + j' per new_mask, nothing past them."""
     new_mask = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool, device=device)
+    table = torch.tensor([[1], [2]], dtype=torch.int32, device=device)
     meta = build_attention_metadata(torch.tensor([0, 1], device=device),
-                                    torch.tensor([3, 1], device=device), new_mask)
+                                    torch.tensor([3, 1], device=device), new_mask, table, 16)
     assert meta.kv_len == 5
     expect = torch.tensor([
         [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],  # row 0: prefix 0..2, new tokens at 3, 4

@@ -58,9 +58,12 @@ def greedy(draft_path):
     return run
 
 
-def make_runtime(draft_path, device, num_slots, shared=True, **kw):
-    """A fresh draft model (its own KV cache), pool and runtime, all on `device`."""
+def make_runtime(draft_path, device, num_slots, shared=True, cache_tokens=None, cache_limit=None, **kw):
+    """A fresh draft model (its own KV cache), pool and runtime, all on `device`. cache_tokens:
+    the cache's pages at the start (default: the runtime's own sizing); cache_limit: bytes."""
     model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
+    if cache_tokens is not None:
+        model.allocate_cache(num_slots + 1, MAX_LEN, num_tokens=cache_tokens, limit_bytes=cache_limit)
     V = model.vocab_size
     pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, V), device=device, shared=shared)
     settings = DraftSettings(**{**dict(gamma=GAMMA, beta=BETA, window_size=W, num_guesses=G,
@@ -269,15 +272,16 @@ def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, 
 
 
 def test_cache_bytes_and_the_growth_warning(draft_path, device):
-    """The draft cache's size (k and v, every layer) and the load-time warning when growing it
-    on demand could outrun the memory vLLM leaves free."""
+    """The draft cache's size (k and v pages, every layer) and the load-time warning when growing
+    it on demand could outrun the memory vLLM leaves free."""
     from vllm_ouroboros.draft.runtime import cache_growth_warning
 
     model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
-    model.allocate_cache(3, 40)
-    got = model.cache_bytes(3, 40)
-    assert got == model.k_cache.numel() * 4 * 2
-    assert model.cache_bytes(6, 40) == 2 * got
+    model.allocate_cache(3, 40)  # 3 pages of 16 tokens per slot, and the null page
+    assert model.kv.num_pages == 10 and model.kv.stats() == {
+        "memory_bytes": model.kv.bytes, "pages": 9, "pages_used": 9}
+    assert model.kv.bytes == model.k_cache.numel() * 4 * 2 == model.cache_bytes(10 * 16)
+    assert model.cache_bytes(40) == model.cache_bytes(48) == 3 * 16 * model.token_bytes
     GiB = 2**30
     # The real 0.5B draft in bf16 (12,288 bytes a token): 17 slots of 2,048 tokens fit easily in
     # 80 GiB x 8%; 257 slots of 32k do not.
@@ -289,39 +293,68 @@ def test_cache_bytes_and_the_growth_warning(draft_path, device):
 
 
 def _runtime_state(rt):
+    kv = rt.kv
     return (rt._slots, rt._cap, rt.generation, rt.cached.copy(), rt.kv_len.copy(),
-            rt.confirmed.copy(), rt.window_ready.copy(), rt.window.clone(), rt.model.k_cache,
-            rt.model.v_cache)
+            rt.confirmed.copy(), rt.window_ready.copy(), kv.table.copy(), kv.held.copy(),
+            kv.free.copy(), rt.window.clone(), kv.block_table.clone(), kv.k, kv.v)
 
 
 def _assert_same_state(a, b):
     assert a[:3] == b[:3]
-    for x, y in zip(a[3:7], b[3:7]):
+    for x, y in zip(a[3:10], b[3:10]):
         assert x.shape == y.shape and (x == y).all()
-    assert torch.equal(a[7], b[7])
-    assert a[8] is b[8] and a[9] is b[9]  # the model's caches were not replaced
+    assert torch.equal(a[10], b[10]) and torch.equal(a[11], b[11])
+    assert a[12] is b[12] and a[13] is b[13]  # the page store was not replaced
+
+
+def test_one_long_request_takes_pages_not_every_slot(draft_path, greedy, device):
+    """Paged: a request far longer than the others takes pages for its own length; the short
+    ones hold a few pages each, a finished request's pages go to the next one, and the drafts
+    are the draft's greedy continuation throughout."""
+    rng = np.random.default_rng(20)
+    rt, _ = make_runtime(draft_path, device, num_slots=4, cache_tokens=64 * 16)
+    V = rt.model.vocab_size
+    kv = rt.kv
+    shorts = [rng.integers(2, V, 10).tolist() for _ in range(3)]
+    long = rng.integers(2, V, 400).tolist()
+    ctxs = [long] + shorts
+    out, drafts = draft_round(rt, [0, 1, 2, 3], ctxs, rng)
+    check_round(out, drafts, ctxs, greedy, rt, [0, 1, 2, 3])
+    room = rt._round_room
+    expect = [-(-(len(c) + room) // 16) for c in ctxs]
+    assert kv.held[:4].tolist() == expect
+    assert kv.num_pages == 65  # no growth: the long one fit in the store with the others
+    used = sum(expect)
+    assert kv.stats()["pages_used"] == used
+    rt.reset_slot(0)  # the long request finished: its pages are free again
+    assert kv.stats()["pages_used"] == used - expect[0] and kv.held[0] == 0
+    assert (kv.block_table[0] == 0).all()
+    nxt = rng.integers(2, V, 300).tolist()
+    out, drafts = draft_round(rt, [0, 2], [nxt, shorts[1]], rng)
+    check_round(out, drafts, [nxt, shorts[1]], greedy, rt, [0, 2])
+    assert kv.num_pages == 65
 
 
 def test_a_cache_that_cannot_grow_changes_nothing(draft_path, greedy, device, monkeypatch):
-    """Growing the draft cache fails for want of device memory: run_round raises DraftCacheFull
-    with the runtime and the model's caches as they were; `fits` says which rows can still
-    draft, a round of those is the draft's greedy continuation, and once the memory is there
-    the long request drafts too."""
+    """Growing the draft cache's page store fails for want of device memory: run_round raises
+    DraftCacheFull with the runtime and the cache as they were; `fits` says which rows can
+    still draft, a round of those is the draft's greedy continuation, and once the memory is
+    there the long request drafts too."""
     from vllm_ouroboros.draft.runtime import DraftCacheFull
 
     rng = np.random.default_rng(21)
-    rt, _ = make_runtime(draft_path, device, num_slots=2)
+    rt, _ = make_runtime(draft_path, device, num_slots=2, cache_tokens=12 * 16)
     V = rt.model.vocab_size
     short = rng.integers(2, V, 20).tolist()
     draft_round(rt, [0], [short], rng)
     before = _runtime_state(rt)
-    long = rng.integers(2, V, 300).tolist()  # past the cache's 256 tokens, in a new slot
+    long = rng.integers(2, V, 300).tolist()  # past the free pages, in a new slot
 
     def no_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(rt.model, "_new_cache", no_memory)
-    with pytest.raises(DraftCacheFull, match=r"5 slots x \d+ tokens \([\d.]+ MiB\): CUDA out of memory"):
+    monkeypatch.setattr(rt.kv, "_new_store", no_memory)
+    with pytest.raises(DraftCacheFull, match=r"\d+ pages of 16 tokens \([\d.]+ MiB\): CUDA out of memory"):
         draft_round(rt, [3, 0], [long, short], rng)
     _assert_same_state(before, _runtime_state(rt))
     assert rt.fits(np.array([3, 0, 1, 1]), np.array([300, 20, 20, 300])).tolist() == [False, True, True, False]
@@ -330,41 +363,76 @@ def test_a_cache_that_cannot_grow_changes_nothing(draft_path, greedy, device, mo
     monkeypatch.undo()
     out, drafts = draft_round(rt, [3, 0], [long, short], rng)
     check_round(out, drafts, [long, short], greedy, rt, [3, 0])
-    assert rt._slots == 4 and rt._cap >= 300
+    assert rt._slots == 4 and rt._cap >= 300 and rt.kv.num_pages > 13
 
 
 def test_cache_budget(draft_path, greedy, device):
-    """cache_limit_bytes (draft_cache_max_mb): the cache grows within it, without the geometric
-    step where that would not fit, and a round needing more raises DraftCacheFull unchanged."""
+    """The cache's byte limit (draft_cache_max_mb): the page store grows within it, to the limit
+    where doubling would pass it, and a round needing more raises DraftCacheFull with nothing
+    changed."""
     from vllm_ouroboros.draft.runtime import DraftCacheFull
 
     rng = np.random.default_rng(22)
     model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
-    limit = model.cache_bytes(3, 400)
-    rt, _ = make_runtime(draft_path, device, num_slots=2)
-    rt.cache_limit_bytes = limit
+    limit = model.cache_bytes(50 * 16)
+    rt, _ = make_runtime(draft_path, device, num_slots=2, cache_tokens=16 * 16, cache_limit=limit)
     V = rt.model.vocab_size
     a, b = rng.integers(2, V, 30).tolist(), rng.integers(2, V, 300).tolist()
-    out, drafts = draft_round(rt, [0, 1], [a, b], rng)  # 256 -> 300 + room, not 512
+    out, drafts = draft_round(rt, [0, 1], [a, b], rng)  # 17 -> 34 pages (doubling fits)
     check_round(out, drafts, [a, b], greedy, rt, [0, 1])
-    assert rt._cap < 400 and rt.model.cache_bytes(rt.model.num_slots, rt.model.max_len) <= limit
+    assert rt.kv.num_pages == 34
+    c = rng.integers(2, V, 200).tolist()
+    out, drafts = draft_round(rt, [2, 0], [c, a], rng)  # 68 would not fit: up to the limit
+    check_round(out, drafts, [c, a], greedy, rt, [2, 0])
+    assert rt.kv.num_pages == 50 and rt.kv.bytes == limit
     before = _runtime_state(rt)
     with pytest.raises(DraftCacheFull, match="over draft_cache_max_mb"):
-        draft_round(rt, [2, 0], [a, a], rng)  # a third slot does not fit
+        draft_round(rt, [3, 0], [b, a], rng)  # another long one does not fit
     _assert_same_state(before, _runtime_state(rt))
-    assert rt.fits(np.array([2, 0, 1]), np.array([30, 30, 300])).tolist() == [False, True, True]
+    assert rt.fits(np.array([3, 0, 1]), np.array([300, 30, 300])).tolist() == [False, True, True]
 
 
-def test_initial_cache_size_within_the_budget():
-    from vllm_ouroboros.proposer import initial_cache_size
+def test_initial_cache_tokens_within_the_budget():
+    from vllm_ouroboros.proposer import ROUND_ROOM_BOUND, initial_cache_tokens
 
-    def nbytes(slots, length):
-        return slots * length * 1024
-
-    assert initial_cache_size(nbytes, 16, 1024, None) == (16, 1024)
-    assert initial_cache_size(nbytes, 16, 1024, 17 * 1024 * 1024) == (16, 1024)
-    assert initial_cache_size(nbytes, 16, 1024, 5 * 1024 * 1024) == (4, 1024)  # 5 slots, spare included
-    assert initial_cache_size(nbytes, 16, 1024, int(12.5 * 1024 * 1024)) == (11, 1024)
-    assert initial_cache_size(nbytes, 16, 1024, 1024 * 1024) == (1, 512)
+    page = 16 * 1024  # bytes of one page of 16 tokens
+    assert initial_cache_tokens(page, 16 * 1024, None) == 16 * 1024
+    assert initial_cache_tokens(page, 16 * 1024, 1025 * page) == 16 * 1024  # + the null page
+    assert initial_cache_tokens(page, 16 * 1024, 101 * page) == 100 * 16
+    least = 64 + ROUND_ROOM_BOUND
+    assert initial_cache_tokens(page, 16 * 1024, (least // 16 + 1) * page) == least
     with pytest.raises(ValueError, match="holds less than one request of 64 tokens"):
-        initial_cache_size(nbytes, 16, 1024, 100 * 1024)
+        initial_cache_tokens(page, 16 * 1024, (least // 16) * page)
+
+
+def test_pages_of_requests_out_of_the_batch_go_to_the_requests_in_it(draft_path, greedy, device):
+    """The proposer's answer to a full cache (_rows_that_fit): where a row of this step does
+    not fit, the requests that hold a slot but are out of the batch (preempted) give their pages
+    back, keep their slot, and draft again from a prefill when they return."""
+    from vllm_ouroboros.proposer import OuroborosProposer
+    from vllm_ouroboros.request_slots import RequestSlots
+
+    rng = np.random.default_rng(23)
+    model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
+    rt, _ = make_runtime(draft_path, device, num_slots=3, cache_tokens=40 * 16,
+                         cache_limit=model.cache_bytes(41 * 16))  # 40 pages, no growth
+    V = rt.model.vocab_size
+    p = object.__new__(OuroborosProposer)  # the proposer reduced to what the path reads
+    p.runtime, p._slot_of, p._caches_dropped = rt, RequestSlots(3), 0
+    ctx = {r: rng.integers(2, V, 150).tolist() for r in "abc"}
+    p._slot_of.sync(["a", "b"])
+    draft_round(rt, [0, 1], [ctx["a"], ctx["b"]], rng)  # 14 pages each
+    p._slot_of.sync(["a", "c"])  # b is preempted: it keeps slot 1 and its pages
+    slots, lens = np.array([0, 2]), np.array([150, 150])
+    assert rt.fits(slots, lens).tolist() == [True, False]
+    assert p._rows_that_fit(["a", "c"], slots, lens).tolist() == [True, True]
+    assert p._caches_dropped == 1 and rt.kv.held[1] == 0 and p._slot_of.get("b") == 1
+    out, drafts = draft_round(rt, [0, 2], [ctx["a"], ctx["c"]], rng)
+    check_round(out, drafts, [ctx["a"], ctx["c"]], greedy, rt, [0, 2])
+    # b returns (a finished): it drafts again, from a prefill of its whole context
+    p._slot_of.finished(["a"])
+    p._slot_of.sync(["b", "c"])
+    rt.reset_slot(0)
+    out, drafts = draft_round(rt, [1, 2], [ctx["b"], ctx["c"]], rng)
+    check_round(out, drafts, [ctx["b"], ctx["c"]], greedy, rt, [1, 2])
+    assert out.row_prefills[0] >= 1

@@ -75,14 +75,15 @@ def scenario(tiny_models, tmp_path_factory):
     return {"target": target, "prompts": prompts, "params": params, "eos": eos}
 
 
-def run_engine(target, prompts, params, spec=None, extra_runs=()):
-    """Generate with a fresh LLM; returns (outputs, snapshots per run)."""
+def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
+    """Generate with a fresh LLM (engine_kw: more LLM arguments); returns (outputs, snapshots
+    per run)."""
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros.metrics import engine_snapshot
 
     llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
-              seed=0, max_num_seqs=32, speculative_config=spec)
+              seed=0, max_num_seqs=32, speculative_config=spec, **engine_kw)
     try:
         sps = [SamplingParams(**p) for p in params]
         outs = llm.generate(prompts, sps, use_tqdm=False)
@@ -238,22 +239,26 @@ def test_adaptive_draft_length_greedy_identical(runs, adaptive_run, scenario):
 
 
 def test_draft_cache_budget_greedy_identical(runs, scenario, tiny_models):
-    """draft_cache_max_mb = 1.5 (the tiny draft's cache takes 1 KiB a token): 2 slots of 512
-    tokens at most, so most of the batch decodes without a draft while the cache cannot grow;
-    the output is the same as without speculation, and the request that comes after, alone,
-    drafts in a freed slot."""
+    """draft_cache_max_mb = 1.5 (the tiny draft's pages hold 1 KiB a token: 95 pages of 16
+    tokens beside the null page) under a target KV cache of 36 blocks of 32 tokens, so that vLLM
+    preempts: much of the batch decodes without a draft while the pages are taken (and the
+    pages of preempted requests may go to the requests still running); the output is the same
+    as without speculation, the store never passes the budget, and the request that comes
+    after, alone, drafts."""
     base, _, _ = runs
     one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "draft_cache_max_mb": 1.5,
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
-                             (("one", one),))
+                             (("one", one),), num_gpu_blocks_override=36, block_size=32)
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o == b, f"draft_cache_max_mb: request {i} ({scenario['params'][i]}) differs"
     assert ours["one"] == base["one"]
     main, after = snaps["main"], snaps["one"]
-    print({k: (main[k], after[k]) for k in ("cache_full_steps", "draft_rounds", "accepted_tokens")})
+    print({k: (main[k], after[k]) for k in ("cache_full_steps", "draft_rounds", "accepted_tokens",
+                                             "requests_returned", "absent_caches_dropped")})
     assert main["cache_full_steps"] > 0 and main["draft_rounds"] > 0
+    assert main["draft_cache"]["memory_bytes"] <= 1.5 * 2**20
     assert after["draft_rounds"] > main["draft_rounds"]
     assert after["cache_full_steps"] == main["cache_full_steps"]  # one request fits
 

@@ -136,24 +136,35 @@ def test_add_rms_norm_strided_rows_and_leading_dims():
 # ---------------------------------------------------------------------------------------------
 # rope_qkv_write
 # ---------------------------------------------------------------------------------------------
-def rope_case(B, Q, Hq, Hkv, D, dtype, seed, num_slots=None, max_len=None, contiguous_pos=True):
+PAGE = 4  # tokens per cache page in these cases: a row's tokens span several pages
+
+
+def rope_case(B, Q, Hq, Hkv, D, dtype, seed, num_pages=None, contiguous_pos=True):
+    """A rope_qkv_write case over a paged cache [num_pages, PAGE, Hkv, D]. contiguous_pos: the
+    model's layout (tokens cache_lens[b] + j of a row, through a random block table; also
+    returned: (cache_lens, block_table, slots)); else any distinct write indices."""
     gen = torch.Generator().manual_seed(seed)
-    num_slots = num_slots or B + 3
-    max_len = max_len or Q + 11
+    per_row = -(-(Q + 11) // PAGE)
+    num_pages = num_pages or (B + 2) * per_row + 1
     qkv = randn(B, Q, (Hq + 2 * Hkv) * D, dtype=dtype, gen=gen, scale=2.0)
     cos, sin = rope_tables(B, Q, D, dtype, gen)
-    k_cache = randn(num_slots, Hkv, max_len, D, dtype=dtype, gen=gen)
-    v_cache = randn(num_slots, Hkv, max_len, D, dtype=dtype, gen=gen)
-    slots = torch.randperm(num_slots, generator=gen)[:B]
-    if contiguous_pos:  # the model's layout: cache_lens[b] + j
-        cache_lens = torch.randint(0, max_len - Q + 1, (B,), generator=gen)
-        write_pos = cache_lens[:, None] + torch.arange(Q)
-    else:  # any distinct positions per row
-        cache_lens = None
-        write_pos = torch.stack([torch.randperm(max_len, generator=gen)[:Q] for _ in range(B)])
+    k_cache = randn(num_pages, PAGE, Hkv, D, dtype=dtype, gen=gen)
+    v_cache = randn(num_pages, PAGE, Hkv, D, dtype=dtype, gen=gen)
+    if contiguous_pos:
+        num_slots = B + 2
+        pages = torch.randperm(num_pages, generator=gen)[:num_slots * per_row]
+        table = pages.view(num_slots, per_row).int()
+        slots = torch.randperm(num_slots, generator=gen)[:B]
+        cache_lens = torch.randint(0, per_row * PAGE - Q + 1, (B,), generator=gen)
+        pos = cache_lens[:, None] + torch.arange(Q)
+        write_index = table[slots][torch.arange(B)[:, None], pos // PAGE].long() * PAGE + pos % PAGE
+        extra = (cache_lens, table.to(DEVICE), slots.to(DEVICE))
+    else:
+        write_index = torch.randperm(num_pages * PAGE, generator=gen)[:B * Q].view(B, Q)
+        extra = None
     return dict(qkv=qkv, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                slots=slots.to(DEVICE), write_pos=write_pos.to(DEVICE),
-                num_heads=Hq, num_kv_heads=Hkv, head_dim=D), cache_lens
+                write_index=write_index.to(DEVICE),
+                num_heads=Hq, num_kv_heads=Hkv, head_dim=D), extra
 
 
 def run_both(case):
@@ -176,7 +187,8 @@ def test_rope_qkv_write_parity(heads, head_dim, dtype):
     Hq, Hkv = heads
     rng = random.Random(f"{heads}-{head_dim}")
     B, Q = rng.randint(1, 3), rng.randint(1, 4)
-    case, cache_lens = rope_case(B, Q, Hq, Hkv, head_dim, dtype, seed=rng.randrange(1 << 30))
+    case, (cache_lens, table, slots) = rope_case(B, Q, Hq, Hkv, head_dim, dtype,
+                                                 seed=rng.randrange(1 << 30))
     q, (kc, vc), ref_q, (ref_kc, ref_vc), (kc0, vc0) = run_both(case)
     # Bit-identical to the reference, everywhere in the cache (so untouched outside the writes).
     assert q.shape == (B, Q, Hq, head_dim) and q.is_contiguous()
@@ -187,18 +199,18 @@ def test_rope_qkv_write_parity(heads, head_dim, dtype):
     qkv, cos, sin = case["qkv"], case["cos"], case["sin"]
     mq, mk, mv = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     new_mask = torch.ones(B, Q, Q, dtype=torch.bool, device=DEVICE)
-    meta = build_attention_metadata(case["slots"], cache_lens.to(DEVICE), new_mask,
+    meta = build_attention_metadata(slots, cache_lens.to(DEVICE), new_mask, table, PAGE,
                                     int(cache_lens.max()), backend="torch")
-    assert torch.equal(meta.write_pos, case["write_pos"])
+    assert torch.equal(meta.write_index, case["write_index"])
     model_k, model_v = kc0.clone(), vc0.clone()
     write_kv(model_k, model_v, apply_rope(mk.view(B, Q, Hkv, D), cos, sin), mv.view(B, Q, Hkv, D), meta)
     assert torch.equal(q, apply_rope(mq.view(B, Q, Hq, D), cos, sin))
     assert torch.equal(kc, model_k) and torch.equal(vc, model_v)
 
-    # Outside the written (slot, position) pairs the cache is unchanged.
-    written = torch.zeros(kc.shape[0], kc.shape[2], dtype=torch.bool, device=DEVICE)
-    written[case["slots"][:, None], case["write_pos"]] = True
-    keep = ~written[:, None, :, None].expand_as(kc)
+    # Outside the written tokens the cache is unchanged.
+    written = torch.zeros(kc.shape[0] * PAGE, dtype=torch.bool, device=DEVICE)
+    written[case["write_index"]] = True
+    keep = ~written.view(-1, PAGE)[:, :, None, None].expand_as(kc)
     assert torch.equal(kc[keep], kc0[keep]) and torch.equal(vc[keep], vc0[keep])
 
 
@@ -208,9 +220,8 @@ def test_rope_qkv_write_real_size(dtype):
     # 0.5B shapes, 70 tokens (2 rows x 35), random distinct positions, int32 indices, and cos/sin
     # as an expanded view (stride 0 over rows).
     B, Q, Hq, Hkv, D = 2, 35, 14, 2, 64
-    case, _ = rope_case(B, Q, Hq, Hkv, D, dtype, seed=11, num_slots=4, max_len=48,
-                        contiguous_pos=False)
-    case["slots"], case["write_pos"] = case["slots"].int(), case["write_pos"].int()
+    case, _ = rope_case(B, Q, Hq, Hkv, D, dtype, seed=11, num_pages=48, contiguous_pos=False)
+    case["write_index"] = case["write_index"].int()
     case["cos"] = case["cos"][:1].expand(B, Q, 1, D)
     case["sin"] = case["sin"][:1].expand(B, Q, 1, D)
     q, (kc, vc), ref_q, (ref_kc, ref_vc), _ = run_both(case)
@@ -227,16 +238,15 @@ def test_rope_qkv_write_odd_head_dim_and_fp16():
 
 @needs_triton
 def test_rope_qkv_write_drops_out_of_range_writes():
-    # A caller bug (slot past the cache) must not write out of bounds: the row's K/V are dropped,
-    # the other row's land, q is still computed.
-    case, _ = rope_case(2, 2, 4, 2, 64, torch.float32, seed=2, num_slots=3, max_len=6)
-    case["slots"] = torch.tensor([5, 1], device=DEVICE)
-    case["write_pos"] = torch.tensor([[0, 1], [6, 2]], device=DEVICE)  # 6 == max_len: dropped
+    # A caller bug (an index past the cache, or negative) must not write out of bounds: those
+    # tokens' K/V are dropped, the others land, q is still computed.
+    case, _ = rope_case(2, 2, 4, 2, 64, torch.float32, seed=2, num_pages=3, contiguous_pos=False)
+    case["write_index"] = torch.tensor([[-1, 12], [13, 6]], device=DEVICE)  # 12 = 3 pages x 4: dropped
     k0, v0 = case["k_cache"].clone(), case["v_cache"].clone()
     q = fo.rope_qkv_write(**case, backend="triton")
-    changed = (case["k_cache"] != k0).any(-1).any(1)  # [num_slots, max_len]
+    changed = (case["k_cache"] != k0).any(-1).any(-1)  # [num_pages, PAGE]
     assert changed.nonzero().tolist() == [[1, 2]]
-    assert torch.equal((case["v_cache"] != v0).any(-1).any(1), changed)
+    assert torch.equal((case["v_cache"] != v0).any(-1).any(-1), changed)
     cos, sin = case["cos"], case["sin"]
     assert torch.equal(q, apply_rope(case["qkv"][..., :4 * 64].view(2, 2, 4, 64), cos, sin))
 
@@ -302,7 +312,7 @@ def test_empty_inputs():
     assert fo.silu_mul(torch.empty(2, 0, 128, device=DEVICE), backend="triton").shape == (2, 0, 64)
     case, _ = rope_case(1, 1, 4, 2, 64, torch.float32, seed=0)
     case.update(qkv=case["qkv"][:, :0], cos=case["cos"][:, :0], sin=case["sin"][:, :0],
-                write_pos=case["write_pos"][:, :0])
+                write_index=case["write_index"][:, :0])
     k0 = case["k_cache"].clone()
     assert fo.rope_qkv_write(**case, backend="triton").shape == (1, 0, 4, 64)
     assert torch.equal(case["k_cache"], k0)
@@ -357,13 +367,13 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(TypeError, match="sin must have dtype"):
         rope(sin=case["sin"].to(bf16))
     with pytest.raises(ValueError, match="k_cache must be"):
-        rope(k_cache=case["k_cache"][:, :1])
+        rope(k_cache=case["k_cache"][:, :, :1])  # one kv head of two
     with pytest.raises(ValueError, match="k_cache .* and v_cache .* differ"):
-        rope(v_cache=case["v_cache"][:, :, :4])
-    with pytest.raises(TypeError, match="slots must have dtype"):
-        rope(slots=case["slots"].float())
-    with pytest.raises(ValueError, match="write_pos"):
-        rope(write_pos=case["write_pos"][:, :1])
+        rope(v_cache=case["v_cache"][:2])
+    with pytest.raises(TypeError, match="write_index must have dtype"):
+        rope(write_index=case["write_index"].float())
+    with pytest.raises(ValueError, match="write_index"):
+        rope(write_index=case["write_index"][:, :1])
     with pytest.raises(ValueError, match="k_cache must be contiguous in its last axis"):
         rope(k_cache=case["k_cache"].transpose(2, 3).contiguous().transpose(2, 3))
 

@@ -77,3 +77,12 @@ def test_a_batch_larger_than_the_slots_is_an_error():
     s = RequestSlots(2)
     with pytest.raises(ValueError, match="3 requests in one batch, but only 2 draft slots"):
         s.sync(["a", "b", "c"])
+
+
+def test_absent_lists_the_slots_of_requests_out_of_the_batch_longest_absent_first():
+    s = RequestSlots(4)
+    s.sync(["a", "b", "c", "d"])
+    s.sync(["a", "b", "d"])  # c out from here
+    s.sync(["a", "d"])  # b out from here
+    assert s.absent(["a", "d"]) == [2, 1]
+    assert s.absent(["a", "b", "c", "d"]) == []

@@ -493,8 +493,8 @@ def test_ancestor_bitmask_matches_python_walk():
 
 
 # ---------------------------------------------------------------------------------------------
-# The draft runtime's attention through the same kernel (draft/attention.masked_attention): slot
-# cache [num_slots, Hkv, max_len, D] as one page per slot, the new-token mask as the bitmask.
+# The draft runtime's attention through the same kernel (draft/attention.masked_attention): its
+# paged cache [num_pages, page_size, Hkv, D] and block table, the new-token mask as the bitmask.
 # ---------------------------------------------------------------------------------------------
 def _draft_case(seed):
     from vllm_ouroboros.draft.attention import build_attention_metadata, write_kv
@@ -505,7 +505,11 @@ def _draft_case(seed):
     head_dim = rng.choice((16, 32, 64, 80, 128))
     Q = (1, 2, 7, 17, 34, 64)[seed % 6]
     B = rng.randint(1, 3) if Q < 34 else 1  # the interpreter's time grows with B * Q
-    num_slots, max_len = B + 2, 100
+    num_slots, max_len, page = B + 2, 100, rng.choice((4, 16))
+    per_slot = -(-max_len // page)
+    # Each slot's pages scattered over the store (and one page nobody holds).
+    table = torch.randperm(num_slots * per_slot + 1, generator=g)[:num_slots * per_slot]
+    table = table.view(num_slots, per_slot).int()
     slots = torch.randperm(num_slots, generator=g)[:B]
     cache_lens = torch.tensor([rng.randint(0, max_len - Q) for _ in range(B)])
     # Random visibility among the new tokens (not only trees: the lookahead window's mask is
@@ -513,13 +517,14 @@ def _draft_case(seed):
     new_mask = torch.rand(B, Q, Q, generator=g) < rng.random()
     new_mask |= torch.eye(Q, dtype=torch.bool)
     # Finite garbage everywhere: a column read that the mask hides changes the output.
-    k_cache = torch.randn(num_slots, hkv, max_len, head_dim, generator=g)
-    v_cache = torch.randn(num_slots, hkv, max_len, head_dim, generator=g)
+    k_cache = torch.randn(num_slots * per_slot + 1, page, hkv, head_dim, generator=g)
+    v_cache = torch.randn(num_slots * per_slot + 1, page, hkv, head_dim, generator=g)
     k, v = (torch.randn(B, Q, hkv, head_dim, generator=g) for _ in range(2))
     q = torch.randn(B, Q, hkv * group, head_dim, generator=g)
     # any upper bound is correct (within the cache)
     max_cache_len = min(int(cache_lens.max()) + rng.randint(0, 5), max_len - Q)
-    metas = {b: build_attention_metadata(slots, cache_lens, new_mask, max_cache_len, backend=b)
+    metas = {b: build_attention_metadata(slots, cache_lens, new_mask, table, page, max_cache_len,
+                                         backend=b)
              for b in ("torch", "triton")}
     write_kv(k_cache, v_cache, k, v, metas["torch"])
     return q, k_cache, v_cache, metas, head_dim ** -0.5
@@ -534,7 +539,7 @@ def test_draft_attention_kernel_matches_torch_path(seed):
     ref = masked_attention(q, k_cache, v_cache, metas["torch"], scale)
     args = [t.to(DEVICE) for t in (q, k_cache, v_cache)]
     meta = metas["triton"]
-    for name in ("slots", "cache_lens", "new_mask", "write_pos"):
+    for name in ("slots", "cache_lens", "new_mask", "block_rows", "write_index"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
     out = masked_attention(*args, meta, scale).cpu()
     err = (out - ref).abs().max().item()
@@ -571,18 +576,24 @@ def test_draft_attention_backend_choice():
     from vllm_ouroboros.draft.attention import build_attention_metadata
 
     one = torch.zeros(1, dtype=torch.long)
+    table = torch.arange(1, 6, dtype=torch.int32)[None]
     mask = lambda Q: torch.eye(Q, dtype=torch.bool)[None]  # noqa: E731
+
+    def meta(slots, Q, **kw):
+        return build_attention_metadata(slots, slots, mask(Q).to(slots.device),
+                                        table.to(slots.device), 16, 0, **kw)
+
     # auto: the torch path for CPU tensors; on CUDA the kernel up to 64 new tokens per row
-    assert not build_attention_metadata(one, one, mask(8), 0).use_kernel
+    assert not meta(one, 8).use_kernel
     if DEVICE == "cuda":
         c = one.cuda()
-        assert build_attention_metadata(c, c, mask(8).cuda(), 0).use_kernel
-        assert not build_attention_metadata(c, c, mask(65).cuda(), 0).use_kernel
-    assert not build_attention_metadata(one, one, mask(65), 0).use_kernel
+        assert meta(c, 8).use_kernel
+        assert not meta(c, 65).use_kernel
+    assert not meta(one, 65).use_kernel
     with pytest.raises(ValueError, match="at most 64"):
-        build_attention_metadata(one, one, mask(65), 0, backend="triton")
+        meta(one, 65, backend="triton")
     with pytest.raises(ValueError, match="backend"):
-        build_attention_metadata(one, one, mask(8), 0, backend="cuda")
+        meta(one, 8, backend="cuda")
 
 
 # ---------------------------------------------------------------------------------------------

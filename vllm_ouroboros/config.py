@@ -89,10 +89,12 @@ class OuroborosConfig:
     # "device" fixes every shape before the round (no read inside it); "graph" replays the
     # device round from CUDA graphs (CUDA only). "auto": graph on CUDA, host elsewhere.
     draft_round: str = "auto"
-    # Per-slot draft KV capacity allocated up front (tokens); grows on demand up to max_model_len.
+    # Draft KV pages allocated at load, in tokens per request of the first batch (16 requests,
+    # 64 with graphs): the pages are shared, so one long request takes more of them. The page
+    # store grows on demand.
     draft_initial_len: int = 2048
-    # Most device memory the draft's KV cache may take, MiB (None: grown on demand without a
-    # bound). A request that would need more decodes without a draft (lossless) until it fits.
+    # Most device memory the draft's KV cache pages may take, MiB (None: grown on demand without
+    # a bound). A request that would need more decodes without a draft (lossless) until it fits.
     draft_cache_max_mb: float | None = None
     # Sentence-draft length: "fixed" drafts >= gamma tokens per round; "adaptive" (SpecDec++)
     # stops each row's draft once its acceptance head predicts that the draft so far holds a

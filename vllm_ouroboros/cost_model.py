@@ -103,7 +103,8 @@ def measure_curve(timer_at: Callable[[int], Callable[[], float]], max_tokens: in
 
 def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = False) -> CostCurve:
     """The draft model's t(n) (measure_curve): a forward over n new tokens in one row, empty
-    prefix, slot 0 of its KV cache (what was written there is overwritten later).
+    prefix, slot 0 of its KV cache (given pages for them; what was written there is
+    overwritten later).
 
     graphs: time the forward replayed from a CUDA graph, as the graph drafting round runs it
     (draft/device_round.py); eager GPU forwards cost what their kernel launches cost, ~10x a
@@ -114,6 +115,7 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = Fa
     zero = torch.zeros(1, dtype=torch.long, device=model.device)
 
     def timer_at(n: int) -> Callable[[], float]:
+        model.kv.reserve([0], [n])  # pages for the n tokens the forward writes
         ids = torch.full((1, n), 3, dtype=torch.long, device=model.device)
         pos = torch.arange(n, device=model.device)[None]
         mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()[None]

@@ -50,11 +50,17 @@ COUNTERS = {
     "requests_returned": "Requests back in a step after steps out of the batch (preempted or left out by "
                          "the token budget), to the draft slot and cache they kept",
     "slots_evicted": "Requests out of the batch whose draft slot went to a new request (all slots taken)",
+    "absent_caches_dropped": "Requests out of the batch whose draft KV pages were released for "
+                             "requests in it (the draft KV cache was full)",
 }
-POOL_GAUGES = {
-    "phrases": "Phrases in the pool",
-    "keys": "Key tokens holding at least one phrase",
-    "memory_bytes": "Device bytes owned by the pool",
+# Gauges by snapshot section: (section, key) -> help; exported as <section>_<key>.
+GAUGES = {
+    ("pool", "phrases"): "Phrases in the pool",
+    ("pool", "keys"): "Key tokens holding at least one phrase",
+    ("pool", "memory_bytes"): "Device bytes owned by the pool",
+    ("draft_cache", "memory_bytes"): "Device bytes of the draft's KV cache pages",
+    ("draft_cache", "pages"): "Pages of the draft's KV cache (free or held)",
+    ("draft_cache", "pages_used"): "Pages of the draft's KV cache held by requests",
 }
 
 
@@ -91,7 +97,7 @@ class SnapshotWriter:
 
 
 def read_totals(path: str) -> dict[str, float] | None:
-    """Sum of all snapshots in `path` (counters and pool gauges), None if there are none."""
+    """Sum of all snapshots in `path` (counters and gauges), None if there are none."""
     totals: dict[str, float] = {}
     found = False
     for name in glob.glob(os.path.join(path, "snapshot-*.json")):
@@ -103,8 +109,9 @@ def read_totals(path: str) -> dict[str, float] | None:
         found = True
         for key in COUNTERS:
             totals[key] = totals.get(key, 0) + snap.get(key, 0)
-        for key in POOL_GAUGES:
-            totals["pool_" + key] = totals.get("pool_" + key, 0) + snap.get("pool", {}).get(key, 0)
+        for section, key in GAUGES:
+            name = f"{section}_{key}"
+            totals[name] = totals.get(name, 0) + (snap.get(section) or {}).get(key, 0)
     return totals if found else None
 
 
@@ -122,8 +129,9 @@ class OuroborosCollector:
             return
         for key, doc in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + key, doc, value=totals[key])
-        for key, doc in POOL_GAUGES.items():
-            yield GaugeMetricFamily(PREFIX + "pool_" + key, doc, value=totals["pool_" + key])
+        for (section, key), doc in GAUGES.items():
+            name = f"{section}_{key}"
+            yield GaugeMetricFamily(PREFIX + name, doc, value=totals[name])
 
 
 _registered = False

@@ -23,9 +23,9 @@ import torch
 from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
 from vllm_ouroboros.config import OuroborosConfig, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.draft.acceptance_head import load_head
+from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, DraftCacheFull, pages_for
 from vllm_ouroboros.draft.model import DraftModel
-from vllm_ouroboros.draft.runtime import (DraftCacheFull, DraftRuntime, DraftSettings,
-                                          cache_growth_warning)
+from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_growth_warning
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
@@ -46,25 +46,28 @@ MAX_PROBE_GAP = 32
 # that fit before growing is tried again; the wait doubles with each failure, up to this.
 MAX_CACHE_RETRY_GAP = 256
 CAPTURED_BATCH = 64  # draft_round "graph": batches captured at load (larger ones on first use)
+# A bound on the tokens a round writes past a request's context (DraftRuntime's round room:
+# 72 at the defaults), for the smallest draft_cache_max_mb that can work.
+ROUND_ROOM_BOUND = 128
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def initial_cache_size(cache_bytes, slots: int, length: int, limit: int | None,
-                       min_len: int = 64) -> tuple[int, int]:
-    """(slots, tokens per slot) of the draft cache allocated at load: as asked, or, where
-    `cache_bytes(slots + 1, length)` (bytes, the spare padding slot included) exceeds `limit`,
-    as many slots of `length` tokens as fit, the length halved (down to `min_len`) while not
-    even one does. Raises ValueError where one slot of `min_len` tokens does not fit."""
-    if limit is None or cache_bytes(slots + 1, length) <= limit:
-        return slots, length
-    while length > min_len and cache_bytes(2, length) > limit:
-        length = max(min_len, length // 2)
-    if cache_bytes(2, length) > limit:
+def initial_cache_tokens(page_bytes: int, tokens: int, limit: int | None,
+                         min_tokens: int = 64) -> int:
+    """Tokens of draft-cache pages allocated at load (draft/kv_cache.py, PAGE_SIZE tokens a
+    page, page_bytes bytes each): `tokens`, or as many as `limit` bytes hold beside the null
+    page. Raises ValueError where the limit holds less than one request of `min_tokens` tokens
+    and what its round writes past them (ROUND_ROOM_BOUND)."""
+    if limit is None:
+        return tokens
+    fit = (limit // page_bytes - 1) * PAGE_SIZE
+    least = pages_for(min_tokens + ROUND_ROOM_BOUND) * PAGE_SIZE
+    if fit < least:
+        need = (least // PAGE_SIZE + 1) * page_bytes / 2**20
         raise ValueError(f"ouroboros: draft_cache_max_mb = {limit / 2**20:g} holds less than one "
-                         f"request of {length} tokens ({cache_bytes(2, length) / 2**20:.1f} MiB "
-                         "with the spare slot)")
-    return min(slots, limit // cache_bytes(1, length) - 1), length
+                         f"request of {min_tokens} tokens and its draft ({need:.2f} MiB)")
+    return min(tokens, fit)
 
 
 class OuroborosProposer:
@@ -120,6 +123,7 @@ class OuroborosProposer:
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._cache_retry_gap, self._cache_retry_wait = PROBE_GAP, 0
+        self._caches_dropped = 0  # absent requests' draft-cache pages released under pressure
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
         # Suffixes on auto (cost_model.rows_sending_suffixes): per request, running means of the
         # tokens a step gives from the draft alone (+1) and of those its suffixes add when sent;
@@ -164,13 +168,15 @@ class OuroborosProposer:
             if factory is not None:
                 model.use_gemm(factory)
         draft_round = resolved_draft_round(cfg, self.device.type)
-        # With graphs, slots for every batch captured below: a cache that grows drops the graphs
-        # (they hold its address), so the 17th request would otherwise cost a recapture.
+        # With graphs, slots for every batch captured below: a block table or page store that
+        # grows drops the graphs (they hold its address), so the 17th request, or the pages of
+        # 16 requests of draft_initial_len tokens, would otherwise cost a recapture.
         init_slots = min(self.max_slots, CAPTURED_BATCH if draft_round == "graph" else 16)
         init_len = min(self.max_model_len, cfg.draft_initial_len)
         limit = None if cfg.draft_cache_max_mb is None else int(cfg.draft_cache_max_mb * 2**20)
-        init_slots, init_len = initial_cache_size(model.cache_bytes, init_slots, init_len, limit)
-        model.allocate_cache(init_slots + 1, init_len)  # + the runtime's spare padding slot
+        tokens = initial_cache_tokens(model.cache_bytes(PAGE_SIZE), init_slots * init_len, limit)
+        # Pages shared by the requests: one long request takes more of them, not every slot.
+        model.allocate_cache(init_slots + 1, init_len, num_tokens=tokens, limit_bytes=limit)
         # On CUDA: the kernel checked (and compiled) before anything is timed or captured.
         reason = model.check_attention_kernel()
         if reason is not None:
@@ -227,7 +233,7 @@ class OuroborosProposer:
             draft_round=draft_round,
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
-                                    self.device, head=head, cache_limit_bytes=limit)
+                                    self.device, head=head)
         if settings.draft_round == "graph":
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
             t0 = time.perf_counter()
@@ -236,10 +242,9 @@ class OuroborosProposer:
                         time.perf_counter() - t0)
         logger.info("ouroboros: drafting loop: %s", settings.draft_round)
         if self.device.type == "cuda":
-            worst = model.cache_bytes(self.max_slots + 1, self.runtime.max_slot_len)
+            worst = model.cache_bytes(self.max_slots * self.runtime.max_slot_len)
             warning = cache_growth_warning(
-                worst if limit is None else min(worst, limit),
-                model.cache_bytes(model.num_slots, model.max_len),
+                worst if limit is None else min(worst, limit), model.kv.bytes,
                 (1 - self.vllm_config.cache_config.gpu_memory_utilization)
                 * torch.cuda.get_device_properties(self.device).total_memory,
                 self.max_slots, self.runtime.max_slot_len)
@@ -248,9 +253,9 @@ class OuroborosProposer:
         if cfg.pool_save_path:
             atexit.register(self.save_pool)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
-                    "(%d slots x %d tokens; grows on demand%s)", cfg.draft_model, dtype,
-                    cfg.pool_budget_mb, model.cache_bytes(model.num_slots, model.max_len) / 2**20,
-                    model.num_slots, model.max_len,
+                    "(%d pages of %d tokens shared by the requests; grows on demand%s)",
+                    cfg.draft_model, dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
+                    model.kv.num_pages, model.kv.page_size,
                     "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
 
     def save_pool(self, path: str | None = None) -> None:
@@ -478,37 +483,40 @@ class OuroborosProposer:
         if not spec.all():
             self._no_draft(slots[~spec], "backoff_steps")
             rows, slots = rows[spec], slots[spec]
+        lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now
             self._cache_retry_wait -= 1
-            fit = self.runtime.fits(slots, num_tokens_no_spec[rows])
+            fit = self._rows_that_fit(req_ids, slots, lens_ctx)
             self._no_draft(slots[~fit], "cache_full_steps")
-            rows, slots = rows[fit], slots[fit]
+            rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
         if len(rows) == 0:
             self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
             return proposals
-        lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         t_draft = time.perf_counter()
         try:
             out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
-        except DraftCacheFull as e:  # nothing changed: the rows that fit draft, the others wait
-            fit = self.runtime.fits(slots, lens_ctx)
-            self._cache_retry_wait = self._cache_retry_gap
-            self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
-            logger.warning(
-                "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, the "
-                "others decode without a draft (lossless) until growing is tried again in %d "
-                "steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len leave "
-                "it room, as do a larger draft_cache_max_mb where it is the bound, or a lower "
-                "gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
-                self._cache_retry_wait)
-            self._no_draft(slots[~fit], "cache_full_steps")
-            rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
-            if len(rows) == 0:
-                self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
-                return proposals
+        except DraftCacheFull as e:  # nothing changed
+            fit = self._rows_that_fit(req_ids, slots, lens_ctx)
+            if not fit.all():  # the rows that fit draft, the others wait
+                self._cache_retry_wait = self._cache_retry_gap
+                self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
+                logger.warning(
+                    "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, "
+                    "the others decode without a draft (lossless) until growing is tried again in "
+                    "%d steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len "
+                    "leave it room, as do a larger draft_cache_max_mb where it is the bound, or a "
+                    "lower gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
+                    self._cache_retry_wait)
+                self._no_draft(slots[~fit], "cache_full_steps")
+                rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
+                if len(rows) == 0:
+                    self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+                    return proposals
             out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
+        else:  # the cache held every row: after a full spell, try growing again soon
+            self._cache_retry_gap = PROBE_GAP
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
@@ -563,6 +571,27 @@ class OuroborosProposer:
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
+
+    def _rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Which drafting rows ([R] by slot, context lengths [R]) the draft cache holds without
+        growing, as a bool mask [R], after releasing the pages of requests out of this batch
+        where some do not fit: such a request drafts again from a prefill when it is back
+        (lossless), where the requests here would not draft at all."""
+        fit = self.runtime.fits(slots, lens)
+        if not fit.all() and self._drop_absent_caches(req_ids):
+            fit = self.runtime.fits(slots, lens)
+        return fit
+
+    def _drop_absent_caches(self, req_ids) -> int:
+        """Release the draft-cache pages of requests that hold a slot but are out of this
+        batch (preempted, or left out by the token budget); they keep the slot and their pool
+        phrases. Returns how many slots gave pages back."""
+        held = self.runtime.kv.held  # [rows of the block table]: a slot past them holds nothing
+        dropped = [s for s in self._slot_of.absent(req_ids) if s < len(held) and held[s] > 0]
+        for s in dropped:
+            self.runtime.reset_slot(s)
+        self._caches_dropped += len(dropped)
+        return len(dropped)
 
     def _no_draft(self, slots: np.ndarray, counter: str) -> None:
         """Plain decoding this step for these slots: nothing sent, nothing drafted; the draft
@@ -636,6 +665,9 @@ class OuroborosProposer:
         out = self.stats.snapshot(pool, per_request=per_request)
         out["requests_returned"] = self._slot_of.returned
         out["slots_evicted"] = self._slot_of.evicted
+        out["absent_caches_dropped"] = self._caches_dropped
+        if self.runtime is not None:
+            out["draft_cache"] = self.runtime.kv.stats()
         if self.runtime is not None:  # what "auto" resolved to on this device
             out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,

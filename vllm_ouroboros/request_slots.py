@@ -35,8 +35,8 @@ class RequestSlots:
         self.num_slots = num_slots
         self.slot_of: dict[str, int] = {}
         # A min-heap: a new request takes the lowest free slot, whatever order slots were freed
-        # in, so the slots in use stay few and low: the draft's dense cache grows less, and one
-        # bounded by draft_cache_max_mb holds the most of them.
+        # in, so the slots in use stay few and low (the draft's block table and the device
+        # round's windows stay small).
         self._free = list(range(num_slots))
         self._finished: set[str] = set()
         self._last_seen: dict[str, int] = {}  # request -> step it was last in the batch
@@ -52,6 +52,12 @@ class RequestSlots:
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.slot_of
+
+    def absent(self, req_ids) -> list[int]:
+        """Slots of the requests that hold one but are not in this batch, longest absent first."""
+        batch = set(req_ids)
+        out = [r for r in self.slot_of if r not in batch]
+        return [self.slot_of[r] for r in sorted(out, key=lambda r: self._last_seen[r])]
 
     def finished(self, req_ids) -> None:
         """Requests vLLM finished or aborted (released at the next `sync`)."""

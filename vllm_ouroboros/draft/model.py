@@ -1,9 +1,10 @@
-"""Draft model runtime: a self-contained Llama / Qwen2 decoder with its own slotted KV cache.
+"""Draft model runtime: a self-contained Llama / Qwen2 decoder with its own paged KV cache.
 
 One forward runs B rows (distinct cache slots) of Q new tokens each, with arbitrary positions and an
 arbitrary mask among the new tokens (token trees, lookahead windows, guess phrases), on top of each
 slot's committed prefix. The model never commits anything: new K/V land in a scratch area after the
-prefix, and the caller commits a prefix of them by advancing its own cache_lens.
+prefix, and the caller commits a prefix of them by advancing its own cache_lens. The cache
+(draft/kv_cache.py) hands each slot pages as its length needs them.
 
 No vLLM imports: weights are read from a Hugging Face checkpoint directory (config.json + safetensors).
 """
@@ -28,6 +29,7 @@ from vllm_ouroboros.draft.attention import (
     masked_attention,
     write_kv,
 )
+from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, PagedKVCache, pages_for
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -177,15 +179,15 @@ class DraftLayer(nn.Module):
 
         B, Q, _ = h.shape
         x, residual = add_rms_norm(h, residual, self.input_norm, self.eps)
-        q = rope_qkv_write(self.project("qkv", x), cos, sin, k_cache, v_cache, meta.slots,
-                           meta.write_pos, self.num_heads, self.num_kv_heads, self.head_dim)
+        q = rope_qkv_write(self.project("qkv", x), cos, sin, k_cache, v_cache, meta.write_index,
+                           self.num_heads, self.num_kv_heads, self.head_dim)
         o = masked_attention(q, k_cache, v_cache, meta, scale)  # [B, Q, Hq, D]
         x, residual = add_rms_norm(self.project("o", o.reshape(B, Q, -1)), residual,
                                    self.post_norm, self.eps)
         return self.project("down", silu_mul(self.project("gate_up", x))), residual
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, scale):
-        # h: [B, Q, H]; cos, sin: [B, Q, 1, D]; k_cache, v_cache: [num_slots, Hkv, max_len, D]
+        # h: [B, Q, H]; cos, sin: [B, Q, 1, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D]
         B, Q, _ = h.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
@@ -202,7 +204,8 @@ class DraftLayer(nn.Module):
 
 
 class DraftModel(nn.Module):
-    """Decoder-only draft model with a slotted KV cache and masked attention over [prefix | new tokens]."""
+    """Decoder-only draft model with a paged KV cache (draft/kv_cache.py) and masked attention
+    over [a slot's prefix | new tokens]."""
 
     # Largest logits chunk (elements) `greedy_tokens` materialises at once.
     logits_chunk_elems: int = 1 << 24
@@ -223,8 +226,7 @@ class DraftModel(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
         self.inv_freq: torch.Tensor | None = None  # [D/2] float32, set by from_pretrained
-        self.k_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
-        self.v_cache: torch.Tensor | None = None  # [num_layers, num_slots, Hkv, max_len, D]
+        self.kv: PagedKVCache | None = None  # set by allocate_cache
         self.head_gemm: Gemm | None = None  # LM head product; F.linear where None
         # Attention path (draft/attention.build_attention_metadata): "auto" runs the Triton
         # tree-attention kernel on CUDA for forwards of <= 64 new tokens per row.
@@ -274,47 +276,64 @@ class DraftModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head is None else self.lm_head
 
-    # ---- KV cache ------------------------------------------------------------------------------
+    # ---- KV cache ----------------------------------------------------------------------------
+
+    @property
+    def k_cache(self) -> torch.Tensor | None:
+        """[num_layers, num_pages, page_size, Hkv, D]"""
+        return None if self.kv is None else self.kv.k
+
+    @property
+    def v_cache(self) -> torch.Tensor | None:
+        """[num_layers, num_pages, page_size, Hkv, D]"""
+        return None if self.kv is None else self.kv.v
 
     @property
     def num_slots(self) -> int:
-        return 0 if self.k_cache is None else self.k_cache.shape[1]
+        return 0 if self.kv is None else self.kv.num_seqs
 
     @property
     def max_len(self) -> int:
-        return 0 if self.k_cache is None else self.k_cache.shape[3]
+        """Most tokens one slot can address."""
+        return 0 if self.kv is None else self.kv.max_seq_len
 
-    def cache_bytes(self, num_slots: int, max_len: int) -> int:
-        """Bytes of the k and v caches for num_slots slots of max_len tokens."""
-        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        return num_slots * max_len * per_token
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V per cached token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def cache_bytes(self, num_tokens: int, page_size: int = PAGE_SIZE) -> int:
+        """Bytes of the k and v pages that hold num_tokens tokens."""
+        return pages_for(num_tokens, page_size) * page_size * self.token_bytes
 
     @torch.inference_mode()
-    def allocate_cache(self, num_slots: int, max_len: int) -> None:
-        """(Re)allocate zeroed k/v caches [num_layers, num_slots, Hkv, max_len, D]; old content is dropped.
-
-        Zeroed so that never-written columns are finite (masked columns still enter softmax @ V).
-        """
-        self.k_cache, self.v_cache = self._new_cache(num_slots, max_len)
-
-    def _new_cache(self, num_slots: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Both before either is kept: an allocation that fails leaves the model as it was.
-        shape = (self.num_layers, num_slots, self.num_kv_heads, max_len, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return k, torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def allocate_cache(self, num_slots: int, max_len: int, num_tokens: int | None = None,
+                       limit_bytes: int | None = None, page_size: int = PAGE_SIZE) -> None:
+        """A new (zeroed) paged cache for num_slots slots of up to max_len tokens; old content
+        is dropped. num_tokens None: every slot holds pages for max_len tokens from the start
+        (for callers that run the model alone); else a store of pages for num_tokens tokens
+        (plus the null page) that slots take as `self.kv.reserve` assigns them, growing up to
+        limit_bytes (draft/kv_cache.py)."""
+        full = num_tokens is None
+        pages = num_slots * pages_for(max_len, page_size) if full else pages_for(num_tokens, page_size)
+        self.kv = PagedKVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                               self.device, num_slots, max_len, 1 + max(pages, 1), page_size,
+                               limit_bytes)
+        if full:
+            self.kv.reserve(range(num_slots), [max_len] * num_slots)
 
     @torch.inference_mode()
     def check_attention_kernel(self) -> str | None:
         """Before the draft serves: run the Triton tree-attention kernel where this model would
-        use it (backend "auto" on CUDA, "triton" anywhere) on its heads, dtype and cache length,
+        use it (backend "auto" on CUDA, "triton" anywhere) on its heads, dtype and page size,
         against the torch path (kernels/tree_attention.check_kernel, which also compiles it).
         Where it fails, "auto" falls back to torch SDPA and the reason is returned; "triton"
         raises. Where the kernel would not be used (CPU with "auto", "torch"): None, nothing runs.
-        Call after allocate_cache (the kernel is compiled per cache length)."""
-        if self.k_cache is None:
+        Call after allocate_cache (the kernel is compiled per page size)."""
+        if self.kv is None:
             raise RuntimeError("allocate_cache before check_attention_kernel")
         if not (self.attention_backend == "triton"
-                or (self.attention_backend == "auto" and self.k_cache.is_cuda)):
+                or (self.attention_backend == "auto" and self.kv.device.type == "cuda")):
             return None
         if not kernel_importable():
             reason = "Triton is not importable"
@@ -322,35 +341,17 @@ class DraftModel(nn.Module):
             from vllm_ouroboros.kernels.tree_attention import check_kernel
 
             gen = torch.Generator(device=self.device).manual_seed(0)
-            # Slots of random K/V in the cache's layout ([slot, position, kv head, D] views),
-            # enough of them for the largest tree behind a prefix.
-            slots = max(2, -(-2 * MAX_KERNEL_QUERIES // self.max_len))
-            kv = torch.randn((2, slots, self.num_kv_heads, self.max_len, self.head_dim),
+            # Pages of random K/V in the cache's layout, enough for the largest tree behind a prefix.
+            pages = 2 * pages_for(MAX_KERNEL_QUERIES, self.kv.page_size)
+            kv = torch.randn((2, pages, self.kv.page_size, self.num_kv_heads, self.head_dim),
                              generator=gen, device=self.device, dtype=torch.float32).to(self.dtype)
-            reason = check_kernel(kv[0].transpose(1, 2), kv[1].transpose(1, 2), self.num_heads,
-                                  max_query_len=MAX_KERNEL_QUERIES)
+            reason = check_kernel(kv[0], kv[1], self.num_heads, max_query_len=MAX_KERNEL_QUERIES)
         if reason is not None:
             if self.attention_backend == "triton":
                 raise RuntimeError(f"draft attention 'triton': the kernel failed its check on "
                                    f"{self.device}: {reason}")
             self.attention_backend = "torch"
         return reason
-
-    @torch.inference_mode()
-    def ensure_capacity(self, num_slots: int, max_len: int) -> None:
-        """Grow the caches to at least (num_slots, max_len), keeping their content; no-op if large
-        enough. All or nothing: an allocation that fails (torch.OutOfMemoryError) leaves the
-        caches as they were."""
-        if self.k_cache is None:
-            self.allocate_cache(num_slots, max_len)
-            return
-        old_slots, old_len = self.num_slots, self.max_len
-        if num_slots <= old_slots and max_len <= old_len:
-            return
-        k, v = self._new_cache(max(num_slots, old_slots), max(max_len, old_len))
-        k[:, :old_slots, :, :old_len].copy_(self.k_cache)
-        v[:, :old_slots, :, :old_len].copy_(self.v_cache)
-        self.k_cache, self.v_cache = k, v
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -369,15 +370,16 @@ class DraftModel(nn.Module):
         Shape: input_ids [B, Q] int64; positions [B, Q] int64 (RoPE positions, not cache indices);
                slots [B] int64 (distinct); cache_lens [B] int64; new_mask [B, Q, Q] bool with
                new_mask[b, j, j] True; returns [B, Q, hidden_size] in the model dtype.
-        Row b writes its new K/V at cache indices cache_lens[b] .. cache_lens[b]+Q-1 of slot slots[b]
-        (caller guarantees cache_lens[b] + Q <= max_len); query j sees cache [0, cache_lens[b]) and new
-        token j' iff new_mask[b, j, j']. max_cache_len: max(cache_lens) if known on the host (saves a
-        device synchronisation); any upper bound is correct.
+        Row b writes its new K/V as tokens cache_lens[b] .. cache_lens[b]+Q-1 of slot slots[b]
+        (caller guarantees that slot's pages hold cache_lens[b] + Q tokens: self.kv.reserve); query
+        j sees tokens [0, cache_lens[b]) and new token j' iff new_mask[b, j, j']. max_cache_len:
+        max(cache_lens) if known on the host (saves a device synchronisation); any upper bound
+        is correct.
         """
-        if self.k_cache is None:
+        if self.kv is None:
             raise RuntimeError("DraftModel.forward before allocate_cache")
-        meta = build_attention_metadata(slots, cache_lens, new_mask, max_cache_len,
-                                        self.attention_backend)
+        meta = build_attention_metadata(slots, cache_lens, new_mask, self.kv.block_table,
+                                        self.kv.page_size, max_cache_len, self.attention_backend)
         freqs = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)

@@ -30,6 +30,7 @@ import torch
 
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
+from vllm_ouroboros.draft.kv_cache import DraftCacheFull
 from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
 from vllm_ouroboros.pool import PhrasePool
 
@@ -92,11 +93,6 @@ class RoundOutput:
     stopped_by_rule: np.ndarray | None = None
 
 
-class DraftCacheFull(RuntimeError):
-    """The draft's KV cache could not grow (device memory, or its draft_cache_max_mb budget):
-    nothing changed, and a round of the rows that fit (`DraftRuntime.fits`) can still run."""
-
-
 class DraftRuntime:
     """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""
 
@@ -104,8 +100,10 @@ class DraftRuntime:
                  max_len: int, device: torch.device | str, head=None,
                  cache_limit_bytes: int | None = None):
         """head: an AcceptanceHead (draft/acceptance_head.py), required when
-        settings.draft_length == "adaptive". cache_limit_bytes: the most the model's KV cache
-        may grow to (None: unbounded); growing past it raises DraftCacheFull."""
+        settings.draft_length == "adaptive". A model without a KV cache gets one here, with
+        pages for num_slots requests of min(max_len, 256) tokens, growing up to
+        cache_limit_bytes (None: unbounded; past it a round raises DraftCacheFull); a model
+        that has one (the proposer sizes it at load) keeps it and its limit."""
         if settings.draft_length == "adaptive" and head is None:
             raise ValueError("adaptive draft length needs an acceptance head")
         if settings.draft_round not in ("host", "device", "graph"):
@@ -120,8 +118,8 @@ class DraftRuntime:
         self.W = settings.window_size if settings.use_lookahead else 0
         self.G = settings.num_guesses if settings.use_guesses else 0
         self._layouts: dict[tuple[int, int], object] = {}
-        # Bumped whenever the model's cache or the window is reallocated (graphs hold pointers).
-        self.generation = 0
+        # Bumped whenever the window is reallocated (graphs hold pointers; see `generation`).
+        self._window_generation = 0
         # Cache columns a round needs past a row's context: its largest uncached stretch, the
         # draft and one forward's scratch. The longest a slot can get: max_len plus that.
         self._round_room = 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
@@ -133,17 +131,30 @@ class DraftRuntime:
         self.confirmed = np.zeros(0, np.int64)  # context length at the slot's last round
         self.window = torch.zeros(0, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
         self.window_ready = np.zeros(0, bool)
-        self.cache_limit_bytes = cache_limit_bytes
-        # At least what the model already holds (proposer.load_model allocates up front).
-        self._grow(num_slots, max(min(max_len, 256), model.max_len))
+        if model.kv is None:
+            model.allocate_cache(num_slots + 1, self._max_cap,
+                                 num_tokens=(num_slots + 1) * min(max_len, 256),
+                                 limit_bytes=cache_limit_bytes)
+        self._grow(num_slots)
         self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
                              if settings.draft_round != "host" else None)
 
     @property
     def max_slot_len(self) -> int:
-        """The longest the cache of one slot can grow (tokens): context, a round's draft and one
+        """The longest one slot's cache can get (tokens): context, a round's draft and one
         forward's scratch."""
         return self._max_cap
+
+    @property
+    def kv(self):
+        """The model's paged KV cache (draft/kv_cache.PagedKVCache)."""
+        return self.model.kv
+
+    @property
+    def generation(self):
+        """Changes whenever the model's cache pages, its block table or the window are
+        reallocated: CUDA graphs captured before hold their old addresses."""
+        return self._window_generation, self.kv.generation
 
     # ---- slots -------------------------------------------------------------------------------
     @property
@@ -165,58 +176,52 @@ class DraftRuntime:
             layout = self._layouts[(U, G)] = build_layout(U, self.W, self.L, G, self.device)
         return layout
 
-    def fits(self, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """Which rows a round can draft without growing the cache: bool [B], for slots [B] and
-        context lengths lens [B] (tokens)."""
-        need = np.minimum(np.asarray(lens, np.int64) + self._round_room, self._max_cap)
-        return (np.asarray(slots) < self._slots) & (need <= self._cap)
+    def _room(self, lens) -> np.ndarray:
+        """Tokens a round may write to the slot of a context of `lens` tokens: [B] int64."""
+        return np.minimum(np.asarray(lens, np.int64) + self._round_room, self._max_cap)
 
-    def _grow(self, num_slots: int, length: int) -> None:
-        """Make room for `num_slots` slots of `length` tokens (host arrays and the model's KV),
-        plus the spare `pad_slot`. All or nothing: where the device memory cannot be allocated it
-        raises DraftCacheFull with nothing changed, and rounds that fit (`fits`) still run."""
-        length = asked = min(max(length, self._cap), self._max_cap)
-        num_slots = max(num_slots, self._slots)
-        if num_slots == self._slots and length <= self._cap:
+    def fits(self, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Which rows a round can draft with the cache pages free now (no growing): bool [B],
+        for slots [B] and context lengths lens [B] (tokens)."""
+        return self.kv.fits(slots, self._room(lens))
+
+    def _grow(self, num_slots: int) -> None:
+        """Room for `num_slots` request slots (host arrays, the window, block-table rows) plus
+        the spare `pad_slot`. Holds no pages: padding rows write to the null page
+        (draft/kv_cache.py)."""
+        if num_slots <= self._slots:
             return
-        if length > self._cap:  # grow geometrically: reallocation copies the whole cache
-            length = max(length, min(2 * self._cap, self._max_cap))
-        limit = self.cache_limit_bytes
-        if limit is not None and self.model.cache_bytes(num_slots + 1, length) > limit:
-            length = asked  # within the budget: no geometric step, only what was asked
-            need = self.model.cache_bytes(num_slots + 1, length)
-            if need > limit:
-                raise DraftCacheFull(f"{num_slots + 1} slots x {length} tokens ({need / 2**20:.1f} "
-                                     f"MiB, over draft_cache_max_mb = {limit / 2**20:g})")
-        window = None
-        if num_slots > self._slots:
-            window = torch.zeros(num_slots + 1, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
-            window[: self._slots] = self.window[: self._slots]
-        before = self.model.k_cache
-        try:  # the one that may fail: first
-            self.model.ensure_capacity(num_slots + 1, length)
-        except torch.OutOfMemoryError as e:
-            need = self.model.cache_bytes(num_slots + 1, length) / 2**20
-            raise DraftCacheFull(f"{num_slots + 1} slots x {length} tokens ({need:.1f} MiB): "
-                                 f"{(str(e).splitlines() or [''])[0][:200]}") from e
-        if window is not None:
-            self.window = window
-        cached = np.zeros((num_slots, length), np.int64)
-        cached[: self._slots, : self._cap] = self.cached
-        self.cached = cached
-        self.kv_len = np.concatenate([self.kv_len, np.zeros(num_slots - self._slots, np.int64)])
-        self.confirmed = np.concatenate([self.confirmed, np.zeros(num_slots - self._slots, np.int64)])
-        self.window_ready = np.concatenate([self.window_ready, np.zeros(num_slots - self._slots, bool)])
-        if num_slots > self._slots or self.model.k_cache is not before:
-            self.generation += 1
-        self._slots, self._cap = num_slots, length
+        window = torch.zeros(num_slots + 1, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
+        window[: self._slots] = self.window[: self._slots]
+        self.kv.resize(num_slots + 1, self._max_cap)
+        self.window = window
+        self._window_generation += 1
+        grow = num_slots - self._slots
+        self.cached = np.concatenate([self.cached, np.zeros((grow, self._cap), np.int64)])
+        self.kv_len = np.concatenate([self.kv_len, np.zeros(grow, np.int64)])
+        self.confirmed = np.concatenate([self.confirmed, np.zeros(grow, np.int64)])
+        self.window_ready = np.concatenate([self.window_ready, np.zeros(grow, bool)])
+        self._slots = num_slots
+
+    def _reserve(self, slots: np.ndarray, lens: np.ndarray) -> None:
+        """Cache pages for what a round may write to these slots (raises DraftCacheFull with
+        nothing changed), and room in the host record of cached tokens."""
+        room = self._room(lens)
+        self.kv.reserve(slots, room)
+        need = int(room.max())
+        if need > self._cap:  # geometrically: the host record is copied to grow
+            cap = min(max(need, 2 * self._cap), self._max_cap)
+            cached = np.zeros((self._slots, cap), np.int64)
+            cached[:, : self._cap] = self.cached
+            self.cached, self._cap = cached, cap
 
     def reset_slot(self, slot: int) -> None:
-        """Forget a finished request's slot (its KV is simply overwritten later)."""
+        """Forget a finished request's slot; its cache pages go back to the free pages."""
         if slot < self._slots:
             self.kv_len[slot] = 0
             self.confirmed[slot] = 0
             self.window_ready[slot] = False
+            self.kv.release([slot])
 
     # ---- round -------------------------------------------------------------------------------
     def run_round(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
@@ -230,7 +235,8 @@ class DraftRuntime:
         """
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
-        self._grow(int(slots.max()) + 1, int(lens.max()) + self._round_room)
+        self._reserve(slots, lens)  # may raise DraftCacheFull: first, so that nothing changed
+        self._grow(int(slots.max()) + 1)
         self._rollback(slots, token_ids, rows, lens)
         row_prefills = np.zeros(B, np.int64)
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)

@@ -314,6 +314,8 @@ def test_capture_and_replay_bookkeeping(config, tiny_models, device):
     host = make(path, device, "host", **CONFIGS[config])
     rec = make(path, device, "device", round_forwards=99, **CONFIGS[config])
     rec.device_round = DeviceRound(rec, graphs=True, emulate_graphs=True)
+    # Graphs that read 48 cache tokens per row: the 70-token context needs more, a recapture.
+    rec.device_round.graph_len = 48
     assert rec.device_round.capture([1, 3]) > 0  # ahead of time: buckets 1 and 4, all widths
     captured = {A: set(st.graphs) for A, st in rec.device_round._states.items()}
     assert set(captured) == {1, 4} and all({"step", "finish"} <= g for g in captured.values())
@@ -325,6 +327,7 @@ def test_capture_and_replay_bookkeeping(config, tiny_models, device):
         assert np.array_equal(host.kv_len[slots], rec.kv_len[slots])
         generations.add(rec.generation)
     assert len(generations) > 1, "the cache never grew: the recapture path went untested"
+    assert rec.device_round.graph_len >= 128  # doubled for the long context, then again
     assert all(st.graphs for st in rec.device_round._states.values())
 
 

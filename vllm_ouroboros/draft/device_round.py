@@ -124,6 +124,13 @@ class DeviceRound:
         self._generation = -1  # runtime.generation the states (and graphs) were built for
         self._pool = None  # CUDA graph memory pool shared by all captures (never run concurrently)
         self._recent: list[int] = []  # forwards the last rounds needed
+        # Graphs: the cache tokens a captured forward reads per row (a bound fixed at capture:
+        # the split-KV grid's size, and every gathered column on the torch path). The pages of a
+        # slot at load, doubled (and the graphs captured again) when a round needs more, as the
+        # dense cache's length once did: far below max_model_len, where most rounds are.
+        kv = runtime.kv
+        per_slot = (kv.num_pages - 1) * kv.page_size // max(kv.num_seqs - 1, 1)
+        self.graph_len = min(runtime.model.max_len, max(per_slot, 256))
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -189,6 +196,11 @@ class DeviceRound:
         st = self._state(A)
         self._layouts(U)
         if self.graphs:  # before the inputs go in: a capture runs on a neutral inbox
+            need = int(kv0.max()) + U + (self.max_forwards - 1) * (rt.L + 1)
+            if need > self.graph_len:  # longer contexts than the graphs read: capture again
+                self.graph_len = min(max(2 * self.graph_len, need), rt.model.max_len)
+                self._states.clear()
+                st = self._state(A)
             self._ensure_captured(st, U)
         # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued
         # work). Reusing the buffer is safe: the last round's output read waited for its copy.
@@ -355,7 +367,7 @@ class DeviceRound:
         st.real.zero_()
         st.active.zero_()
         st.next_u.fill_(1)
-        bound = rt.model.max_len  # graphs cannot depend on the round: the whole cache is a bound
+        bound = self.graph_len  # graphs cannot depend on the round: a bound for every round
         fn = {"step": lambda: self._step(st, bound), "finish": lambda: self._finish(st)}.get(
             name, lambda: self._start(st, U, bound))
         if name.startswith("start"):

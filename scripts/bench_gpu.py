@@ -331,6 +331,7 @@ def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str,
             res["draft_tokens"].append(int(out.draft_lens.sum()))
             res["prefill_forwards"] += int(out.prefill_forwards)
     res["cache_regrown"] = rt.generation != generation  # True: graphs were recaptured while timing
+    res["draft_cache"] = rt.kv.stats()  # the paged store after the rounds: bytes, pages, in use
     res["ms_per_round"] = median(res["round_ms"])
     res["ms_per_forward"] = median([t / max(f, 1) for t, f in zip(res["round_ms"], res["forwards"])])
     return res

@@ -539,7 +539,7 @@ def test_draft_attention_kernel_matches_torch_path(seed):
     ref = masked_attention(q, k_cache, v_cache, metas["torch"], scale)
     args = [t.to(DEVICE) for t in (q, k_cache, v_cache)]
     meta = metas["triton"]
-    for name in ("slots", "cache_lens", "new_mask", "block_rows", "write_index"):
+    for name in ("cache_lens", "new_mask", "block_rows", "write_index"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
     out = masked_attention(*args, meta, scale).cpu()
     err = (out - ref).abs().max().item()

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 class DraftAttentionMetadata:
     """Per-forward attention inputs, shared by every layer."""
 
-    slots: torch.Tensor  # [B] int64: cache slot of each row; distinct across rows
     cache_lens: torch.Tensor  # [B] int64: committed prefix length of each row's slot
     new_mask: torch.Tensor  # [B, Q, Q] bool: query j sees new token j' iff new_mask[b, j, j']
     block_rows: torch.Tensor  # [B, max_pages] int32: each row's block-table row
@@ -108,7 +107,7 @@ def build_attention_metadata(
     # A position past the table (a caller bug) lands on the last entry instead of faulting.
     page = block_rows.gather(1, (write_pos // page_size).clamp(max=block_rows.shape[1] - 1))
     write_index = page.long() * page_size + write_pos % page_size
-    return DraftAttentionMetadata(slots, cache_lens, new_mask.to(torch.bool), block_rows, page_size,
+    return DraftAttentionMetadata(cache_lens, new_mask.to(torch.bool), block_rows, page_size,
                                   write_index, max_cache_len + Q, use_kernel)
 
 

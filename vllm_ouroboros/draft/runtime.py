@@ -97,13 +97,11 @@ class DraftRuntime:
     """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""
 
     def __init__(self, model, pool: PhrasePool, settings: DraftSettings, num_slots: int,
-                 max_len: int, device: torch.device | str, head=None,
-                 cache_limit_bytes: int | None = None):
+                 max_len: int, device: torch.device | str, head=None):
         """head: an AcceptanceHead (draft/acceptance_head.py), required when
         settings.draft_length == "adaptive". A model without a KV cache gets one here, with
-        pages for num_slots requests of min(max_len, 256) tokens, growing up to
-        cache_limit_bytes (None: unbounded; past it a round raises DraftCacheFull); a model
-        that has one (the proposer sizes it at load) keeps it and its limit."""
+        pages for num_slots requests of min(max_len, 256) tokens and no byte limit; a model
+        that has one (the proposer sizes it at load, with draft_cache_max_mb) keeps it."""
         if settings.draft_length == "adaptive" and head is None:
             raise ValueError("adaptive draft length needs an acceptance head")
         if settings.draft_round not in ("host", "device", "graph"):
@@ -133,8 +131,7 @@ class DraftRuntime:
         self.window_ready = np.zeros(0, bool)
         if model.kv is None:
             model.allocate_cache(num_slots + 1, self._max_cap,
-                                 num_tokens=(num_slots + 1) * min(max_len, 256),
-                                 limit_bytes=cache_limit_bytes)
+                                 num_tokens=(num_slots + 1) * min(max_len, 256))
         self._grow(num_slots)
         self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
                              if settings.draft_round != "host" else None)

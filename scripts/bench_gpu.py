@@ -18,7 +18,7 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           drafting, draft_round = host / device / graph.
   kernel  the tree-attention kernel vs torch SDPA (scripts/bench_tree_attention.py's inputs).
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
-          run's counters (results/benchmark.json).
+          runs' counters (results/drafting_modes.json, results/device_round_counters.json).
 Then the issue's acceptance lines, PASS / FAIL only where measured. Writes results/bench_gpu.json
 (everything) and results/bench_gpu.md (--tiny: bench_gpu_tiny.*). No vLLM imports.
 """
@@ -410,19 +410,47 @@ def kernel_section(args, device: torch.device) -> dict:
 # ---- d. modeled speedup ----------------------------------------------------------------------
 
 def counter_rows(args) -> list[dict]:
-    """The CPU run's counters: a row from the flags, or results/benchmark.json's ouroboros rows
-    (HumanEval, concurrency 1, greedy): the defaults (phrase drafting off on that CPU) and
-    ouroboros-phrases (W = G = 4)."""
+    """The CPU runs' counters: a row from the flags, or the ouroboros rows of each --counters
+    file: scripts/generate.py's JSON (results/drafting_modes.json: chain, guesses and phrases
+    through the host loop; results/device_round_counters.json: phrases through the device
+    round), or benchmark.py's (HumanEval, concurrency 1, greedy)."""
     if args.tokens_per_target_forward is not None or args.draft_forwards_per_token is not None:
         if args.tokens_per_target_forward is None or args.draft_forwards_per_token is None:
             raise SystemExit("--tokens-per-target-forward and --draft-forwards-per-token go together")
         return [synthetic_row(args.tokens_per_target_forward, args.draft_forwards_per_token,
                               args.target_tokens_per_forward, args.draft_tokens_per_forward)]
-    rows = json.loads(args.counters.read_text())["rows"]
+    out = []
+    for path in args.counters:
+        out += file_counter_rows(path)
+    return out
+
+
+def file_counter_rows(path: Path) -> list[dict]:
+    """One counters file's rows (counter_rows)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, list):  # scripts/generate.py --json: its ouroboros rows
+        return [generate_row(r) for r in data if r.get("counters") and r.get("settings")]
+    rows = data["rows"]
     keep = [r for r in rows if r["method"] in ("ouroboros", "ouroboros-phrases") and r["workload"] == "humaneval"
             and r["concurrency"] == 1 and r["temperature"] == 0 and "draft_forwards" in r]
     return [{k: v for k, v in r.items() if k in ("method", "workload", "concurrency", "temperature", "tokens",
                                                   "seconds", "spec", "draft_forwards", "settings")} for r in keep]
+
+
+def generate_row(r: dict) -> dict:
+    """A scripts/generate.py row (greedy HumanEval; counters over the timed requests, settings as
+    the proposer resolved them) as a benchmark.py row: target forwards are its drafts (each
+    verified one draft), drafted tokens what the target verified beyond its own token."""
+    c, st = r["counters"], r["settings"]
+    conc = r.get("concurrency", 1)
+    return {"method": r["config"], "workload": "humaneval", "concurrency": conc,
+            "temperature": 0.0, "tokens": r["tokens"], "seconds": r["seconds"],
+            # One request at a time, what a round costs is the forwards it ran: a device
+            # round runs F of them even where its row needed fewer (round_length.py).
+            "draft_forwards": c["draft_forward_calls"] if conc == 1 else c["draft_forwards"],
+            "settings": {k: st[k] for k in ("window_size", "num_guesses", "phrase_len", "draft_round")},
+            "spec": {"num_drafts": c["target_forwards"], "num_accepted_tokens": c["accepted_tokens"],
+                     "num_draft_tokens": c["drafted_tokens"], "per_pos": []}}
 
 
 def synthetic_row(tokens_per_forward: float, draft_forwards_per_token: float, target_tokens: float,
@@ -452,7 +480,15 @@ def modeled(rows: list[dict], t_target: dict[int, float], t_draft: dict[int, flo
     rows = copy.deepcopy(rows)
     benchmark.derive(rows, [], draft_row_tokens, t_target, t_draft)
     keys = ("modeled", "tokens_per_target_forward", "draft_forwards_per_token")
-    return [{"row": r["method"], **{k: r[k] for k in keys}, "draft_row_tokens": draft_row_tokens(r)} for r in rows]
+    return [{"row": r["method"], **{k: r[k] for k in keys}, "draft_row_tokens": draft_row_tokens(r),
+             "phrase_drafting": phrase_drafting(r),
+             "draft_round": r.get("settings", {}).get("draft_round", "host")} for r in rows]
+
+
+def phrase_drafting(row: dict) -> bool:
+    """The row drafted with the Jacobi window and pool guesses (the flags' row stands for it)."""
+    st = row.get("settings", {})
+    return row["method"] == "flags" or (st.get("window_size", 0) > 0 and st.get("num_guesses", 0) > 0)
 
 
 def round_curve(rounds: list[dict], mode: str) -> dict[int, float] | None:
@@ -483,7 +519,7 @@ def modeled_section(args, curves: dict, rounds: list[dict], skipped: dict) -> di
         "graph forward alone (floor)": {p["n"]: p["graph_ms"] for p in draft_graph} or None,
     }
     rows = counter_rows(args)
-    source = "flags" if rows and rows[0]["method"] == "flags" else str(args.counters)
+    source = "flags" if rows and rows[0]["method"] == "flags" else ", ".join(map(str, args.counters))
     out = {"target_curve": kind.removesuffix("_ms"), "counters": source, "variants": {}}
     for name, t_draft in variants.items():
         if t_draft is None:
@@ -503,11 +539,16 @@ def find_round(rounds: list[dict], setting: str, B: int, mode: str, key: str) ->
 
 
 def phrase_modeled(mod: dict | None, variant: str) -> float | None:
-    """Modeled speedup of the phrase-drafting row (ouroboros-phrases, or the flags' row)."""
+    """Modeled speedup of the first phrase-drafting row of the counters (Jacobi window and pool
+    guesses both on), for a device or graph round the first whose counters came from a device
+    round (its forwards per round as it ran them) where there is one."""
     v = (mod or {}).get("variants", {}).get(variant)
     if not v:
         return None
-    return next((r["modeled"] for r in v["rows"] if r["row"] in ("ouroboros-phrases", "flags")), None)
+    rows = [r for r in v["rows"] if r["phrase_drafting"]]
+    if "graph" in variant or "device" in variant:
+        rows = [r for r in rows if r["draft_round"] in ("device", "graph")] or rows
+    return rows[0]["modeled"] if rows else None
 
 
 def acceptance(result: dict, tiny: bool) -> list[dict]:
@@ -664,14 +705,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kernel-prefix", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--kernel-tree", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--kernel-head-dim", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--counters", type=Path, default=REPO / "results" / "benchmark.json",
-                    help="benchmark.py's JSON whose ouroboros rows give the counters")
+    ap.add_argument("--counters", type=Path, nargs="+",
+                    default=[REPO / "results" / "drafting_modes.json",
+                             REPO / "results" / "device_round_counters.json"],
+                    help="CPU runs whose ouroboros rows give the counters: scripts/generate.py --json "
+                         "files, or benchmark.py's results/benchmark.json")
     ap.add_argument("--tokens-per-target-forward", type=float, help="instead of --counters (with the next)")
     ap.add_argument("--draft-forwards-per-token", type=float)
     ap.add_argument("--target-tokens-per-forward", type=float, default=1 + GAMMA,
                     help="with the flags: tokens per target forward input (default 1 + gamma)")
     ap.add_argument("--draft-tokens-per-forward", type=int, default=row_tokens(4, 4),
                     help="with the flags: tokens per draft forward row (default 34: W = G = 4)")
+    ap.add_argument("--modeled-only", nargs=2, metavar=("TARGET_MS", "DRAFT_MS"),
+                    help="measure nothing: print the modeled speedups of the counters under these curves, "
+                         "JSON objects {tokens per row: ms per forward}, e.g. the last GPU run's or the "
+                         "issue's targets (any machine, no CUDA)")
     ap.add_argument("--json", type=Path, help="default results/bench_gpu.json (--tiny: bench_gpu_tiny.json)")
     ap.add_argument("--md", type=Path, help="default results/bench_gpu.md (--tiny: bench_gpu_tiny.md)")
     args = ap.parse_args()
@@ -694,8 +742,22 @@ def run_section(name: str, fn: Callable[[], object], errors: dict):
         return None
 
 
+def modeled_only(args) -> int:
+    """--modeled-only: the counters' modeled speedups under two given curves, as a table."""
+    t_target, t_draft = ({int(n): float(ms) for n, ms in json.loads(c).items()} for c in args.modeled_only)
+    print(f"target t(n) {t_target} ms, draft t(n) {t_draft} ms; counters: "
+          f"{', '.join(map(str, args.counters))}")
+    print(f"{'row':<26}{'drafting':>10}{'tok/target fwd':>16}{'draft fwd/tok':>15}{'tok/draft row':>15}{'modeled':>9}")
+    for r in modeled(counter_rows(args), t_target, t_draft):
+        print(f"{r['row']:<26}{r['draft_round']:>10}{r['tokens_per_target_forward']:>16.2f}"
+              f"{r['draft_forwards_per_token']:>15.3f}{r['draft_row_tokens']:>15g}{r['modeled']:>9.2f}")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.modeled_only:
+        return modeled_only(args)
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
         print("no CUDA device: run with --tiny, or on a GPU machine", file=sys.stderr)

@@ -327,7 +327,7 @@ def adaptive_table(rows) -> list[str]:
 
 def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     """The per-hardware defaults rule of vllm_ouroboros/cost_model.py applied to the curves this
-    run measured, and to flat (memory-bound, GPU-like) curves: phrase drafting on or off, and the
+    run measured, and to flat (memory-bound, GPU-like) curves: the drafting mode, and the
     largest batch at which a step still speculates (back-off under load)."""
     from vllm_ouroboros import cost_model
     from vllm_ouroboros.config import OuroborosConfig
@@ -347,19 +347,23 @@ def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     k1 = next((x for x in rows if x["method"] == "ouroboros-k1"), None)
     a = k1["suffix_accepted"] / max(k1["target_forwards"], 1) if k1 else 0.5 * cfg.phrase_len
     lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
-             "| curves | phrase drafting (t_draft(%d)/t_draft(1)) | largest batch whose requests all speculate "
+             "| curves | drafting mode (modeled ms per output token: chain / guesses / phrases, %d-token "
+             "phrase forward) | largest batch whose requests all speculate "
              "(E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) | one request sends its suffix (%d tokens, "
              "a=%.2f accepted per step) |" % (la, E, F, s, 1000 * c, cfg.phrase_len, a), "|---|---|---|---|"]
     for name, tc, dc in (("measured (this machine)", mk(t_curve), mk(d_curve)),
                          ("flat (memory-bound)", flat(t_curve), flat(d_curve))):
-        on = cost_model.phrase_drafting_pays(dc, la)
-        n_d = la if on else 2
+        costs = cost_model.drafting_mode_costs(dc, tc, cfg.window_size, cfg.num_guesses, cfg.phrase_len,
+                                               1 + cfg.gamma + cfg.phrase_len)
+        mode = cost_model.choose_drafting_mode(costs)
+        n_d = mode.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len)
         b_max = max([b for b in range(1, 257) if cost_model.rows_to_speculate(
             tc, dc, s, np.full(b, E), np.full(b, F), n_d, c).all()], default=0)
         n = 1 + cfg.gamma  # the step's target tokens without the suffix
         sfx = cost_model.rows_sending_suffixes(tc, n, np.array([cfg.phrase_len]), E - a, np.array([a]),
                                                F * dc(n_d) + c)[0]
-        lines.append(f"| {name} | {'on' if on else 'off'} ({dc.ratio(la):.2f}) | "
+        per_token = " / ".join(f"{1000 * costs[m.name]:.0f}" for m in cost_model.MODES)
+        lines.append(f"| {name} | {mode.name} ({per_token}) | "
                      f"{b_max if b_max < 256 else '>= 256'} | {'yes' if sfx else 'no'} |")
     return "\n".join(lines) + "\n"
 

@@ -80,9 +80,12 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
         del llm
         gc.collect()
     tokens = sum(len(o) for o in outputs)
-    row = {"config": name, "overrides": overrides, "outputs": outputs, "tokens": tokens,
-           "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    row = {"config": name, "overrides": overrides, "concurrency": concurrency, "outputs": outputs,
+           "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
     if spec:
+        # What "auto" resolved to on this device (W and G are 0 where phrase drafting was off):
+        # scripts/bench_gpu.py --counters reads the draft's tokens per forward from it.
+        row["settings"] = after.get("settings")
         d = {k: after[k] - before[k] for k in after
              if isinstance(after[k], int) and not isinstance(after[k], bool)}
         row.update({

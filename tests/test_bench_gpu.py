@@ -84,7 +84,10 @@ def test_skips_say_why_and_nothing_passes_on_tiny_shapes(tiny_run):
         assert (a["value"] is None) == a["status"].startswith("NOT MEASURED"), a
     variants = result["modeled"]["variants"]
     assert variants["eager drafting (host round, today)"]["rows"]
-    assert {r["row"] for r in variants["device round"]["rows"]} == {"ouroboros", "ouroboros-phrases"}
+    # The default counters: the drafting modes' rows (host loop) and the device round's.
+    rows = {r["row"]: r for r in variants["device round"]["rows"]}
+    assert {"chain-pinned", "guesses-pinned", "phrases-pinned", "gpu-curves-device"} <= set(rows)
+    assert rows["gpu-curves-device"]["draft_round"] == "device" and rows["gpu-curves-device"]["phrase_drafting"]
 
 
 def test_no_cuda_without_tiny_exits_nonzero():
@@ -97,7 +100,7 @@ def test_no_cuda_without_tiny_exits_nonzero():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(tokens_per_target_forward=None, draft_forwards_per_token=None, target_tokens_per_forward=5.0,
-                draft_tokens_per_forward=34, counters=REPO / "results" / "benchmark.json")
+                draft_tokens_per_forward=34, counters=[REPO / "results" / "benchmark.json"])
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -143,3 +146,54 @@ def test_gpu_check_script_runs_a_selection_and_the_tiny_benchmark(tmp_path):
     subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "all", "tests/test_request_slots.py"],
                    capture_output=True, text=True, env=env, timeout=600)
     assert "tests: not run (no time left)" in (tmp_path / "summary.txt").read_text()
+
+
+def test_counters_from_generate_json(tmp_path):
+    """scripts/generate.py --json rows give the counters too: tokens per target forward as
+    generate.py printed them, draft forwards as the rounds ran them (one request at a time: a
+    device round's F, not only what its row needed), the draft's row width from the settings
+    the proposer resolved, the phrase-drafting row found by its settings, a device round's row
+    preferred for the device and graph variants."""
+    def row(name, calls, row_forwards, W, G, draft_round="host"):
+        return {"config": name, "concurrency": 1, "tokens": 400, "seconds": 70.0,
+                "counters": {"draft_forwards": row_forwards, "draft_forward_calls": calls,
+                             "target_forwards": 70, "accepted_tokens": 332, "drafted_tokens": 560},
+                "settings": {"window_size": W, "num_guesses": G, "phrase_len": 4, "draft_round": draft_round}}
+
+    rows = [{"config": "no-spec", "tokens": 400, "seconds": 100.0},
+            row("chain", 380, 380, 0, 0), row("host-loop", 200, 200, 4, 4)]
+    path = tmp_path / "generate.json"
+    path.write_text(json.dumps(rows))
+    path2 = tmp_path / "device.json"
+    path2.write_text(json.dumps([row("device", 300, 200, 4, 4, "device")]))
+    got = bench_gpu.modeled(bench_gpu.counter_rows(_args(counters=[path, path2])), {1: 10.0, 64: 10.0},
+                            {1: 4.0, 64: 4.0})
+    assert [r["row"] for r in got] == ["chain", "host-loop", "device"]
+    chain, host, dev = got
+    assert host["tokens_per_target_forward"] == pytest.approx((332 + 70) / 70)
+    assert (host["draft_forwards_per_token"], dev["draft_forwards_per_token"]) == (0.5, 0.75)
+    assert (chain["draft_row_tokens"], host["draft_row_tokens"]) == (2, 34)
+    assert (chain["phrase_drafting"], host["phrase_drafting"], dev["phrase_drafting"]) == (False, True, True)
+    # Flat curves: per token, 0.5 draft forwards of 4 ms and 70 target forwards of 10 ms over 400 tokens.
+    assert host["modeled"] == pytest.approx(10.0 / (0.5 * 4.0 + 70 * 10.0 / 400))
+    mod = {"variants": {name: {"rows": got} for name in ("eager drafting (host round, today)",
+                                                          "graph drafting (graph round)")}}
+    assert bench_gpu.phrase_modeled(mod, "eager drafting (host round, today)") == host["modeled"]
+    assert bench_gpu.phrase_modeled(mod, "graph drafting (graph round)") == dev["modeled"]
+
+
+def test_modeled_only_prints_the_counters_under_given_curves():
+    """--modeled-only needs no GPU: the modeled speedup of each counters row under the curves given
+    (flat curves here: per token, d draft forwards of 1 ms and 1/E target forwards of 4 ms)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--modeled-only",
+                           '{"1": 4.0, "64": 4.0}', '{"1": 1.0, "64": 1.0}', "--counters",
+                           str(REPO / "results" / "drafting_modes.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["config"]: r for r in json.loads((REPO / "results" / "drafting_modes.json").read_text())}
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("phrases-pinned"))
+    r = rows["phrases-pinned"]
+    c = r["counters"]
+    plain = max(r["tokens"] - c["target_forwards"] - c["accepted_tokens"], 0)
+    per_token = (c["draft_forward_calls"] * 1.0 + (c["target_forwards"] + plain) * 4.0) / r["tokens"]
+    assert float(line.split()[-1]) == pytest.approx(4.0 / per_token, abs=0.006)

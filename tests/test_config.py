@@ -53,6 +53,10 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"draft_cpu_gemm": "mkl"}, "'draft_cpu_gemm'='mkl'"),
     ({"draft_round": "cuda"}, "'draft_round'='cuda'; use auto, host, device or graph"),
     ({"pool_load_path": "/nonexistent/pool.pt"}, "'pool_load_path' '/nonexistent/pool.pt' does not exist"),
+    ({"draft_cost_ms": {"2": 3.0}}, "'draft_cost_ms' must map tokens per row .integers >= 1, 1 among them."),
+    ({"target_cost_ms": {"1": 0}}, "'target_cost_ms' must map tokens per row"),
+    ({"target_cost_ms": {"one": 4.0}}, "'target_cost_ms' must map tokens per row"),
+    ({"draft_cost_ms": [1, 2]}, "'draft_cost_ms' must map tokens per row"),
     ({"num_suffixes": 4, "gamma": 30, "beta": 8, "window_size": 8},
      "a tree of 66 tokens .root \\+ num_speculative_tokens=65. exceeds 64"),
 ])
@@ -172,3 +176,19 @@ def test_draft_round_resolves_per_device(tiny_models):
     assert resolved_draft_round(OuroborosConfig(draft_model="d", draft_round="graph"), "cuda") == "graph"
     with pytest.raises(OuroborosConfigError, match="'draft_round'='graph' replays CUDA graphs"):
         resolved_draft_round(OuroborosConfig(draft_model="d", draft_round="graph"), "cpu")
+
+
+def test_cost_curves_as_configured(tiny_models):
+    """Curves given in the config reach the proposer's settings as (n, ms) points, JSON's string
+    keys read as token counts, and become CostCurves in seconds (non-decreasing, as measured
+    ones are)."""
+    from vllm_ouroboros import cost_model
+    from vllm_ouroboros.config import cost_points
+
+    cfg = engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(tiny_models["draft"]),
+                                                "draft_cost_ms": {"1": 1.2, "34": 1.5, "64": 1.4},
+                                                "target_cost_ms": {1: 3.66, 64: 4.66}})
+    ours = OuroborosConfig.from_dict(cfg.additional_config["ouroboros"])
+    draft = cost_model.curve_from_ms(cost_points(ours.draft_cost_ms))
+    assert draft.n == (1, 34, 64) and draft.seconds == pytest.approx((0.0012, 0.0015, 0.0015))
+    assert cost_model.curve_from_ms(cost_points(ours.target_cost_ms)).n == (1, 64)

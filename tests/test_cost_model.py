@@ -1,6 +1,7 @@
 """The cost rules that pick phrase drafting and back off speculation under load."""
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_ouroboros import cost_model
@@ -26,10 +27,40 @@ def test_curve_interpolates_and_extrapolates_linearly():
     assert c.ratio(4) == 4.0
 
 
-def test_phrase_drafting_on_when_flat_off_when_compute_bound():
-    n = 2 + (4 + 4) * 4
-    assert cost_model.phrase_drafting_pays(FLAT, n)
-    assert not cost_model.phrase_drafting_pays(CPU, n)
+def _mode(draft, target, **pins):
+    costs = cost_model.drafting_mode_costs(draft, target, 4, 4, 4, 9)
+    return cost_model.choose_drafting_mode(costs, **pins).name
+
+
+def test_drafting_mode_phrases_when_flat_chain_when_compute_bound():
+    assert _mode(FLAT, FLAT) == "phrases"
+    assert _mode(FLAT, None) == "phrases"
+    assert _mode(CPU, CPU_TARGET) == "chain"
+    # A draft whose 18-token forward costs what a 2-token one does, steep past it: pool guesses
+    # (18 tokens per row) without the window (34).
+    mid = CostCurve((1, 2, 4, 8, 16, 32, 64), (0.1, 0.1, 0.1, 0.1, 0.1, 0.4, 0.8))
+    assert _mode(mid, CPU_TARGET) == "guesses"
+
+
+def test_drafting_mode_costs_follow_the_formula():
+    target = CostCurve((1, 16), (0.2, 0.5))
+    draft = CostCurve((1, 64), (0.05, 0.2))
+    costs = cost_model.drafting_mode_costs(draft, target, 4, 2, 4, 9)
+    for m in cost_model.MODES:
+        n = 2 + 4 * (2 * m.use_guesses + 4 * m.use_lookahead)
+        want = target(9) / m.tokens_per_target_forward + m.draft_forwards_per_token * draft(n)
+        assert costs[m.name] == pytest.approx(want)
+    assert cost_model.drafting_mode_costs(draft, None, 4, 2, 4, 9)["chain"] == pytest.approx(
+        cost_model.MODES[0].draft_forwards_per_token * draft(2))
+
+
+def test_drafting_mode_keeps_what_the_user_pinned():
+    # The window pinned on: only "phrases" has it, so guesses follow even where chain is cheaper.
+    assert _mode(CPU, CPU_TARGET, use_lookahead=True) == "phrases"
+    # Guesses pinned off: the window (no mode without guesses has it) stays off.
+    assert _mode(FLAT, FLAT, use_guesses=False) == "chain"
+    # The window pinned off on a flat curve: pool guesses alone.
+    assert _mode(FLAT, FLAT, use_lookahead=False) == "guesses"
 
 
 def test_flat_curve_always_speculates():
@@ -225,3 +256,20 @@ def test_fixed_cap_and_auto_backoff_decisions():
     p = _proposer()
     p._tokens_per_fwd[:2] = (1.2, 9.0)
     assert list(p._speculate(np.arange(2))) == [False, True]
+
+
+def test_drafting_mode_priors_are_the_measured_rows():
+    """MODES' E and d are the pinned rows of results/drafting_modes.json (scripts/generate.py's
+    JSON of the run that measured them), to the two decimals written in cost_model.py."""
+    import json
+    from pathlib import Path
+
+    rows = {r["config"]: r for r in json.loads(
+        (Path(__file__).resolve().parents[1] / "results" / "drafting_modes.json").read_text())}
+    for m in cost_model.MODES:
+        r = rows[f"{m.name}-pinned"]
+        assert r["identical"]
+        assert (r["settings"]["window_size"] > 0, r["settings"]["num_guesses"] > 0) == (
+            m.use_lookahead, m.use_guesses)
+        assert m.tokens_per_target_forward == pytest.approx(r["tokens_per_target_forward"], abs=0.006)
+        assert m.draft_forwards_per_token == pytest.approx(r["draft_forwards_per_token"], abs=0.006)

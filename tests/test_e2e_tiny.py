@@ -270,9 +270,19 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
     base, _, _ = runs
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
             "draft_round": "device", "use_lookahead": True, "use_guesses": True,
-            "use_suffixes": True, "max_speculative_batch": 64}
+            "use_suffixes": True, "max_speculative_batch": 64,
+            # GPU-like curves, as configured (no timing at load): the forwards per round are
+            # chosen against these.
+            "draft_cost_ms": {"1": 2.0, "64": 2.5}, "target_cost_ms": {"1": 6.0, "64": 7.0}}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o == b, f"draft_round=device: request {i} ({scenario['params'][i]}) differs"
     s = snaps["main"]
     assert s["accepted_tokens"] > 0 and s["guess_tokens"] > 0, s
+    # Forwards per round chosen online (round_length.py): every length up to gamma was tried
+    # and its verified rounds counted.
+    assert s["settings"]["draft_cost_ms"] == pytest.approx({1: 2.0, 64: 2.5})
+    assert s["settings"]["target_cost_ms"] == pytest.approx({1: 6.0, 64: 7.0})
+    per_f = s["settings"]["round_forwards"]
+    assert sorted(per_f) == [1, 2, 3, 4], per_f
+    assert sum(v["rounds"] for v in per_f.values()) <= s["rounds"], (per_f, s["rounds"])

@@ -106,6 +106,11 @@ class OuroborosConfig:
     acceptance_threshold: float | None = None
     # Hard cap on an adaptive sentence draft (tokens); gamma does not apply in adaptive mode.
     max_draft_length: int = 12
+    # Cost curves t(n), {tokens per row: ms per forward} (n = 1 required), for the draft and the
+    # target, used instead of timing them at load (cost_model.py): the same decisions at every
+    # start, no timing on a busy host, or another device's decisions reproduced here.
+    draft_cost_ms: dict[str, float] | None = None
+    target_cost_ms: dict[str, float] | None = None
 
     @property
     def phrase_len(self) -> int:
@@ -221,6 +226,8 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         raise OuroborosConfigError(
             f"ouroboros: 'draft_round'={cfg.draft_round!r}; use auto, host, device or graph"
         )
+    for key in ("draft_cost_ms", "target_cost_ms"):
+        _validate_cost_ms(key, getattr(cfg, key))
     if cfg.pool_load_path is not None:
         _validate_pool_file(cfg, target_vocab_size)
     _validate_draft(cfg.draft_model, target_vocab_size)
@@ -250,6 +257,26 @@ def _validate_draft_length(cfg: OuroborosConfig) -> None:
         load_head(cfg.acceptance_head, cfg.draft_model)
     except AcceptanceHeadError as e:
         raise OuroborosConfigError(str(e)) from e
+
+
+def cost_points(value: dict) -> list[tuple[int, float]]:
+    """A *_cost_ms setting as (n, ms) points sorted by n (JSON gives the keys as strings)."""
+    return sorted((int(n), float(ms)) for n, ms in value.items())
+
+
+def _validate_cost_ms(key: str, value) -> None:
+    if value is None:
+        return
+    how = (f"ouroboros: '{key}' must map tokens per row (integers >= 1, 1 among them) to "
+           f"milliseconds per forward (> 0), e.g. {{\"1\": 2.4, \"64\": 3.1}}; got {value!r}")
+    if not isinstance(value, dict) or not value:
+        raise OuroborosConfigError(how)
+    for n, ms in value.items():
+        ok_n = (isinstance(n, int) and not isinstance(n, bool)) or (isinstance(n, str) and n.isdigit())
+        if not ok_n or int(n) < 1 or isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+            raise OuroborosConfigError(how)
+    if 1 not in {int(n) for n in value}:
+        raise OuroborosConfigError(how)
 
 
 def resolved_draft_round(cfg: OuroborosConfig, device_type: str) -> str:

@@ -1,5 +1,5 @@
 """When speculation pays on this device: per-forward cost curves and the two decisions built on
-them (phrase drafting on/off at load; speculate or not per step under load).
+them (how to draft, at load; speculate or not per step under load).
 
 A forward over n tokens costs t(n). On a GPU at these sizes t(n) is nearly flat (memory-bound:
 the weights are read once whatever n is); on a CPU it grows with n (compute-bound). Both curves
@@ -7,11 +7,14 @@ are measured when the engine loads: the draft's by running our draft model, the 
 its own weights (patches/target_cost.py: its linear layers and LM head on n rows). Rules
 (README "Choosing settings per hardware"):
 
-  phrase drafting (Jacobi window + pool guesses) is on iff
-      t_draft(n_lookahead) <= PHRASE_SAVING * t_draft(1)
-  where n_lookahead = 2 + (W + G) * (beta - 1) tokens per row and PHRASE_SAVING = 1 / 0.63 is
-  the draft forwards per token it saves, measured on the real pair (0.92 -> 0.58 draft forwards
-  per token, results/README.md).
+  the drafting mode (MODES: "chain", one token per draft forward; "guesses", pool phrases
+  verified in each forward; "phrases", those and the Jacobi window) is the one that minimises
+  the modeled time per output token
+      t_target(1 + gamma + L) / E_m + d_m t_draft(n_m)
+  where n_m = 2 + L (G [guesses] + W [window]) tokens per row, and E_m (tokens per target
+  forward) and d_m (draft forwards per output token) are what the mode yielded on the real pair
+  (results/README.md, "Drafting modes"). A flat curve picks "phrases" (fewest draft forwards,
+  most tokens per target forward); a compute-bound one weighs the wider forwards against that.
 
   a step with B decoding requests speculates (s tokens each) for the m requests, best first,
   that maximise the modeled rate
@@ -44,7 +47,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-PHRASE_SAVING = 0.92 / 0.58
 FLAT = 1.25
 # Suffixes whose tokens add at most this factor to the step go whatever their measured gain:
 # on a flat curve they cost nothing and keep feeding candidate refinement.
@@ -72,6 +74,14 @@ class CostCurve:
 
     def ratio(self, n: float, base: float = 1) -> float:
         return self(n) / max(self(base), 1e-12)
+
+
+def curve_from_ms(points) -> CostCurve:
+    """A configured curve ((n, ms) points sorted by n; config.cost_points) as a CostCurve in
+    seconds, kept non-decreasing as measured ones are."""
+    n = tuple(p[0] for p in points)
+    seconds = np.maximum.accumulate(np.array([p[1] for p in points], float) / 1000)
+    return CostCurve(n, tuple(float(t) for t in seconds))
 
 
 STOP_RATIO = 3.0  # measuring stops once t(n) > STOP_RATIO t(1): past it t(n) is ~linear
@@ -174,10 +184,52 @@ def rows_sending_suffixes(target: CostCurve, step_tokens: float, suffix_tokens: 
     return out
 
 
-def phrase_drafting_pays(curve: CostCurve, lookahead_tokens: int) -> bool:
-    """Whether the Jacobi window and pool guesses (a forward of `lookahead_tokens` per row)
-    cost less than the one-token forwards they save."""
-    return curve.ratio(lookahead_tokens) <= PHRASE_SAVING
+@dataclass(frozen=True)
+class DraftingMode:
+    """One way of drafting, with what it yielded on the real pair (MODES)."""
+
+    name: str
+    use_lookahead: bool  # the Jacobi window
+    use_guesses: bool  # pool phrases verified in each draft forward
+    tokens_per_target_forward: float  # E
+    draft_forwards_per_token: float  # d
+
+    def row_tokens(self, window_size: int, num_guesses: int, phrase_len: int) -> int:
+        """Tokens per row of a draft forward in this mode: the current token and one uncached
+        token (the common case), plus L per window column and per guess."""
+        return 2 + (window_size * self.use_lookahead + num_guesses * self.use_guesses) * phrase_len
+
+
+# E and d of each mode on the real pair (8 HumanEval prompts x 128 tokens, greedy, suffix sent
+# and speculation at every step; W = G = 4, beta = 5, gamma = 4; the *-pinned rows of
+# results/drafting_modes.json; command in results/README.md, "Drafting modes").
+MODES = (
+    DraftingMode("chain", False, False, 4.78, 0.89),
+    DraftingMode("guesses", False, True, 5.39, 0.60),
+    DraftingMode("phrases", True, True, 5.51, 0.54),
+)
+
+
+def drafting_mode_costs(draft: CostCurve, target: CostCurve | None, window_size: int, num_guesses: int,
+                        phrase_len: int, target_tokens: float) -> dict[str, float]:
+    """Modeled seconds per output token of each mode in MODES:
+    t_target(target_tokens) / E + d * t_draft(row tokens). Without a target curve the target's
+    share is left out (every mode then pays the same per target forward)."""
+    out = {}
+    for m in MODES:
+        t = target(target_tokens) / m.tokens_per_target_forward if target is not None else 0.0
+        out[m.name] = t + m.draft_forwards_per_token * draft(m.row_tokens(window_size, num_guesses, phrase_len))
+    return out
+
+
+def choose_drafting_mode(costs: dict[str, float], use_lookahead: bool | None = None,
+                         use_guesses: bool | None = None) -> DraftingMode:
+    """The cheapest mode per output token (`drafting_mode_costs`) that agrees with the switches
+    the user pinned (None: auto). A pin that no mode in MODES has (the window without guesses)
+    is kept as pinned by the caller; the auto switch then follows the cheapest mode that agrees
+    with the other pin, or is off."""
+    fits = [m for m in MODES if use_lookahead in (None, m.use_lookahead) and use_guesses in (None, m.use_guesses)]
+    return min(fits or MODES[:1], key=lambda m: costs[m.name])
 
 
 class StepOverhead:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
-from vllm_ouroboros.config import OuroborosConfig, resolved_draft_round, resolved_threshold
+from vllm_ouroboros.config import OuroborosConfig, cost_points, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, DraftCacheFull, pages_for
 from vllm_ouroboros.draft.model import DraftModel
@@ -31,6 +31,7 @@ from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
 from vllm_ouroboros.request_slots import RequestSlots
+from vllm_ouroboros.round_length import RoundLength
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -116,6 +117,11 @@ class OuroborosProposer:
         # (draft forwards). Optimistic priors, so that a request starts by speculating and
         # measures; one hard request does not stop the others.
         self.cost: cost_model.CostCurve | None = None  # the draft's
+        self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
+        # Forwards per device / graph round, chosen online (round_length.py); None: host loop,
+        # or no target curve to weigh them against.
+        self._round_length: RoundLength | None = None
+        self._round_forwards = 0  # F of the round whose drafts the next on_verified reads
         self.target_cost: cost_model.CostCurve | None = None
         self._prior_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
         self._tokens_per_fwd = np.full(self.max_slots, self._prior_tokens_per_fwd)
@@ -147,7 +153,7 @@ class OuroborosProposer:
         target's cost curve."""
         cfg = self.cfg
         if not self._tp.leads:
-            if target_model is not None:
+            if target_model is not None and cfg.target_cost_ms is None:
                 from vllm_ouroboros.patches.target_cost import measure_target_curve
 
                 measure_target_curve(target_model, 256, agree=self._tp.agree)
@@ -182,10 +188,18 @@ class OuroborosProposer:
         if reason is not None:
             logger.warning("ouroboros: the tree-attention kernel failed its check on this GPU, so "
                            "the draft's attention uses torch SDPA: %s", reason)
-        # Timed as the round will run it: replayed from CUDA graphs in graph mode.
-        self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
-                                                   graphs=draft_round == "graph")
-        if target_model is not None:
+        if cfg.draft_cost_ms is not None:
+            self.cost = cost_model.curve_from_ms(cost_points(cfg.draft_cost_ms))
+        else:  # timed as the round will run it: replayed from CUDA graphs in graph mode
+            self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
+                                                       graphs=draft_round == "graph")
+        if cfg.target_cost_ms is not None:
+            self.target_cost = cost_model.curve_from_ms(cost_points(cfg.target_cost_ms))
+            self._overhead = cost_model.StepOverhead(self.target_cost)
+            logger.info("ouroboros: target forward t(n) as configured (target_cost_ms): %s ms",
+                        ", ".join(f"{n}:{1000 * t:.1f}" for n, t in
+                                  zip(self.target_cost.n, self.target_cost.seconds)))
+        elif target_model is not None:
             from vllm_ouroboros.patches.target_cost import measure_target_curve
 
             self.target_cost = measure_target_curve(target_model, 256, agree=self._tp.agree)
@@ -197,17 +211,22 @@ class OuroborosProposer:
                         ", ".join(f"{n}:{1000 * t:.1f}" for n, t in
                                   zip(self.target_cost.n, self.target_cost.seconds)))
             self._overhead = cost_model.StepOverhead(self.target_cost)
-        lookahead_tokens = 2 + (cfg.window_size + cfg.num_guesses) * cfg.phrase_len
-        auto = cost_model.phrase_drafting_pays(self.cost, lookahead_tokens)
-        use_lookahead = auto if cfg.use_lookahead is None else cfg.use_lookahead
-        use_guesses = auto if cfg.use_guesses is None else cfg.use_guesses
+        # Target tokens per step: the current token, a gamma-token draft and one suffix.
+        costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
+                                               cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len)
+        mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses)
+        use_lookahead = mode.use_lookahead if cfg.use_lookahead is None else cfg.use_lookahead
+        use_guesses = mode.use_guesses if cfg.use_guesses is None else cfg.use_guesses
+        self.drafting_costs = costs
         logger.info(
-            "ouroboros: draft forward t(n) on %s: %s ms; phrase drafting (%d tokens per row) costs "
-            "%.2fx a one-token forward -> Jacobi window %s, pool guesses %s%s", self.device.type,
+            "ouroboros: draft forward t(n) on %s%s: %s ms; modeled ms per output token: %s -> Jacobi "
+            "window %s, pool guesses %s%s", self.device.type,
+            " as configured (draft_cost_ms)" if cfg.draft_cost_ms is not None else "",
             ", ".join(f"{n}:{1000 * t:.1f}" for n, t in zip(self.cost.n, self.cost.seconds)),
-            lookahead_tokens, self.cost.ratio(lookahead_tokens), "on" if use_lookahead else "off",
-            "on" if use_guesses else "off",
-            "" if cfg.use_lookahead is None or cfg.use_guesses is None else " (as configured)")
+            ", ".join(f"{m.name} ({m.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len)} tokens "
+                      f"per row) {1000 * costs[m.name]:.1f}" for m in cost_model.MODES),
+            "on" if use_lookahead else "off", "on" if use_guesses else "off",
+            "" if cfg.use_lookahead is None and cfg.use_guesses is None else " (as configured where pinned)")
         budget = int(cfg.pool_budget_mb * 2**20)
         if cfg.pool_load_path:
             self.pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
@@ -240,7 +259,11 @@ class OuroborosProposer:
             n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
             logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
                         time.perf_counter() - t0)
-        logger.info("ouroboros: drafting loop: %s", settings.draft_round)
+        if self.runtime.device_round is not None and self.target_cost is not None:
+            self._round_length = RoundLength(self.runtime.device_round.max_forwards)
+        logger.info("ouroboros: drafting loop: %s%s", settings.draft_round,
+                    "" if self._round_length is None else
+                    f" (forwards per round chosen online, 1..{self._round_length.max_forwards})")
         if self.device.type == "cuda":
             worst = model.cache_bytes(self.max_slots * self.runtime.max_slot_len)
             warning = cache_growth_warning(
@@ -358,6 +381,9 @@ class OuroborosProposer:
             plen, slen = n[:, None], np.zeros((B, 1), np.int64)
         sel = np.nonzero(ok)[0]
         s = slots[sel]
+        if self._round_length is not None and self._round_forwards:
+            self._round_length.observe(self._round_forwards, float(num_acc[sel].mean()) + 1)
+            self._round_forwards = 0
         self._tokens_per_fwd[s] += ESTIMATE_RATE * (num_acc[sel] + 1 - self._tokens_per_fwd[s])
         self._base_tokens[s] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel], n[sel]) + 1 - self._base_tokens[s])
@@ -495,8 +521,9 @@ class OuroborosProposer:
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         t_draft = time.perf_counter()
+        forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(rows)))
         try:
-            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
+            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards)
         except DraftCacheFull as e:  # nothing changed
             fit = self._rows_that_fit(req_ids, slots, lens_ctx)
             if not fit.all():  # the rows that fit draft, the others wait
@@ -514,7 +541,7 @@ class OuroborosProposer:
                 if len(rows) == 0:
                     self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
                     return proposals
-            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx)
+            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards)
         else:  # the cache held every row: after a full spell, try growing again soon
             self._cache_retry_gap = PROBE_GAP
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
@@ -556,7 +583,10 @@ class OuroborosProposer:
         self._last_suffix[slots, :K] = sfx
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
-        self._draft_forwards[slots] += ESTIMATE_RATE * (out.row_forwards - self._draft_forwards[slots])
+        # What the back-off weighs: a device round's rows all pay its F forwards.
+        paid = out.row_forwards if self.runtime.device_round is None else np.full_like(out.row_forwards, out.forwards)
+        self._draft_forwards[slots] += ESTIMATE_RATE * (paid - self._draft_forwards[slots])
+        self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
@@ -571,6 +601,16 @@ class OuroborosProposer:
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
+
+    def _round_cost(self, rows: int):
+        """cost(F): modeled seconds of a step whose device round for `rows` requests runs F
+        forwards: the target over each row's token and a gamma-token draft with one suffix, the
+        engine's own time, F draft forwards as wide as the round's fixed shapes (every window
+        and guess column)."""
+        rt = self.runtime
+        base = self.target_cost(rows * (1 + self.cfg.gamma + rt.L)) + self._overhead.value
+        t_draft = self.cost(rows * (2 + (rt.W + rt.G) * rt.L))
+        return lambda F: base + F * t_draft
 
     def _rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Which drafting rows ([R] by slot, context lengths [R]) the draft cache holds without
@@ -676,6 +716,9 @@ class OuroborosProposer:
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))
                                if self.target_cost is not None else None,
+                               "drafting_mode_ms_per_token": {k: 1000 * v for k, v in self.drafting_costs.items()},
+                               "round_forwards": None if self._round_length is None
+                               else self._round_length.stats(),
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
                                "suffix_gain_mean": float(self._suffix_gain_all)}

@@ -222,13 +222,15 @@ class DraftRuntime:
 
     # ---- round -------------------------------------------------------------------------------
     def run_round(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
-                  lens: np.ndarray) -> RoundOutput:
+                  lens: np.ndarray, forwards: int | None = None) -> RoundOutput:
         """Draft for B requests.
 
         Shape:
           slots:     [B] int64, draft-cache slot of each request.
           token_ids: [R, >= max(lens)] host token table (vLLM's token_ids_cpu); row rows[b] holds
                      request b's context (prompt + output so far), lens[b] tokens long.
+        forwards: device / graph rounds only: the round's number of forwards F (None:
+                  settings.round_forwards; round_length.py chooses it in the proposer).
         """
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
@@ -239,7 +241,8 @@ class DraftRuntime:
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)
         self._init_windows(slots, token_ids, rows, lens)
         if self.device_round is not None:
-            return self._draft_on_device(slots, token_ids, rows, lens, prefill_forwards, row_prefills)
+            return self._draft_on_device(slots, token_ids, rows, lens, prefill_forwards, row_prefills,
+                                         self.s.round_forwards if forwards is None else forwards)
 
         adaptive = self.head is not None
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
@@ -289,7 +292,8 @@ class DraftRuntime:
                            row_forwards, guess_tokens, guess_hit_forwards, row_prefills,
                            by_rule if adaptive else None)
 
-    def _draft_on_device(self, slots, token_ids, rows, lens, prefill_forwards, row_prefills) -> RoundOutput:
+    def _draft_on_device(self, slots, token_ids, rows, lens, prefill_forwards, row_prefills,
+                         forwards) -> RoundOutput:
         """Step 3 and 4 on the device (draft/device_round.py), then the host's bookkeeping of
         what the round committed to each slot (the uncached context, then the draft but for
         its last forward's tokens), from the round's one device->host copy."""
@@ -298,7 +302,7 @@ class DraftRuntime:
         idx = kv[:, None] + np.arange(int(u0.max()))[None, :]
         unc0 = token_ids[rows[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
         unc0 = np.where(idx < lens[:, None], unc0, 0)
-        out = self.device_round.run(slots, unc0, u0, kv, self.s.round_forwards)
+        out = self.device_round.run(slots, unc0, u0, kv, forwards)
         self._commit(slots, unc0, u0)
         self._commit(slots, out.drafts, out.committed)
         self.confirmed[slots] = lens

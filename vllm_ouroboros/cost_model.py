@@ -195,9 +195,14 @@ class DraftingMode:
     draft_forwards_per_token: float  # d
 
     def row_tokens(self, window_size: int, num_guesses: int, phrase_len: int) -> int:
-        """Tokens per row of a draft forward in this mode: the current token and one uncached
-        token (the common case), plus L per window column and per guess."""
-        return 2 + (window_size * self.use_lookahead + num_guesses * self.use_guesses) * phrase_len
+        """Tokens per row of a draft forward in this mode (draft_row_tokens)."""
+        return draft_row_tokens(window_size * self.use_lookahead, num_guesses * self.use_guesses, phrase_len)
+
+
+def draft_row_tokens(window_columns: int, guesses: int, phrase_len: int) -> int:
+    """Tokens per row of a lookahead draft forward: the current token and one uncached token (the
+    common case), plus phrase_len per window column and per guess."""
+    return 2 + (window_columns + guesses) * phrase_len
 
 
 # E and d of each mode on the real pair (8 HumanEval prompts x 128 tokens, greedy, suffix sent

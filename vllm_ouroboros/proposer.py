@@ -54,6 +54,11 @@ ROUND_ROOM_BOUND = 128
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _ms(curve: cost_model.CostCurve) -> str:
+    """A cost curve for the log: "n:ms" points."""
+    return ", ".join(f"{n}:{1000 * t:.1f}" for n, t in zip(curve.n, curve.seconds))
+
+
 def initial_cache_tokens(page_bytes: int, tokens: int, limit: int | None,
                          min_tokens: int = 64) -> int:
     """Tokens of draft-cache pages allocated at load (draft/kv_cache.py, PAGE_SIZE tokens a
@@ -197,8 +202,7 @@ class OuroborosProposer:
             self.target_cost = cost_model.curve_from_ms(cost_points(cfg.target_cost_ms))
             self._overhead = cost_model.StepOverhead(self.target_cost)
             logger.info("ouroboros: target forward t(n) as configured (target_cost_ms): %s ms",
-                        ", ".join(f"{n}:{1000 * t:.1f}" for n, t in
-                                  zip(self.target_cost.n, self.target_cost.seconds)))
+                        _ms(self.target_cost))
         elif target_model is not None:
             from vllm_ouroboros.patches.target_cost import measure_target_curve
 
@@ -208,8 +212,7 @@ class OuroborosProposer:
                     sum(p.numel() for p in target_model.parameters()), 1)
                 self.target_cost = cost_model.CostCurve(self.cost.n, tuple(t / r for t in self.cost.seconds))
             logger.info("ouroboros: target forward t(n) (linear layers + LM head): %s ms",
-                        ", ".join(f"{n}:{1000 * t:.1f}" for n, t in
-                                  zip(self.target_cost.n, self.target_cost.seconds)))
+                        _ms(self.target_cost))
             self._overhead = cost_model.StepOverhead(self.target_cost)
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
@@ -222,7 +225,7 @@ class OuroborosProposer:
             "ouroboros: draft forward t(n) on %s%s: %s ms; modeled ms per output token: %s -> Jacobi "
             "window %s, pool guesses %s%s", self.device.type,
             " as configured (draft_cost_ms)" if cfg.draft_cost_ms is not None else "",
-            ", ".join(f"{n}:{1000 * t:.1f}" for n, t in zip(self.cost.n, self.cost.seconds)),
+            _ms(self.cost),
             ", ".join(f"{m.name} ({m.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len)} tokens "
                       f"per row) {1000 * costs[m.name]:.1f}" for m in cost_model.MODES),
             "on" if use_lookahead else "off", "on" if use_guesses else "off",
@@ -609,7 +612,7 @@ class OuroborosProposer:
         and guess column)."""
         rt = self.runtime
         base = self.target_cost(rows * (1 + self.cfg.gamma + rt.L)) + self._overhead.value
-        t_draft = self.cost(rows * (2 + (rt.W + rt.G) * rt.L))
+        t_draft = self.cost(rows * cost_model.draft_row_tokens(rt.W, rt.G, rt.L))
         return lambda F: base + F * t_draft
 
     def _rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -656,7 +659,7 @@ class OuroborosProposer:
             return np.ones(B, bool)
         rt = self.runtime
         E, F = self._tokens_per_fwd[slots], self._draft_forwards[slots]
-        n_d = 2 + (rt.W + rt.G) * rt.L
+        n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
         curves = (self.target_cost, self.cost, self.num_spec_tokens)
         c = self._overhead.value
         spec = cost_model.rows_to_speculate(*curves, E, F, n_d, c)

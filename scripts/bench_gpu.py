@@ -46,6 +46,8 @@ import torch
 # vllm_ouroboros must be installed (`pip install --no-deps --no-build-isolation -e .`): its
 # `kernels` subpackage is the repo's kernels/ folder only through setup.py's package_dir.
 from vllm_ouroboros.draft.model import DraftConfig, DraftModel, rope_inv_freq
+from vllm_ouroboros.cost_model import draft_row_tokens
+from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
 
@@ -92,8 +94,8 @@ POOL_BUDGET = 64 << 20  # OuroborosConfig.pool_budget_mb
 
 
 def row_tokens(window: int, guesses: int) -> int:
-    """Tokens per row of a lookahead forward, as benchmark.py counts them (~2 uncached)."""
-    return 2 + (window + guesses) * (BETA - 1)
+    """Tokens per row of a lookahead forward (cost_model.draft_row_tokens) at this beta."""
+    return draft_row_tokens(window, guesses, BETA - 1)
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -293,7 +295,7 @@ def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str,
     phrases = bool(window or guesses)
     settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
                              num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
-                             draft_round=mode, round_forwards=GAMMA)
+                             draft_round="graph" if mode == "graph-fixed" else mode, round_forwards=GAMMA)
     pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev)
     rounds = plan.warmup_rounds + plan.timed_rounds
     growth = rounds * (GAMMA + BETA + 1)  # a round adds at most gamma - 1 + beta draft tokens + 1
@@ -301,6 +303,8 @@ def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str,
     # A fresh paged cache, its pages shared by the B requests (as the proposer sizes it at load).
     model.allocate_cache(B + 1, max_len, num_tokens=B * max_len)
     rt = DraftRuntime(model, pool, settings, B, max_len, dev)
+    if mode == "graph-fixed":  # the graph round without conditional nodes: every F forward runs
+        rt.device_round = DeviceRound(rt, graphs=True, early_exit=False)
     rng = np.random.default_rng(seed)  # the same seed in every mode: the same contexts
     V = model.vocab_size
     contexts = [rng.integers(3, V, plan.prefix).tolist() for _ in range(B)]
@@ -310,11 +314,12 @@ def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str,
     # it and drops captured graphs). The next round rolls back to the contexts themselves.
     tail = rng.integers(3, V, (B, growth)).tolist()
     rt.run_round(slots, *token_table([c + t for c, t in zip(contexts, tail)]))
-    captured = rt.device_round.capture([B]) if mode == "graph" else 0
+    captured = rt.device_round.capture([B]) if mode.startswith("graph") else 0
     generation = rt.generation
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     res = {"window": window, "guesses": guesses, "row_tokens": row_tokens(window, guesses) if phrases else 2,
            "requests": B, "mode": mode, "captured_graphs": captured, "round_ms": [], "forwards": [],
+           "early_exit": rt.device_round is not None and rt.device_round.early_exit,
            "draft_tokens": [], "prefill_forwards": 0}
     for r in range(rounds):
         tab, rows, lens = token_table(contexts)
@@ -464,12 +469,12 @@ def synthetic_row(tokens_per_forward: float, draft_forwards_per_token: float, ta
                      "num_draft_tokens": drafts * (target_tokens - 1), "per_pos": []}}
 
 
-def draft_row_tokens(row: dict) -> float:
-    """Tokens per draft forward of a row: benchmark.main's ocfg_tokens (2 + (W + G) (beta - 1))."""
+def counter_row_tokens(row: dict) -> float:
+    """Tokens per draft forward of a counters row (cost_model.draft_row_tokens of its settings)."""
     if "draft_row_tokens" in row:
         return row["draft_row_tokens"]
     st = row["settings"]
-    return 2 + (st["window_size"] + st["num_guesses"]) * st["phrase_len"]
+    return draft_row_tokens(st["window_size"], st["num_guesses"], st["phrase_len"])
 
 
 def modeled(rows: list[dict], t_target: dict[int, float], t_draft: dict[int, float]) -> list[dict]:
@@ -478,9 +483,9 @@ def modeled(rows: list[dict], t_target: dict[int, float], t_draft: dict[int, flo
     import benchmark
 
     rows = copy.deepcopy(rows)
-    benchmark.derive(rows, [], draft_row_tokens, t_target, t_draft)
+    benchmark.derive(rows, [], counter_row_tokens, t_target, t_draft)
     keys = ("modeled", "tokens_per_target_forward", "draft_forwards_per_token")
-    return [{"row": r["method"], **{k: r[k] for k in keys}, "draft_row_tokens": draft_row_tokens(r),
+    return [{"row": r["method"], **{k: r[k] for k in keys}, "draft_row_tokens": counter_row_tokens(r),
              "phrase_drafting": phrase_drafting(r),
              "draft_round": r.get("settings", {}).get("draft_round", "host")} for r in rows]
 
@@ -528,6 +533,11 @@ def modeled_section(args, curves: dict, rounds: list[dict], skipped: dict) -> di
                 " (no CUDA)" if "graph" in name and "graph" in skipped else "")
             continue
         out["variants"][name] = {"t_draft_ms": t_draft, "rows": modeled(rows, t_target, t_draft)}
+    # Graph rounds that exit early run the forwards their rows need: the host loop's counters.
+    graph = [r for r in rounds if r["mode"] == "graph"]
+    if out["variants"].get("graph drafting (graph round)"):
+        out["variants"]["graph drafting (graph round)"]["early_exit"] = bool(graph) and all(
+            r["early_exit"] for r in graph)
     return out
 
 
@@ -540,13 +550,16 @@ def find_round(rounds: list[dict], setting: str, B: int, mode: str, key: str) ->
 
 def phrase_modeled(mod: dict | None, variant: str) -> float | None:
     """Modeled speedup of the first phrase-drafting row of the counters (Jacobi window and pool
-    guesses both on), for a device or graph round the first whose counters came from a device
-    round (its forwards per round as it ran them) where there is one."""
+    guesses both on), for a device or graph round that runs a fixed F the first whose counters
+    came from a device round (its forwards per round as it ran them) where there is one, for
+    one that exits early (conditional nodes) the first from the host loop (the same drafts)."""
     v = (mod or {}).get("variants", {}).get(variant)
     if not v:
         return None
     rows = [r for r in v["rows"] if r["phrase_drafting"]]
-    if "graph" in variant or "device" in variant:
+    if v.get("early_exit"):
+        rows = [r for r in rows if r["draft_round"] == "host"] or rows
+    elif "graph" in variant or "device" in variant:
         rows = [r for r in rows if r["draft_round"] in ("device", "graph")] or rows
     return rows[0]["modeled"] if rows else None
 
@@ -558,7 +571,7 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
     rounds, kern, mod, skipped = result["rounds"], result.get("kernel"), result.get("modeled"), result["skipped"]
 
     def graph_round(name, setting, B, key, limit):
-        others = {m: find_round(rounds, setting, B, m, key) for m in ("host", "device")}
+        others = {m: find_round(rounds, setting, B, m, key) for m in ("host", "device", "graph-fixed")}
         why = skipped.get("graph") or skipped.get("rounds") or (
             f"no {B}-request round in this plan" if B not in {r["requests"] for r in rounds}
             else "the graph round failed (see errors)")
@@ -816,7 +829,9 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     if "rounds" in args.skip:
         skipped["rounds"] = "skipped: --skip rounds"
     else:
-        modes = ["host", "device"] + (["graph"] if graphs else [])
+        # graph-fixed: the graph round without its conditional nodes, to time what they cost.
+        modes = ["host", "device"] + (["graph"] if graphs else []) + (
+            ["graph-fixed"] if graphs and conditional_nodes_supported() else [])
         draft.fused_ops = args.fused_ops
         res["fused_ops_in_rounds"] = args.fused_ops
         res["rounds"] = run_section("rounds", lambda: round_section(draft, plan, modes, errors), errors) or []

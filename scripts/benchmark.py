@@ -464,9 +464,11 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".raw.json").write_text(json.dumps(rows))  # in case a later step fails
     t_curve, d_curve = target_curve(target), draft_curve(draft)
+    from vllm_ouroboros import cost_model
+
     def ocfg_tokens(row) -> float:
         st = row["settings"]  # the engine's resolved window and guesses
-        return 2 + (st["window_size"] + st["num_guesses"]) * st["phrase_len"]  # ~2 uncached tokens
+        return cost_model.draft_row_tokens(st["window_size"], st["num_guesses"], st["phrase_len"])
 
     derive(rows, [r for r in rows if r["method"] == "no-spec"], ocfg_tokens, t_curve, d_curve)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,8 @@ def test_counters_from_generate_json(tmp_path):
     generate.py printed them, draft forwards as the rounds ran them (one request at a time: a
     device round's F, not only what its row needed), the draft's row width from the settings
     the proposer resolved, the phrase-drafting row found by its settings, a device round's row
-    preferred for the device and graph variants."""
+    preferred for the device and graph variants (the host loop's where the graph round exits
+    early)."""
     def row(name, calls, row_forwards, W, G, draft_round="host"):
         return {"config": name, "concurrency": 1, "tokens": 400, "seconds": 70.0,
                 "counters": {"draft_forwards": row_forwards, "draft_forward_calls": calls,
@@ -180,6 +181,9 @@ def test_counters_from_generate_json(tmp_path):
                                                           "graph drafting (graph round)")}}
     assert bench_gpu.phrase_modeled(mod, "eager drafting (host round, today)") == host["modeled"]
     assert bench_gpu.phrase_modeled(mod, "graph drafting (graph round)") == dev["modeled"]
+    # Graph rounds that exit early (conditional nodes) draft what the host loop drafts.
+    mod["variants"]["graph drafting (graph round)"]["early_exit"] = True
+    assert bench_gpu.phrase_modeled(mod, "graph drafting (graph round)") == host["modeled"]
 
 
 def test_modeled_only_prints_the_counters_under_given_curves():

@@ -11,12 +11,14 @@ that nothing inside the round reads a tensor back to the host.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.draft import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
@@ -302,33 +304,161 @@ def test_graph_replay_equals_eager_device_round(config, tiny_models, device):
     assert graph.device_round._states and all(st.graphs for st in graph.device_round._states.values())
 
 
+@pytest.mark.parametrize("early_exit", [True, False], ids=["early-exit", "fixed-F"])
 @pytest.mark.parametrize("config", ["phrases", "adaptive"])
-def test_capture_and_replay_bookkeeping(config, tiny_models, device):
+def test_capture_and_replay_bookkeeping(config, early_exit, tiny_models, device):
     """The graph path's orchestration on any machine, with recorded stand-ins for CUDA graphs
     (a capture records, a replay runs): captures happen on a neutral state before a round's
     inputs go in, lazily per width bucket and batch bucket and ahead of time via capture(), and
-    are dropped when the cache is reallocated; the rounds equal the host loop's."""
+    are dropped when the cache is reallocated; the rounds equal the host loop's. With early
+    exit the round runs the forwards the host loop ran (the host evaluates the conditions a
+    conditional node would); without, all F."""
     from vllm_ouroboros.draft.device_round import DeviceRound
 
     path = str(tiny_models["draft"])
     host = make(path, device, "host", **CONFIGS[config])
     rec = make(path, device, "device", round_forwards=99, **CONFIGS[config])
-    rec.device_round = DeviceRound(rec, graphs=True, emulate_graphs=True)
+    rec.device_round = DeviceRound(rec, graphs=True, emulate_graphs=True, early_exit=early_exit)
+    dr = rec.device_round
     # Graphs that read 48 cache tokens per row: the 70-token context needs more, a recapture.
-    rec.device_round.graph_len = 48
-    assert rec.device_round.capture([1, 3]) > 0  # ahead of time: buckets 1 and 4, all widths
-    captured = {A: set(st.graphs) for A, st in rec.device_round._states.items()}
-    assert set(captured) == {1, 4} and all({"step", "finish"} <= g for g in captured.values())
+    dr.graph_len = 48
+    assert dr.capture([1, 3]) > 0  # ahead of time: buckets 1 and 4, all widths
+    captured = {A: set(st.graphs) for A, st in dr._states.items()}
+    rest = {"rest"} if early_exit else {"step", "finish"}
+    assert set(captured) == {1, 4} and all(rest <= g for g in captured.values())
+    assert not any({"step", "finish", "rest"} - rest & g for g in captured.values())
     V = host.model.vocab_size
     rng = np.random.default_rng(9)
     generations = {rec.generation}  # the first round adds slots: a new cache, graphs again
     for outs, slots in drive([host, rec], 10, rng, V):
         compare(outs[0], outs[1], config)
+        assert outs[1].forwards == (outs[0].forwards if early_exit else dr.max_forwards)
         assert np.array_equal(host.kv_len[slots], rec.kv_len[slots])
         generations.add(rec.generation)
     assert len(generations) > 1, "the cache never grew: the recapture path went untested"
-    assert rec.device_round.graph_len >= 128  # doubled for the long context, then again
-    assert all(st.graphs for st in rec.device_round._states.values())
+    assert dr.graph_len >= 128  # doubled for the long context, then again
+    assert all(st.graphs for st in dr._states.values())
+
+
+@pytest.mark.parametrize("graphs", ["emulated", "cuda"])
+def test_early_exit_stops_where_rows_are_done(graphs, tiny_models, device):
+    """Rows whose pool holds the draft's own continuation finish in one forward (a guess
+    accepted whole): with early exit the round stops there, as the host loop does, where a
+    fixed-F round runs all its F; all three draft the same. "cuda": real conditional nodes."""
+    from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
+
+    if graphs == "cuda" and device != "cuda":
+        pytest.skip("CUDA graph conditional nodes need the CUDA test device (OUROBOROS_TEST_DEVICE)")
+    if graphs == "cuda" and not conditional_nodes_supported():
+        pytest.skip(f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) has no conditional nodes")
+    path = str(tiny_models["draft"])
+    probe, host = make(path, device, "host"), make(path, device, "host")
+    fixed = make(path, device, "device", round_forwards=99)
+    if graphs == "cuda":
+        early = make(path, device, "graph", round_forwards=99)
+        assert early.device_round.early_exit
+    else:
+        early = make(path, device, "device", round_forwards=99)
+        early.device_round = DeviceRound(early, graphs=True, emulate_graphs=True, early_exit=True)
+    rng = np.random.default_rng(17)
+    V = host.model.vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (5, 12, 30)]
+    slots = np.arange(3, dtype=np.int64)
+    mine = probe.run_round(slots, *table(contexts, rng))
+    for rt in (host, fixed, early):  # each row's guess: what the draft drafts after its context
+        rt.pool.insert(torch.tensor([c[-1] for c in contexts]),
+                       torch.from_numpy(np.ascontiguousarray(mine.drafts[:, :L])),
+                       torch.from_numpy(slots))
+    tab = table(contexts, np.random.default_rng(1))
+    a, b, c = (rt.run_round(slots, *tab) for rt in (host, fixed, early))
+    compare(a, b, "fixed F")
+    compare(a, c, "early exit")
+    assert a.forwards == 1 and (a.guess_tokens == L).all(), "the guesses missed: nothing to exit early from"
+    assert b.forwards == fixed.device_round.max_forwards > 1
+    assert c.forwards == 1
+    assert early.device_round.early_exit  # a capture that failed would have fallen back
+
+
+def test_failed_conditional_capture_falls_back_to_fixed_forwards(tiny_models, device, caplog):
+    """A capture of the conditional nodes that fails (an old driver, a torch that refuses them)
+    leaves the round on fixed-F graphs, logged, drafting the same."""
+    from vllm_ouroboros.draft.device_round import DeviceRound
+
+    path = str(tiny_models["draft"])
+    host = make(path, device, "host")
+    rec = make(path, device, "device", round_forwards=99)
+    rec.device_round = dr = DeviceRound(rec, graphs=True, emulate_graphs=True, early_exit=True)
+    capture = dr._capture
+
+    def failing(st, name, U):
+        if name == "rest":
+            raise RuntimeError("CUDA Graphs conditional nodes are not supported (test)")
+        capture(st, name, U)
+
+    dr._capture = failing
+    log = logging.getLogger(LOGGER_NAME)  # vLLM's logging config may stop it propagating
+    log.addHandler(caplog.handler)
+    try:
+        for (a, b), _ in drive([host, rec], 3, np.random.default_rng(19), host.model.vocab_size):
+            compare(a, b, "fallback")
+            assert b.forwards == dr.max_forwards
+    finally:
+        log.removeHandler(caplog.handler)
+    assert not dr.early_exit and "conditional nodes failed" in caplog.text
+    assert all({"step", "finish"} <= set(st.graphs) and "rest" not in st.graphs for st in dr._states.values())
+
+
+def test_early_exit_keeps_a_forward_limit(tiny_models, device):
+    """With early exit a round given F forwards still stops at F (the limit rides in the inbox):
+    the same drafts as the fixed-F round of that F."""
+    from vllm_ouroboros.draft.device_round import DeviceRound
+
+    path = str(tiny_models["draft"])
+    fixed, early = (make(path, device, "device", round_forwards=2) for _ in range(2))
+    early.device_round = DeviceRound(early, graphs=True, emulate_graphs=True, early_exit=True)
+    V = fixed.model.vocab_size
+    rng = np.random.default_rng(11)
+    for (a, b), _ in drive([fixed, early], 4, rng, V):
+        compare(a, b, "F = 2")
+        assert a.forwards == 2 and b.forwards == int(b.row_forwards.max()) <= 2
+
+
+def test_conditions_read_nothing(tiny_models, device):
+    """What a conditional node is given: a 0-dim bool tensor on the draft's device, computed
+    without reading the device (as the rest of the round); and the round after the first
+    forward reads nothing either."""
+    from vllm_ouroboros.draft.device_round import DeviceRound
+
+    path = str(tiny_models["draft"])
+    rt = make(path, device, "device", round_forwards=99)
+    rt.device_round = dr = DeviceRound(rt, graphs=True, emulate_graphs=True)
+    V = rt.model.vocab_size
+    for _ in drive([rt], 2, np.random.default_rng(13), V):
+        pass
+    preds = []
+
+    def when(pred, fn):
+        preds.append(pred)
+        fn()
+
+    st = next(iter(dr._states.values()))
+    inside: dict = {}
+    with no_host_reads(inside):
+        dr._rest(st, dr.graph_len, when)
+    assert inside == {}, f"host reads in the conditional steps: {inside}"
+    assert len(preds) == dr.max_forwards - 1
+    assert all(p.dtype == torch.bool and p.dim() == 0 and p.device == rt.device for p in preds)
+
+
+def test_early_exit_needs_graphs(tiny_models):
+    from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
+
+    rt = make(str(tiny_models["draft"]), "cpu", "device")
+    with pytest.raises(ValueError, match="early_exit needs graphs"):
+        DeviceRound(rt, graphs=False, early_exit=True)
+    assert not DeviceRound(rt).early_exit  # eager rounds run their F
+    if not torch.cuda.is_available():
+        assert not conditional_nodes_supported()
 
 
 def test_graph_mode_needs_cuda(tiny_models):

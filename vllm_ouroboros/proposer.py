@@ -262,10 +262,15 @@ class OuroborosProposer:
             n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
             logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
                         time.perf_counter() - t0)
-        if self.runtime.device_round is not None and self.target_cost is not None:
-            self._round_length = RoundLength(self.runtime.device_round.max_forwards)
+        dr = self.runtime.device_round
+        # A round that exits early runs the forwards its rows need, as the host loop does: no F
+        # to choose. (Graphs captured at load fell back above if conditional nodes failed; one
+        # failing later leaves F to DeviceRound.forwards_for_next_round.)
+        if dr is not None and not dr.early_exit and self.target_cost is not None:
+            self._round_length = RoundLength(dr.max_forwards)
         logger.info("ouroboros: drafting loop: %s%s", settings.draft_round,
-                    "" if self._round_length is None else
+                    " (early exit: CUDA graph conditional nodes)" if dr is not None and dr.early_exit
+                    else "" if self._round_length is None else
                     f" (forwards per round chosen online, 1..{self._round_length.max_forwards})")
         if self.device.type == "cuda":
             worst = model.cache_bytes(self.max_slots * self.runtime.max_slot_len)

@@ -14,12 +14,20 @@ whole round is queued at once and can be replayed from CUDA graphs:
     inactive and ride along without changing anything, so with F at its bound (gamma forwards in
     fixed mode: each forward drafts >= 1 token) the drafts equal the host loop's token for token.
     With a smaller F a row may stop short of gamma: a shorter draft, still lossless.
+  * early exit (graphs with CUDA conditional nodes, CUDA >= 12.4): every forward after the first
+    sits in a conditional node whose predicate, "some row is still drafting and fewer than F
+    forwards ran", the device evaluates, so a round stops where its rows are done as the host
+    loop does, without the host reading anything: F is then the bound and the round runs the
+    forwards its rows need. Without conditional nodes every one of the F forwards runs (rows
+    done ride along), which is why round_length.py chooses F for those rounds.
 
 State lives in static device tensors per batch bucket (`RoundState`), written in place; three
 functions run on it: `_start` (load the inbox, the first forward), `_step` (one more forward) and
 `_finish` (suffix lookup, pack the outputs). With graphs each is captured once per bucket and
-replayed (F - 1 replays of `_step`); without, the same functions run eagerly, which is how the CPU
-tests check both. The round's one device->host copy is the packed output.
+replayed (F - 1 replays of `_step`), or with early exit `_rest` (the max_forwards - 1 conditional
+steps, then `_finish`) is; without graphs the same functions run eagerly, which is how the CPU
+tests check them (`RecordedGraph` stands in for a graph, the host evaluating the conditions).
+The round's one device->host copy is the packed output.
 
 No vLLM imports here.
 """
@@ -27,13 +35,20 @@ No vLLM imports here.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.lookahead import read_output, row_inputs
+
+logger = logging.getLogger(LOGGER_NAME)
+
+# Inbox columns before the first forward's tokens: slot, kv, u0, real, F.
+INBOX = 5
 
 # Padded batch sizes (as vLLM pads its decode batches for its own graphs).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -57,9 +72,9 @@ class RoundState:
       dlen [A], row_forwards [A], guess_tokens [A], guess_hits [A], last_take [A] (tokens the
       row's last forward drafted: not committed to its cache), prod [A] float32 and by_rule [A]
       bool (adaptive length), next_unc [A, L + 1] / next_u [A] (the next forward's uncached
-      tokens), outbox [A, X] (the packed result).
-      inbox: per width bucket U, [A, 4 + U]: slot, kv, u0, real, then the first forward's
-      uncached tokens.
+      tokens), outbox [A, X] (the packed result), limit [] (the round's F).
+      inbox: per width bucket U, [A, INBOX + U]: slot, kv, u0, real, F, then the first
+      forward's uncached tokens.
     """
 
     A: int
@@ -78,6 +93,7 @@ class RoundState:
     next_unc: torch.Tensor
     next_u: torch.Tensor
     outbox: torch.Tensor
+    limit: torch.Tensor
     inbox: dict[int, torch.Tensor] = field(default_factory=dict)
     staging: dict[int, torch.Tensor] = field(default_factory=dict)  # host side of each inbox
     graphs: dict[str, object] = field(default_factory=dict)
@@ -97,24 +113,37 @@ class DeviceRoundOutput:
     unfinished: np.ndarray  # [B] bool: still drafting when the F forwards ran out
     suffixes: np.ndarray  # [B, K, L]
     suffix_valid: np.ndarray  # [B, K] bool
-    forwards: int  # batched forwards run (F: all of them, whoever was still drafting)
+    forwards: int  # batched forwards run (F, or with early exit the most any row ran)
 
 
 class DeviceRound:
     """Runs a round's drafting loop for a DraftRuntime on the device (see the module docstring).
 
-    graphs: capture each bucket's three functions in CUDA graphs (CUDA only) and replay them.
+    graphs: capture each bucket's functions in CUDA graphs (CUDA only) and replay them.
     emulate_graphs: with graphs, stand-ins that record at capture and run at replay
     (`RecordedGraph`), so the capture/replay bookkeeping is tested on a CPU.
+    early_exit: with graphs, the forwards after the first in conditional nodes (module
+    docstring); None: wherever this torch and CUDA have them (`conditional_nodes_supported`),
+    and under emulation.
     """
 
-    def __init__(self, runtime, graphs: bool = False, emulate_graphs: bool = False):
+    def __init__(self, runtime, graphs: bool = False, emulate_graphs: bool = False,
+                 early_exit: bool | None = None):
         self.rt = runtime
         self.graphs = graphs
         self.emulate = emulate_graphs
         if graphs and runtime.device.type != "cuda" and not emulate_graphs:
             raise ValueError("CUDA graphs need a CUDA device; the draft runs on "
                              f"{runtime.device.type}")
+        if early_exit is None:
+            early_exit = graphs and (emulate_graphs or conditional_nodes_supported())
+        elif early_exit and not graphs:
+            raise ValueError("early_exit needs graphs (a host loop exits early by reading the device)")
+        elif early_exit and not emulate_graphs and not conditional_nodes_supported():
+            raise ValueError("early_exit needs CUDA graph conditional nodes (CUDA >= 12.4 and a "
+                             f"torch with CUDAGraph.begin_capture_to_if_node); torch {torch.__version__}, "
+                             f"CUDA {torch.version.cuda}")
+        self.early_exit = bool(early_exit)
         s = runtime.s
         self.adaptive = runtime.head is not None
         # Draft columns a row may fill; the host loop's bound (fixed: gamma + beta).
@@ -145,9 +174,10 @@ class DeviceRound:
         return min(max(1 << max(u - 1, 0).bit_length(), 2), top) if u <= top else u
 
     def forwards_for_next_round(self) -> int:
-        """F for the next round: what the last 8 rounds needed (a round cut short by F counts
-        F + 1, so F grows back), at most `max_forwards`."""
-        if not self._recent:
+        """F for the next round: with early exit the bound (the round stops where its rows are
+        done); else what the last 8 rounds needed (a round cut short by F counts F + 1, so F
+        grows back), at most `max_forwards`."""
+        if self.early_exit or not self._recent:
             return self.max_forwards
         return max(1, min(self.max_forwards, max(self._recent)))
 
@@ -168,13 +198,13 @@ class DeviceRound:
                 drafts=z(A, Dw), dlen=z(A), row_forwards=z(A), guess_tokens=z(A), guess_hits=z(A),
                 last_take=z(A), prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
                 next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=dev),
-                outbox=z(A, width))
+                outbox=z(A, width), limit=z(()))
         return st
 
     def _inbox(self, st: RoundState, U: int) -> torch.Tensor:
         box = st.inbox.get(U)
         if box is None:
-            box = st.inbox[U] = torch.zeros(st.A, 4 + U, dtype=torch.long, device=self.rt.device)
+            box = st.inbox[U] = torch.zeros(st.A, INBOX + U, dtype=torch.long, device=self.rt.device)
             box[:, 0] = self.rt.pad_slot  # a neutral round: padding rows only
             box[:, 2] = 1
         return box
@@ -206,13 +236,13 @@ class DeviceRound:
         # work). Reusing the buffer is safe: the last round's output read waited for its copy.
         host = st.staging.get(U)
         if host is None:
-            host = st.staging[U] = torch.zeros(A, 4 + U, dtype=torch.long,
+            host = st.staging[U] = torch.zeros(A, INBOX + U, dtype=torch.long,
                                                pin_memory=rt.device.type == "cuda")
         box = host.numpy()
         box[:] = 0
-        box[:, 0], box[:, 2] = rt.pad_slot, 1
+        box[:, 0], box[:, 2], box[:, 4] = rt.pad_slot, 1, F
         box[:B, 0], box[:B, 1], box[:B, 2], box[:B, 3] = slots, kv0, u0, 1
-        box[:B, 4:4 + min(unc0.shape[1], U)] = unc0[:, :U]
+        box[:B, INBOX:INBOX + min(unc0.shape[1], U)] = unc0[:, :U]
         self._inbox(st, U).copy_(host, non_blocking=True)
         # Cache columns a forward may read, for the dense-mask path (a bound: any is correct).
         bound = int(kv0.max()) + U + (F - 1) * (rt.L + 1)
@@ -232,8 +262,10 @@ class DeviceRound:
         valid = out[:, c + K * L:c + K * L + K].astype(bool)
         needed = F + 1 if act.any() else int(rf.max(initial=1))
         self._recent = (self._recent + [needed])[-8:]
+        # A forward ran iff some row was drafting, and every such row counts it.
+        ran = int(rf.max(initial=1)) if self.graphs and self.early_exit else F
         return DeviceRoundOutput(out[:, :D], dlen, rf, gt, gh, rule.astype(bool), dlen - last,
-                                 act.astype(bool), sfx, valid, F)
+                                 act.astype(bool), sfx, valid, ran)
 
     def _layouts(self, U: int) -> None:
         """Build (once) the masks the round's forwards use, outside the functions a graph
@@ -247,15 +279,24 @@ class DeviceRound:
         st.slots.copy_(box[:, 0])
         st.kv.copy_(box[:, 1])
         st.real.copy_(box[:, 3] > 0)
+        st.limit.copy_(box[0, 4])
         st.active.copy_(st.real)
         for t in (st.drafts, st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits, st.last_take):
             t.zero_()
         st.prod.fill_(1.0)
         st.by_rule.zero_()
-        self._forward(st, box[:, 4:], box[:, 2], U, bound)
+        self._forward(st, box[:, INBOX:], box[:, 2], U, bound)
 
     def _step(self, st: RoundState, bound: int) -> None:
         self._forward(st, st.next_unc, st.next_u, self.rt.L + 1, bound)
+
+    def _rest(self, st: RoundState, bound: int, when) -> None:
+        """The round after its first forward, with early exit: forward k + 1 runs when some row
+        is drafting and k < F; then `_finish`. when(pred, fn): run fn where the 0-dim bool
+        tensor pred holds (a conditional node when captured, the host's `if` when emulated)."""
+        for k in range(1, self.max_forwards):
+            when(st.active.any() & (st.limit > k), lambda: self._step(st, bound))
+        self._finish(st)
 
     def _finish(self, st: RoundState) -> None:
         rt, A, L, K = self.rt, st.A, self.rt.L, self.K
@@ -330,13 +371,43 @@ class DeviceRound:
         st.active.logical_and_(going)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
-    def _ensure_captured(self, st: RoundState, U: int) -> None:
-        for name in (f"start{U}", "step", "finish"):
+    def _graph_names(self, widths) -> list[str]:
+        """The graphs of one batch bucket: a first forward per width, then the rest of the round
+        in one graph (early exit) or a step replayed F - 1 times and the finish."""
+        return [f"start{U}" for U in widths] + (["rest"] if self.early_exit else ["step", "finish"])
+
+    def _ensure_captured(self, st: RoundState, U: int) -> int:
+        """Capture what one bucket's rounds of first width U replay; returns how many."""
+        n = 0
+        for name in self._graph_names([U]):
             if name not in st.graphs:
-                self._capture(st, name, U)
+                n += self._capture_or_fall_back(st, name, U)
+        return n
+
+    def _capture_or_fall_back(self, st: RoundState, name: str, U: int) -> int:
+        """One capture; where a conditional node's capture fails (a driver without them, a
+        torch that refuses them), the rounds go on without early exit."""
+        if name != "rest":
+            self._capture(st, name, U)
+            return 1
+        try:
+            self._capture(st, name, U)
+            return 1
+        except Exception as e:  # noqa: BLE001 - any failure leaves the fixed-F graphs, which work
+            if self.rt.device.type == "cuda":
+                with contextlib.suppress(Exception):  # what the failed capture queued, if anything
+                    torch.cuda.synchronize(self.rt.device)
+            self.early_exit = False
+            logger.warning("ouroboros: capturing the drafting round's conditional nodes failed "
+                           "(%s: %s); its rounds run a fixed number of forwards instead",
+                           type(e).__name__, e)
+            return sum(self._capture_or_fall_back(st, n, 0) for n in ("step", "finish"))
 
     def _replay(self, st: RoundState, U: int, F: int) -> None:
         st.graphs[f"start{U}"].replay()
+        if self.early_exit:  # F went in with the inbox
+            st.graphs["rest"].replay()
+            return
         for _ in range(F - 1):
             st.graphs["step"].replay()
         st.graphs["finish"].replay()
@@ -349,10 +420,8 @@ class DeviceRound:
         n = 0
         for A in sorted({bucket(b, BATCH_BUCKETS) for b in batch_sizes}):
             st = self._state(A)
-            for name in [f"start{U}" for U in widths] + ["step", "finish"]:
-                if name not in st.graphs:
-                    self._capture(st, name, int(name[5:]) if name.startswith("start") else 0)
-                    n += 1
+            for U in widths:
+                n += self._ensure_captured(st, U)
         return n
 
     def _capture(self, st: RoundState, name: str, U: int) -> None:
@@ -368,26 +437,63 @@ class DeviceRound:
         st.active.zero_()
         st.next_u.fill_(1)
         bound = self.graph_len  # graphs cannot depend on the round: a bound for every round
-        fn = {"step": lambda: self._step(st, bound), "finish": lambda: self._finish(st)}.get(
-            name, lambda: self._start(st, U, bound))
         if name.startswith("start"):
             box = self._inbox(st, U)
             box[:, 0], box[:, 2], box[:, 3] = rt.pad_slot, 1, 0
+
+        def fn(when=_always):
+            if name == "step":
+                self._step(st, bound)
+            elif name == "finish":
+                self._finish(st)
+            elif name == "rest":
+                self._rest(st, bound, when)
+            else:
+                self._start(st, U, bound)
+
         if self.emulate:
-            fn()  # the warm-up; the "capture" only records
-            st.graphs[name] = RecordedGraph(fn)
+            fn()  # the warm-up (every conditional step runs); the "capture" only records
+            st.graphs[name] = RecordedGraph(lambda: fn(_host_if))
             return
         side = torch.cuda.Stream(rt.device)
         side.wait_stream(torch.cuda.current_stream(rt.device))
         with torch.cuda.stream(side):
-            fn()
+            fn()  # the warm-up runs every step, conditional or not: nothing is first used in a capture
         torch.cuda.current_stream(rt.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+
+        def if_node(pred, body):
+            graph.begin_capture_to_if_node(pred)
+            try:
+                body()
+            finally:
+                graph.end_capture_to_conditional_node()
+
         with torch.cuda.graph(graph, pool=self._pool), _inference():
-            fn()
+            fn(if_node)
         st.graphs[name] = graph
+
+
+def conditional_nodes_supported() -> bool:
+    """Whether this process can capture CUDA graph conditional nodes: a CUDA device, a CUDA
+    >= 12.4 build of torch and its CUDAGraph.begin_capture_to_if_node."""
+    if not torch.cuda.is_available() or not torch.version.cuda:
+        return False
+    major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
+    return (major, minor) >= (12, 4) and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+
+
+def _always(pred, fn) -> None:
+    """`when` of a warm-up: every step runs (on a neutral state each changes nothing)."""
+    fn()
+
+
+def _host_if(pred, fn) -> None:
+    """`when` of an emulated graph: the host reads the condition a conditional node would."""
+    if bool(pred):
+        fn()
 
 
 class RecordedGraph:

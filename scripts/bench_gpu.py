@@ -17,6 +17,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   rounds  DraftRuntime.run_round per round and per draft forward, decode-only and phrase
           drafting, draft_round = host / device / graph.
   kernel  the tree-attention kernel vs torch SDPA (scripts/bench_tree_attention.py's inputs).
+  inserts a step's pool insert (vllm_ouroboros/pool_writer.py) of 16, 64, 256 rows into a pool of
+          the draft's vocabulary: eager vs replayed from a CUDA graph.
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
           runs' counters (results/drafting_modes.json, results/device_round_counters.json).
 Then the issue's acceptance lines, PASS / FAIL only where measured. Writes results/bench_gpu.json
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import itertools
 import json
 import os
 import platform
@@ -366,6 +369,30 @@ def round_section(model: DraftModel, plan: Plan, modes: list[str], errors: dict)
     return out
 
 
+def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -> list[dict]:
+    """ms per PhrasePool.insert of n host rows (new phrases for random keys, as a step's context
+    and inspiration inserts bring them), eager and through PoolWriter's graphs where `graphs`:
+    on a GPU the eager insert is ~150 small kernels launched from the host."""
+    from vllm_ouroboros.pool_writer import PoolWriter
+
+    out = []
+    rng = np.random.default_rng(0)
+    for n in (16, 64, 256):
+        point = {"rows": n}
+        for mode in ("eager", "graph") if graphs else ("eager",):
+            pool = PhrasePool(vocab, BETA - 1, 4, POOL_BUDGET, device=device)
+            writer = PoolWriter(pool, graphs=mode == "graph")
+            writer.capture([n])
+            batches = itertools.cycle([(rng.integers(0, vocab, n), rng.integers(0, vocab, (n, BETA - 1)),
+                                        rng.integers(-1, 4, n)) for _ in range(8)])
+            point[f"{mode}_ms"] = median(time_calls(lambda: writer.insert(*next(batches)), device,
+                                                    plan.warmup, plan.reps))
+        out.append(point)
+        print(f"  insert {n:>4} rows: eager {point['eager_ms']:8.3f} ms  graph {_ms(point.get('graph_ms'))} ms",
+              flush=True)
+    return out
+
+
 # ---- c. tree-attention kernel ----------------------------------------------------------------
 
 def kernel_skip_reason(device: torch.device) -> str | None:
@@ -626,7 +653,8 @@ def markdown(res: dict) -> str:
         lines += [f"| {c['layout']} | {c['heads']} | {c['head_dim']} | "
                   f"{'passed' if c['passed'] else 'FAILED: ' + c['reason']} | {c['seconds']:.1f} |"
                   for c in checks]
-    lines += _md_curves(res) + _md_rounds(res) + _md_kernel(res.get("kernel")) + _md_modeled(res.get("modeled"))
+    lines += _md_curves(res) + _md_rounds(res) + _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel"))
+    lines += _md_modeled(res.get("modeled"))
     if res["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in res["skipped"].items()]
     if res["errors"]:
@@ -653,6 +681,14 @@ def _md_rounds(res: dict) -> list[str]:
     return lines + [f"| {r['setting']} | {r['requests']} | {r['mode']} | {_ms(r['ms_per_round'], 2)} | "
                     f"{_ms(r['ms_per_forward'])} | {median(r['forwards'])} | {median(r['draft_tokens'])} |"
                     for r in res["rounds"]]
+
+
+def _md_inserts(pts: list | None) -> list[str]:
+    if not pts:
+        return []
+    lines = ["", "## A step's pool insert (pool_writer.py; ms, median)", "", "| rows | eager | CUDA graph |",
+             "|---|---|---|"]
+    return lines + [f"| {p['rows']} | {_ms(p['eager_ms'])} | {_ms(p.get('graph_ms'))} |" for p in pts]
 
 
 def _md_kernel(k: dict | None) -> list[str]:
@@ -709,7 +745,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--target", type=Path, help="target model dir (default: PAIR's random 1.5B)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="default bfloat16 (--tiny: float32)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["target", "rounds", "kernel", "graph"],
+    ap.add_argument("--skip", nargs="*", default=[], choices=["target", "rounds", "kernel", "graph", "inserts"],
                     help="sections to leave out (graph: no CUDA-graph timings)")
     ap.add_argument("--fused-ops", action="store_true",
                     help="the drafting rounds with DraftModel.fused_ops (kernels/fused_ops.py); the "
@@ -779,7 +815,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     if not cuda:
         torch.set_num_threads(1)  # tiny tensors: thread wake-ups cost more than the work (tests/conftest.py)
-    res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "kernel": None,
+    res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "inserts": None, "kernel": None,
            "modeled": None, "skipped": {}, "errors": {}}
     print(f"# {res['device']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}"
           f"{', --tiny' if args.tiny else ''}", flush=True)
@@ -835,8 +871,13 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         draft.fused_ops = args.fused_ops
         res["fused_ops_in_rounds"] = args.fused_ops
         res["rounds"] = run_section("rounds", lambda: round_section(draft, plan, modes, errors), errors) or []
+    vocab = draft.vocab_size
     del draft
     gc.collect()
+    if "inserts" in args.skip:
+        skipped["inserts"] = "skipped: --skip inserts"
+    else:
+        res["inserts"] = run_section("inserts", lambda: insert_section(vocab, plan, device, graphs), errors)
     reason = "skipped: --skip kernel" if "kernel" in args.skip else kernel_skip_reason(device)
     if reason:
         skipped["kernel"] = reason

@@ -56,13 +56,18 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     its per-round figures compare like with like), in exactly gamma forwards."""
     _, result, _, _ = tiny_run
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
-    modes = {"host", "device", "graph"} if CUDA else {"host", "device"}
+    from vllm_ouroboros.draft.device_round import conditional_nodes_supported
+
+    modes = {"host", "device"} | ({"graph"} if CUDA else set()) | (
+        {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
     assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes}
     for (setting, B, mode), r in rounds.items():
         assert len(r["round_ms"]) == plan.timed_rounds and r["ms_per_round"] > 0 and r["ms_per_forward"] > 0
         assert r["prefill_forwards"] == 0 and not r["cache_regrown"], (setting, B, mode)
-        if mode != "host":
+        if r["early_exit"]:  # the forwards its rows needed, as the host loop
+            assert r["forwards"] == rounds[(setting, B, "host")]["forwards"], (setting, B, mode)
+        elif mode != "host":
             assert r["forwards"] == [bench_gpu.GAMMA] * plan.timed_rounds
         # Float rounding may differ between padded and exact shapes on a GPU: there only the
         # decode-only counts (gamma per row, whatever the tokens) must agree.
@@ -70,6 +75,15 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
             assert r["draft_tokens"] == rounds[(setting, B, "host")]["draft_tokens"], (setting, B, mode)
     assert all(t == bench_gpu.GAMMA * B for (s, B, _), r in rounds.items() if s == "decode-only"
                for t in r["draft_tokens"])
+
+
+def test_inserts_are_timed(tiny_run):
+    """A step's pool insert of 16, 64 and 256 rows, eager, and from CUDA graphs where there is
+    CUDA (pool_writer.py)."""
+    _, result, _, _ = tiny_run
+    pts = {p["rows"]: p for p in result["inserts"]}
+    assert set(pts) == {16, 64, 256} and all(p["eager_ms"] > 0 for p in pts.values())
+    assert all(("graph_ms" in p) == CUDA for p in pts.values())
 
 
 def test_skips_say_why_and_nothing_passes_on_tiny_shapes(tiny_run):

@@ -30,6 +30,7 @@ from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
+from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
 from vllm_ouroboros.round_length import RoundLength
 
@@ -100,6 +101,7 @@ class OuroborosProposer:
         self.stats = OuroborosStats(self.max_slots)
         self.runtime: DraftRuntime | None = None
         self.pool: PhrasePool | None = None
+        self._writer: PoolWriter | None = None  # the step's inserts around the round (pool_writer.py)
         self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
@@ -262,6 +264,10 @@ class OuroborosProposer:
             n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
             logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
                         time.perf_counter() - t0)
+        self._writer = PoolWriter(self.pool, graphs=settings.draft_round == "graph")
+        if self._writer.graphs:
+            logger.info("ouroboros: captured %d CUDA graphs of the step's pool inserts",
+                        self._writer.capture())
         dr = self.runtime.device_round
         # A round that exits early runs the forwards its rows need, as the host loop does: no F
         # to choose. (Graphs captured at load fell back above if conditional nodes failed; one
@@ -432,7 +438,7 @@ class OuroborosProposer:
             insp = feedback.inspiration(chain[r], target[r], flat_len[r], slots, L,
                                         l_d=along[np.arange(B), k_acc])
             if len(insp):
-                self.pool.insert(*self._to_device(insp.keys, insp.tokens, insp.owners))
+                self._writer.insert(insp.keys, insp.tokens, insp.owners)
         if self.cfg.use_refinement:
             # Every suffix the walk tried: all K once the sentence draft was accepted in full.
             # Where the draft was rejected first, the target's tokens on a suffix continue a
@@ -464,7 +470,7 @@ class OuroborosProposer:
         start = np.maximum(self._ctx_seen[slots] - L, np.maximum(lens - self.cfg.context_phrase_window, 0))
         ph = feedback.context_phrases(token_ids, rows, lens, start, slots, L)
         if len(ph):
-            self.pool.insert(*self._to_device(ph.keys, ph.tokens, ph.owners))
+            self._writer.insert(ph.keys, ph.tokens, ph.owners)
         self._ctx_seen[slots] = lens
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:

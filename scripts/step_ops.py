@@ -1,0 +1,108 @@
+"""ATen calls per engine step by region of our code, one greedy request on the tiny test pair
+(tests/tiny_models.py; in-process engine): a proxy for the kernels a GPU's host launches one by
+one where that code runs eagerly. Views are counted apart (they launch nothing).
+
+Usage: source scripts/env.sh && python scripts/step_ops.py [--tokens 100]
+
+Regions: run_round (the drafting round; on a GPU the graph round replays it), on_verified and
+propose outside the round, and the pool's insert / lookup / replace wherever called (nested
+calls count for the innermost region). Everything else of the step (vLLM's target forward,
+sampling, our verification patches) is "outside".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its ops are seen
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from tiny_models import model_pair  # noqa: E402
+
+VIEWS = ("view", "unsqueeze", "squeeze", "reshape", "detach", "slice", "select", "expand", "alias",
+         "resolve_conj", "resolve_neg", "_unsafe_view", "aten.t.", "transpose", "as_strided", "lift_fresh")
+
+
+class Regions:
+    """Counts ATen calls per innermost wrapped region."""
+
+    def __init__(self):
+        self.stack = ["outside"]
+        self.calls = collections.Counter()
+        self.kernels = collections.Counter()
+        self.entries = collections.Counter()
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        orig = getattr(owner, name)
+
+        @functools.wraps(orig)
+        def run(*a, **k):
+            self.entries[label] += 1
+            self.stack.append(label)
+            try:
+                return orig(*a, **k)
+            finally:
+                self.stack.pop()
+
+        setattr(owner, name, run)
+
+    def mode(self) -> TorchDispatchMode:
+        regions = self
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                label = regions.stack[-1]
+                regions.calls[label] += 1
+                if not any(v in str(func) for v in VIEWS):
+                    regions.kernels[label] += 1
+                return func(*args, **(kwargs or {}))
+
+        return Count()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=100)
+    args = ap.parse_args()
+    from vllm import LLM, SamplingParams
+
+    from vllm_ouroboros import pool, proposer
+    from vllm_ouroboros.draft import runtime
+
+    reg = Regions()
+    reg.wrap(proposer.OuroborosProposer, "propose", "propose (outside the round)")
+    reg.wrap(proposer.OuroborosProposer, "on_verified", "on_verified")
+    reg.wrap(runtime.DraftRuntime, "run_round", "run_round")
+    for name in ("insert", "lookup", "replace"):
+        reg.wrap(pool.PhrasePool, name, f"pool.{name}")
+    pair = model_pair(Path(tempfile.mkdtemp(prefix="step_ops")))
+    spec = {"method": "ouroboros", "model": str(pair["draft"]), "max_speculative_batch": 64,
+            "use_suffixes": True}
+    llm = LLM(model=str(pair["target"]), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+              max_num_seqs=4, enable_prefix_caching=False, speculative_config=spec)
+    sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    prompt = "def add(a, b):\n    return a + b\n" * 3
+    llm.generate([prompt], sp, use_tqdm=False)  # warm-up
+    reg.calls.clear(), reg.kernels.clear(), reg.entries.clear()
+    with reg.mode():
+        llm.generate([prompt], sp, use_tqdm=False)
+    steps = reg.entries["propose (outside the round)"]
+    print(f"{steps} drafting steps (propose calls), {args.tokens} tokens")
+    print(f"{'region':<30}{'calls/step':>11}{'ATen/step':>11}{'non-view/step':>15}{'non-view/call':>15}")
+    for label, n in reg.calls.most_common():
+        calls = reg.entries[label]
+        per_call = f"{reg.kernels[label] / calls:15.0f}" if calls else f"{'-':>15}"
+        print(f"{label:<30}{calls / steps:11.2f}{n / steps:11.1f}{reg.kernels[label] / steps:15.1f}{per_call}")
+
+
+if __name__ == "__main__":
+    main()

@@ -351,6 +351,8 @@ def round_section(model: DraftModel, plan: Plan, modes: list[str], errors: dict)
     for si, (name, (window, guesses)) in enumerate(ROUND_SETTINGS.items()):
         for B in plan.round_batches:
             for mode in modes:
+                if mode == "graph-fixed" and B != 1:  # what conditional nodes cost: one request says it
+                    continue
                 try:
                     res = time_rounds(model, window, guesses, B, mode, plan, seed=100 * si + B)
                 except Exception:  # noqa: BLE001 - record it, time the rest
@@ -865,7 +867,8 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     if "rounds" in args.skip:
         skipped["rounds"] = "skipped: --skip rounds"
     else:
-        # graph-fixed: the graph round without its conditional nodes, to time what they cost.
+        # graph-fixed: the graph round without its conditional nodes, to time what they cost
+        # (at one request only).
         modes = ["host", "device"] + (["graph"] if graphs else []) + (
             ["graph-fixed"] if graphs and conditional_nodes_supported() else [])
         draft.fused_ops = args.fused_ops

@@ -2,12 +2,13 @@
 (tests/tiny_models.py; in-process engine): a proxy for the kernels a GPU's host launches one by
 one where that code runs eagerly. Views are counted apart (they launch nothing).
 
-Usage: source scripts/env.sh && python scripts/step_ops.py [--tokens 100]
+Usage: source scripts/env.sh && python scripts/step_ops.py [--tokens 100] [--window]
 
 Regions: run_round (the drafting round; on a GPU the graph round replays it), on_verified and
-propose outside the round, and the pool's insert / lookup / replace wherever called (nested
-calls count for the innermost region). Everything else of the step (vLLM's target forward,
-sampling, our verification patches) is "outside".
+propose outside the round, the target side's patches (tree_verify.begin_step: the token tree's
+inputs; tree_verify.sample: the tree walk), and the pool's insert / lookup / replace wherever
+called (nested calls count for the innermost region). Everything else of the step (vLLM's
+target forward and bookkeeping) is "outside".
 """
 
 from __future__ import annotations
@@ -72,21 +73,27 @@ class Regions:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=100)
+    ap.add_argument("--window", action="store_true", help="phrase drafting: the Jacobi window on")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros import pool, proposer
     from vllm_ouroboros.draft import runtime
+    from vllm_ouroboros.patches import tree_verify
 
     reg = Regions()
     reg.wrap(proposer.OuroborosProposer, "propose", "propose (outside the round)")
     reg.wrap(proposer.OuroborosProposer, "on_verified", "on_verified")
     reg.wrap(runtime.DraftRuntime, "run_round", "run_round")
+    reg.wrap(tree_verify, "begin_step", "tree_verify.begin_step")
+    reg.wrap(tree_verify, "sample", "tree_verify.sample")
     for name in ("insert", "lookup", "replace"):
         reg.wrap(pool.PhrasePool, name, f"pool.{name}")
     pair = model_pair(Path(tempfile.mkdtemp(prefix="step_ops")))
+    # Every timing-dependent choice pinned (the drafting mode: pool guesses, this CPU's; with
+    # --window the Jacobi window too, whose inserts then run inside the round).
     spec = {"method": "ouroboros", "model": str(pair["draft"]), "max_speculative_batch": 64,
-            "use_suffixes": True}
+            "use_suffixes": True, "use_guesses": True, "use_lookahead": args.window}
     llm = LLM(model=str(pair["target"]), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
               max_num_seqs=4, enable_prefix_caching=False, speculative_config=spec)
     sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)

@@ -61,7 +61,8 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     modes = {"host", "device"} | ({"graph"} if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
-    assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes}
+    assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes
+                           if m != "graph-fixed" or b == 1}
     for (setting, B, mode), r in rounds.items():
         assert len(r["round_ms"]) == plan.timed_rounds and r["ms_per_round"] > 0 and r["ms_per_forward"] > 0
         assert r["prefill_forwards"] == 0 and not r["cache_regrown"], (setting, B, mode)

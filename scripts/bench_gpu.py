@@ -50,6 +50,7 @@ import torch
 # `kernels` subpackage is the repo's kernels/ folder only through setup.py's package_dir.
 from vllm_ouroboros.draft.model import DraftConfig, DraftModel, rope_inv_freq
 from vllm_ouroboros.cost_model import draft_row_tokens
+from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
@@ -176,16 +177,7 @@ def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, reps
 def cuda_graph(fn: Callable[[], object], pool) -> torch.cuda.CUDAGraph:
     """fn captured in a CUDA graph on its current (static) inputs; warmed up on a side stream
     first (cuBLAS handles, Triton compilation), as torch's capture rules require."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
+    return capture_graph(lambda _: fn(), torch.device("cuda", torch.cuda.current_device()), pool, warmups=2)
 
 
 def median(xs) -> float | None:

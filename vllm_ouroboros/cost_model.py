@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ouroboros.cuda_graph import capture_graph
+
 FLAT = 1.25
 # Suffixes whose tokens add at most this factor to the step go whatever their measured gain:
 # on a flat curve they cost nothing and keep feeding candidate refinement.
@@ -135,15 +137,7 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = Fa
 
         step = forward
         if graphs and cuda:
-            side = torch.cuda.Stream(model.device)
-            side.wait_stream(torch.cuda.current_stream(model.device))
-            with torch.cuda.stream(side):
-                forward()  # warm-up off the capture (cuBLAS handles, Triton compilation)
-            torch.cuda.current_stream(model.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                forward()
-            step = graph.replay
+            step = capture_graph(lambda _: forward(), model.device).replay
 
         def run() -> float:
             sync()

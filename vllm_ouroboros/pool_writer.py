@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
+from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.device_round import RecordedGraph, bucket
 from vllm_ouroboros.pool import PhrasePool
 
@@ -101,7 +102,10 @@ class PoolWriter:
                 fn()  # the warm-up; the "capture" records
                 graph = RecordedGraph(fn)
             else:
-                graph = self._capture(fn)
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                # The warm-up is a neutral insert: only the recency clock moves.
+                graph = capture_graph(lambda _: fn(), self.pool.device, self._graph_pool)
         except Exception as e:  # noqa: BLE001 - eager inserts work everywhere
             logger.warning("ouroboros: capturing the pool insert of %d rows failed (%s: %s); "
                            "inserts run eagerly", Nb, type(e).__name__, e)
@@ -109,17 +113,3 @@ class PoolWriter:
             return False
         self._boxes[Nb], self._replays[Nb] = box, graph
         return True
-
-    def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        dev = self.pool.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            fn()  # warm-up off the capture (a neutral insert: only the recency clock moves)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            fn()
-        return graph

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
+from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.lookahead import read_output, row_inputs
 
@@ -455,25 +456,23 @@ class DeviceRound:
             fn()  # the warm-up (every conditional step runs); the "capture" only records
             st.graphs[name] = RecordedGraph(lambda: fn(_host_if))
             return
-        side = torch.cuda.Stream(rt.device)
-        side.wait_stream(torch.cuda.current_stream(rt.device))
-        with torch.cuda.stream(side):
-            fn()  # the warm-up runs every step, conditional or not: nothing is first used in a capture
-        torch.cuda.current_stream(rt.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
 
-        def if_node(pred, body):
-            graph.begin_capture_to_if_node(pred)
-            try:
-                body()
-            finally:
-                graph.end_capture_to_conditional_node()
+        def run(graph):  # the warm-up (graph None) runs every step: nothing is first used in a capture
+            if graph is None:
+                return fn()
 
-        with torch.cuda.graph(graph, pool=self._pool), _inference():
+            def if_node(pred, body):
+                graph.begin_capture_to_if_node(pred)
+                try:
+                    body()
+                finally:
+                    graph.end_capture_to_conditional_node()
+
             fn(if_node)
-        st.graphs[name] = graph
+
+        st.graphs[name] = capture_graph(run, rt.device, self._pool, inference=True)
 
 
 def conditional_nodes_supported() -> bool:
@@ -505,7 +504,3 @@ class RecordedGraph:
 
     def replay(self) -> None:
         self.fn()
-
-
-def _inference():
-    return torch.inference_mode() if not torch.is_inference_mode_enabled() else contextlib.nullcontext()

@@ -58,7 +58,7 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
-    modes = {"host", "device"} | ({"graph"} if CUDA else set()) | (
+    modes = {"host", "device"} | ({"graph", "graph+fused"} if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
     assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes
@@ -141,8 +141,9 @@ def test_flag_counters_give_the_rates_asked_for():
 
 
 def test_gpu_check_script_runs_a_selection_and_the_tiny_benchmark(tmp_path):
-    """scripts/gpu_check.sh (what a session lent a GPU runs through the device tool): a test
-    selection and the benchmark, logs and a summary in $OUT, a part past its limit marked."""
+    """scripts/gpu_check.sh (what a session lent a GPU runs through the device tool): the
+    benchmark, then a test selection, logs and a summary in $OUT (no more files than the tool
+    brings back), a part with no time left marked."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OUT=str(tmp_path), GPU_CHECK_NO_INSTALL="1", GPU_CHECK_BENCH_ARGS="--tiny",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
@@ -153,14 +154,52 @@ def test_gpu_check_script_runs_a_selection_and_the_tiny_benchmark(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     selected = (REPO / "tests" / "test_request_slots.py").read_text().count("\ndef test_")
     assert f"{selected} passed" in (tmp_path / "tests.log").read_text()
-    for part in ("tests", "bench", "bench-fused-ops"):
+    for part in ("bench", "tests"):
         assert f"{part}: exit 0" in summary, summary
-    assert json.loads((tmp_path / "bench_gpu.json").read_text())["tiny"]
-    assert "NOT MEASURED" in summary and (tmp_path / "machine.txt").exists()
-    env["GPU_CHECK_LIMIT"] = "25"  # the tests get half of it: more than the 20 s floor is not left
+    assert summary.index("bench: exit") < summary.index("tests: exit")  # the figures first
+    result = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert result["tiny"] and result["complete"] and result["budget_s"] > 0
+    assert "NOT MEASURED" in summary and "== machine" in summary and f"{selected} passed" in summary
+    assert len(list(tmp_path.iterdir())) <= 8  # the device tool brings back 8 files at most
+    env["GPU_CHECK_LIMIT"] = "15"
     subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "all", "tests/test_request_slots.py"],
                    capture_output=True, text=True, env=env, timeout=600)
-    assert "tests: not run (no time left)" in (tmp_path / "summary.txt").read_text()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "bench: not run (no time left)" in summary and "tests: not run (no time left)" in summary
+
+
+def test_budget_skips_what_is_left_and_says_why(tmp_path):
+    """--budget-s 0: every timed point after the first check is skipped with the budget as its
+    reason, the files are still written, and no acceptance line passes on nothing."""
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--tiny", "--budget-s", "0",
+                           "--json", str(js), "--md", str(md)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(js.read_text())
+    assert result["complete"] and md.exists()
+    assert result["curves"]["draft"] == [] and result["rounds"] == [] and result["inserts"] is None
+    reasons = {k: v for k, v in result["skipped"].items() if "budget" in v}
+    assert any(k.startswith("curves/draft") for k in reasons) and any(k.startswith("rounds/") for k in reasons)
+    assert all(v == "skipped: time budget spent (--budget-s 0)" for v in reasons.values())
+    assert all(a["status"].startswith("NOT MEASURED") for a in result["acceptance"])
+    if CUDA:  # on a CPU the graph round's line says "no CUDA" first
+        assert "budget" in result["acceptance"][0]["status"], result["acceptance"][0]
+
+
+def test_round_cases_put_the_targets_first():
+    """A budget-cut run keeps what the issue's targets read: the graph round at one request
+    (decode and W=G=4) and at the most requests, before the rest."""
+    plan = bench_gpu.Plan(tiny=False)
+    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", "host", "device"])
+    assert cases[:3] == [("decode-only", 1, "graph"), ("decode-only", 1, "graph+fused"),
+                         ("decode-only", 1, "graph-fixed")]
+    first = {c: i for i, c in enumerate(cases)}
+    assert first[("phrases W=G=4", 1, "graph")] < first[("decode-only", 32, "graph")] < first[
+        ("phrases W=G=15", 1, "graph")] < first[("decode-only", 8, "graph")]
+    assert len(cases) == len(set(cases)) == len(bench_gpu.ROUND_SETTINGS) * (3 * 4 + 1)
+    assert all(b == 1 for s, b, m in cases if m == "graph-fixed")
 
 
 def test_counters_from_generate_json(tmp_path):

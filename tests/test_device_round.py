@@ -304,6 +304,57 @@ def test_graph_replay_equals_eager_device_round(config, tiny_models, device):
     assert graph.device_round._states and all(st.graphs for st in graph.device_round._states.values())
 
 
+def _syncs(fn):
+    """(fn(), the CUDA synchronisations it made) under torch's sync debug mode "warn", which
+    warns at every host-device synchronisation (blocking copies, item(), stream waits)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations: needs a CUDA device")
+@pytest.mark.parametrize("config", ["phrases", "adaptive"])
+def test_graph_round_synchronises_once(config, tiny_models, device):
+    """The issue's "no host synchronisation inside the round, one device->host copy per round at
+    most", counted by CUDA itself: a graph round whose graphs are captured (no capture, no
+    cache regrowth, no prefill in it) synchronises at most once, where the host loop, the
+    counter's check, synchronises at every forward."""
+    if device != "cuda":
+        pytest.skip("the test device is not CUDA (OUROBOROS_TEST_DEVICE)")
+    path = str(tiny_models["draft"])
+    host = make(path, device, "host", **CONFIGS[config])
+    graph = make(path, device, "graph", round_forwards=99, **CONFIGS[config])
+    dr = graph.device_round
+    runs = {"host": [], "graph": []}
+    for rt, name in ((host, "host"), (graph, "graph")):
+        orig = rt.run_round
+
+        def counted(*a, _orig=orig, _name=name, _rt=rt, **k):
+            captured = lambda: (_rt.generation, sum(len(st.graphs) for st in dr._states.values()))  # noqa: E731
+            before = captured()
+            out, syncs = _syncs(lambda: _orig(*a, **k))
+            steady = out.prefill_forwards == 0 and (_name == "host" or captured() == before)
+            runs[_name].append((steady, syncs, out.forwards))
+            return out
+
+        rt.run_round = counted
+    rng = np.random.default_rng(23)
+    for _ in drive([host, graph], 10, rng, host.model.vocab_size):
+        pass
+    steady = [syncs for ok, syncs, _ in runs["graph"][3:] if ok]
+    assert steady, "no steady-state graph round to count"
+    assert all(len(s) <= 1 for s in steady), steady
+    host_steady = [(len(syncs), f) for ok, syncs, f in runs["host"] if ok]
+    assert host_steady and all(n >= f for n, f in host_steady), host_steady
+
+
 @pytest.mark.parametrize("early_exit", [True, False], ids=["early-exit", "fixed-F"])
 @pytest.mark.parametrize("config", ["phrases", "adaptive"])
 def test_capture_and_replay_bookkeeping(config, early_exit, tiny_models, device):

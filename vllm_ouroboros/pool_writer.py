@@ -11,10 +11,9 @@ ones around it.
 
 With graphs, an insert of N rows pads them to a bucket (BUCKETS) with masked rows, which change
 nothing (the pool's state does not depend on how many rows a call carried, pool.py), copies the
-packed rows into the bucket's static device buffer and replays the bucket's graph. The copy is
-one blocking host->device copy (the eager path made three): it waits for the stream, which at
-the two points of a step where the proposer inserts holds no more than the inserts before it
-(the verification's and the round's outputs were just read back). Masked rows take recency stamps as real ones do: only the order of stamps
+packed rows into the bucket's static device buffer and replays the bucket's graph: one host->
+device copy (the eager path makes three), queued from pinned memory without a host wait
+(host_copy.py). Masked rows take recency stamps as real ones do: only the order of stamps
 matters, and that is unchanged. More rows than the largest bucket, and every insert without
 graphs (the CPU), run eagerly. No vLLM imports.
 """
@@ -29,6 +28,7 @@ import torch
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.device_round import RecordedGraph, bucket
+from vllm_ouroboros.host_copy import copy_into, to_device
 from vllm_ouroboros.pool import PhrasePool
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -66,14 +66,13 @@ class PoolWriter:
             return
         Nb = bucket(N, BUCKETS)
         if not self.graphs or N > BUCKETS[-1] or not self._ready(Nb):
-            self.pool.insert(*(torch.from_numpy(np.ascontiguousarray(a)).to(self.pool.device)
-                               for a in (keys, phrases, owners)))
+            self.pool.insert(*to_device(self.pool.device, keys, phrases, owners))
             return
         packed = np.zeros((Nb, _HEAD + self.pool.L), np.int64)
         packed[:, 0] = -1
         packed[:N, 0], packed[:N, 1], packed[:N, 2] = keys, owners, 1
         packed[:N, _HEAD:] = phrases
-        self._boxes[Nb].copy_(torch.from_numpy(packed))
+        copy_into(self._boxes[Nb], packed)
         self._replays[Nb].replay()
         self.replayed += 1
 

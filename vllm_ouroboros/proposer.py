@@ -26,6 +26,7 @@ from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, DraftCacheFull, pages_for
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_growth_warning
+from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
@@ -474,7 +475,7 @@ class OuroborosProposer:
         self._ctx_seen[slots] = lens
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+        return to_device(self.device, *arrays)
 
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,

@@ -28,6 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_ouroboros.host_copy import to_device
+
 PAGE_SIZE = 16  # tokens per page (vLLM's default block size)
 NULL_PAGE = 0
 
@@ -187,15 +189,10 @@ class PagedKVCache:
         self._upload(seqs)
 
     def _upload(self, seqs: np.ndarray) -> None:
-        # The changed rows, copied in stream order: queued forwards that read the table run
-        # first, later ones (graph replays too) see the new rows. From pinned memory without
-        # blocking on CUDA: a plain copy would wait for all the device's queued work.
-        rows = torch.from_numpy(np.ascontiguousarray(self.table[seqs]))
-        idx = torch.from_numpy(np.ascontiguousarray(seqs, dtype=np.int64))
-        cuda = self.device.type == "cuda"
-        if cuda:  # the caching host allocator keeps each block until its copy is done
-            rows, idx = rows.pin_memory(), idx.pin_memory()
-        self.block_table[idx.to(self.device, non_blocking=cuda)] = rows.to(self.device, non_blocking=cuda)
+        # The changed rows, copied in stream order (host_copy): queued forwards that read the
+        # table run first, later ones (graph replays too) see the new rows.
+        rows, idx = to_device(self.device, self.table[seqs], seqs.astype(np.int64, copy=False))
+        self.block_table[idx] = rows
 
     # ---- the page store ----------------------------------------------------------------------
     def _new_store(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:

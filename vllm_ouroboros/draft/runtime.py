@@ -32,6 +32,7 @@ from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
 from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
+from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.pool import PhrasePool
 
 
@@ -284,8 +285,7 @@ class DraftRuntime:
         suffix_valid = np.zeros((B, K), bool)
         if K:
             last = self._last_tokens(token_ids, rows, lens, drafts, dlen)
-            phr, valid = self.pool.lookup(torch.from_numpy(last).to(self.device),
-                                          torch.from_numpy(slots).to(self.device), K)
+            phr, valid = self.pool.lookup(*to_device(self.device, last, slots), K)
             suffixes, suffix_valid = phr.cpu().numpy(), valid.cpu().numpy()
         self.confirmed[slots] = lens
         return RoundOutput(drafts, dlen, suffixes, suffix_valid, forwards, prefill_forwards,
@@ -347,14 +347,12 @@ class DraftRuntime:
             Q = int(count.max())
             idx = self.kv_len[s, None] + np.arange(Q)[None, :]
             toks = token_ids[r[:, None], np.minimum(idx, lens[todo, None] - 1)].astype(np.int64)
-            cnt = torch.from_numpy(count).to(self.device)
+            cnt, kv, toks_t, s_t = to_device(self.device, count, self.kv_len[s], toks, s)
             col = torch.arange(Q, device=self.device)
             real = col[None, :] < cnt[:, None]
             causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
             mask = (causal[None] & real[:, None, :]) | (torch.eye(Q, dtype=torch.bool, device=self.device)[None] & ~real[:, :, None])
-            kv = torch.from_numpy(self.kv_len[s]).to(self.device)
-            self.model.forward(torch.from_numpy(toks).to(self.device), kv[:, None] + col[None, :],
-                               torch.from_numpy(s).to(self.device), kv, mask,
+            self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, mask,
                                max_cache_len=int(self.kv_len[s].max()))
             self._commit(s, toks, count)
             row_prefills[todo] += 1
@@ -370,7 +368,8 @@ class DraftRuntime:
         idx = lens[fresh, None] - T + np.arange(T)[None, :]
         idx = np.where(idx < 0, idx % lens[fresh, None], idx)
         tail = token_ids[rows[fresh, None], idx].astype(np.int64)
-        self.window[slots[fresh]] = initial_window(torch.from_numpy(tail).to(self.device), self.L, self.W)
+        where, tail_t = to_device(self.device, slots[fresh], tail)  # a numpy index would sync
+        self.window[where] = initial_window(tail_t, self.L, self.W)
         self.window_ready[slots[fresh]] = True
 
     def _last_tokens(self, token_ids, rows, lens, drafts, dlen) -> np.ndarray:
@@ -397,17 +396,15 @@ class DraftRuntime:
         unc = np.where(np.arange(U)[None, :] < u[:, None], unc, 0)
 
         dev = self.device
-        slots_t = torch.from_numpy(slots).to(dev)
-        u_t = torch.from_numpy(u).to(dev)
-        kv_t = torch.from_numpy(kv).to(dev)
-        parts = [torch.from_numpy(unc).to(dev)]
+        slots_t, u_t, kv_t, unc_t = to_device(dev, slots, u, kv, unc)
+        parts = [unc_t]
         window = self.window[slots_t][:, :, : self.W] if self.W else None
         if self.W:
             parts.append(window.reshape(A, -1))
         G = 0
         if self.G:
             key = unc[np.arange(A), u - 1]
-            guesses, gvalid = self.pool.lookup(torch.from_numpy(key).to(dev), slots_t, self.G)
+            guesses, gvalid = self.pool.lookup(*to_device(dev, key), slots_t, self.G)
             # Lookup ranks valid phrases first: feed only as many guess columns as some row
             # can fill. A sync, but a compute-bound device pays for every empty column.
             G = int(gvalid.sum(dim=1).max())
@@ -438,7 +435,7 @@ class DraftRuntime:
         if prod is not None:
             p = self.head(self._token_hidden(hidden, res, u_t, layout, guesses, gvalid))
             valid = torch.arange(L + 1, device=dev)[None, :] < res.num_new[:, None]
-            take, fired, after = stop_rule(p, valid, torch.from_numpy(prod).to(dev),
+            take, fired, after = stop_rule(p, valid, *to_device(dev, prod),
                                            self.s.acceptance_threshold)
             rule = (take.cpu().numpy(), fired.cpu().numpy(), after.cpu().numpy())
         return res.new_tokens.cpu().numpy(), res.num_new.cpu().numpy(), rule

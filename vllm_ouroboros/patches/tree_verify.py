@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
+from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.patches import tree_attention
 from vllm_ouroboros.step_plan import StepPlan, build_plan, ragged_arange
 from vllm_ouroboros.tree import TokenTree, tree_from_flat
@@ -102,7 +103,7 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
     dev = runner.device
 
     def to_dev(a):
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+        return to_device(dev, a)[0]
 
     if plan.has_tree:
         if st.reason is not None:  # cannot happen: the drafter sent no tree; stay lossless
@@ -234,7 +235,7 @@ def _processed_logits(logits, rows_per_request: np.ndarray, sm) -> torch.Tensor:
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     B = len(rows_per_request)
-    counts = torch.from_numpy(rows_per_request).to(logits.device)
+    (counts,) = to_device(logits.device, rows_per_request)
 
     def expand(x):
         return None if x is None else x[:B].repeat_interleave(counts, output_size=logits.shape[0])
@@ -257,14 +258,16 @@ def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):
     j = ragged_arange(c2)
     tgt = np.repeat(start, c2) + j
     keep = np.repeat(np.cumsum(c) - c, c2) + j
+    keep_t, cu_t, tgt_t, bonus_t = to_device(dev, keep, np.cumsum(c2).astype(np.int32), tgt.astype(np.int32),
+                                             (start + c2).astype(np.int32))
     meta = SpecDecodeMetadata(
-        draft_token_ids=spec_meta.draft_token_ids[torch.from_numpy(keep).to(dev)],
+        draft_token_ids=spec_meta.draft_token_ids[keep_t],
         num_draft_tokens=c2.tolist(),
-        cu_num_draft_tokens=torch.from_numpy(np.cumsum(c2).astype(np.int32)).to(dev),
+        cu_num_draft_tokens=cu_t,
         # Unchanged: each request's logit rows still start where the full tree's do.
         cu_num_sampled_tokens=spec_meta.cu_num_sampled_tokens,
-        target_logits_indices=torch.from_numpy(tgt.astype(np.int32)).to(dev),
-        bonus_logits_indices=torch.from_numpy((start + c2).astype(np.int32)).to(dev),
+        target_logits_indices=tgt_t,
+        bonus_logits_indices=bonus_t,
         logits_indices=spec_meta.logits_indices,
     )
     if sm.spec_token_ids is not None:

@@ -1,0 +1,76 @@
+"""host_copy: host arrays onto the device in stream order, without the host waiting for the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ouroboros.host_copy import copy_into, to_device
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="pinned staging and stream-ordered copies need a CUDA device")
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    a = rng.integers(-5, 1 << 40, (7, 5))
+    return [a, a[:, ::2], np.arange(4, dtype=np.int32), rng.random(3) < 0.5, np.zeros((0, 3), np.int64)]
+
+
+def test_values_shapes_and_dtypes(device):
+    arrays = _arrays()
+    out = to_device(device, *arrays)
+    assert len(out) == len(arrays)
+    for a, t in zip(arrays, out):
+        assert t.device.type == torch.device(device).type
+        assert t.shape == a.shape and t.dtype == torch.from_numpy(np.ascontiguousarray(a)).dtype
+        assert np.array_equal(t.cpu().numpy(), a)
+
+
+def test_copy_into_fills_the_buffer(device):
+    dst = torch.full((6, 4), -1, dtype=torch.long, device=device)
+    src = np.arange(24).reshape(6, 4)[:, ::-1]  # not contiguous
+    copy_into(dst, src)
+    assert np.array_equal(dst.cpu().numpy(), src)
+
+
+def test_cpu_wraps_without_copying():
+    """The CPU path costs what it did: the tensor is the array's memory."""
+    a = np.arange(10)
+    (t,) = to_device("cpu", a)
+    a[0] = 99
+    assert t[0].item() == 99
+
+
+@needs_cuda
+def test_source_may_change_once_the_call_returns():
+    """The copy reads a pinned staging block, not the array: changing the array right after the
+    call, with the copy perhaps still queued behind other work, changes nothing on the device."""
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # queue work so that the copy waits its turn
+        busy = busy @ busy
+        busy /= busy.norm()
+    a = np.arange(1 << 16)
+    (t,) = to_device("cuda", a)
+    a[:] = -1
+    assert np.array_equal(t.cpu().numpy(), np.arange(1 << 16))
+
+
+@needs_cuda
+def test_no_host_sync():
+    """Under torch's sync debug mode ("error") a plain pageable upload raises (the check has
+    teeth); to_device and copy_into do not."""
+    a = np.arange(1000)
+    dst = torch.empty(1000, dtype=torch.long, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.from_numpy(a).to("cuda")
+        to_device("cuda", a, a[::2])
+        copy_into(dst, a)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert np.array_equal(dst.cpu().numpy(), a)

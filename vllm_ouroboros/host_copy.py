@@ -1,0 +1,40 @@
+"""Host arrays onto the device without waiting for it.
+
+A plain `torch.from_numpy(a).to("cuda")` copies from pageable memory, and CUDA makes such a copy
+wait until the stream has run everything queued before it: a host-device synchronisation at
+every upload, which in a step of many small uploads (the host loop's forward inputs, the pool
+inserts, the tree plan's index arrays) stops the host from running ahead of the GPU. Staged in
+pinned memory, the copy is queued like a kernel. torch's caching host allocator keeps a pinned
+block from reuse until the copies that read it have run, so the staging buffers need no
+bookkeeping here, and the numpy array may change as soon as the call returns.
+
+On a CPU device the arrays are wrapped, not copied (what `.to("cpu")` of `from_numpy` gives):
+the CPU path stays as fast as it was. No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(device: torch.device | str, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Each host array as a tensor on `device`, same shape and dtype, in stream order.
+
+    CUDA: staged in pinned memory and copied asynchronously (module docstring); CPU: a tensor
+    sharing the array's memory (contiguous copy first where the array is not)."""
+    device = torch.device(device)
+    out = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    if device.type == "cpu":
+        return out
+    return [t.pin_memory().to(device, non_blocking=True) for t in out]
+
+
+def copy_into(dst: torch.Tensor, array: np.ndarray) -> None:
+    """dst.copy_(array) in stream order without a host wait on CUDA (to_device); dst's shape
+    and dtype are the array's (broadcasting as copy_ does)."""
+    src = torch.from_numpy(np.ascontiguousarray(array))
+    if dst.device.type == "cpu":
+        dst.copy_(src)
+    else:
+        dst.copy_(src.pin_memory(), non_blocking=True)

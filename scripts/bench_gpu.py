@@ -56,6 +56,7 @@ from vllm_ouroboros.cost_model import draft_row_tokens
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
+from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.pool import PhrasePool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -447,6 +448,81 @@ def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -
     return out
 
 
+# ---- b3. the target side's step --------------------------------------------------------------
+
+TARGET_STEP_LAYOUTS = {"chain: draft 8 + 1 suffix": (8, 1), "tree: draft 8 + 3 suffixes": (8, 3)}
+
+
+def target_step_fn(B: int, n: int, K: int, L: int, vocab: int, layers: int, kv_heads: int,
+                   head_dim: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """One step of what our patches add to the target's step around its forward (eagerly, as
+    vLLM runs them): plan the step and lay out the trees (target_step.plan_target_step), the
+    greedy walk over the logits (verify.py), and the move of an accepted suffix k >= 1's KV in
+    every layer (kv_relocate.py). B requests of a draft of n tokens and K suffixes of L; the
+    logits make every request accept its draft and its last suffix whole (with K >= 2 that
+    suffix's KV moves, as when a later suffix wins)."""
+    from vllm_ouroboros.kv_relocate import move_kv, relocation_slots
+    from vllm_ouroboros.target_step import plan_target_step
+    from vllm_ouroboros.verify import verify
+
+    rng = np.random.default_rng(B * 100 + K)
+    c = np.full(B, n + K * L, np.int64)
+    rows = c + 1  # logit rows per request: the root and every node
+    qs = np.concatenate([[0], np.cumsum(rows)])
+    tokens = rng.integers(3, vocab, (B, n + K * L))
+    # Row of the root, then of node i (draft 0..n-1, then suffix k's nodes): the target's
+    # argmax there is the next token on the path draft -> suffix K-1.
+    want = np.zeros((B, n + K * L + 1), np.int64)
+    want[:, :n] = tokens[:, :n]  # after the root and after draft node i - 1
+    last = n + (K - 1) * L
+    want[:, n] = tokens[:, last]  # after the last draft node: suffix K-1's first token
+    want[:, 1 + last:last + L] = tokens[:, last + 1:last + L]
+    logits = torch.randn(int(rows.sum()), vocab, dtype=dtype, device=device)
+    r, t, draft_ids, cu = to_device(device, (qs[:-1, None] + np.arange(n + K * L + 1)[None, :]).ravel(),
+                                    want.ravel(), tokens.ravel(), np.cumsum(rows))
+    logits[r, t] = 30.0
+    n_arr, sl = np.full(B, n, np.int64), np.full((B, K), L, np.int64)
+    computed = np.full(B, 300, np.int64)
+    blocks = B * 32 + 1
+    caches = [tuple(torch.zeros(blocks, 16, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+              for _ in range(layers)]
+    slot_mapping = torch.arange(int(rows.sum()), device=device) + 16
+
+    def run():
+        step = plan_target_step(c, n_arr, sl, qs, computed, draft_ids, cu, L)
+        v = verify(step.tree, logits, step.row_start)
+        src, dst = relocation_slots(v.result, step.root_rows, slot_mapping)
+        move_kv(caches, src, dst)
+        return v, src
+
+    v, src = run()
+    accepted = v.result.num_accepted.cpu()
+    assert (accepted == n + L).all(), f"the walk accepted {accepted.tolist()}, not the planted path"
+    assert (src.numel() > 0) == (K >= 2)
+    return run
+
+
+def target_step_section(plan: Plan, device: torch.device, dtype: torch.dtype, budget: Budget,
+                        skipped: dict) -> list[dict]:
+    """ms per step of target_step_fn (the target's shapes: vocabulary, layers, KV heads) by
+    requests and layout: the host and device time our patches add to each target step."""
+    cfg = DraftConfig.from_hf((TINY_PAIR if plan.tiny else PAIR)["target"])
+    out = []
+    for name, (n, K) in TARGET_STEP_LAYOUTS.items():
+        for B in plan.round_batches:
+            if budget.spent():
+                skipped[f"target_step/{name}/{B}"] = budget.reason()
+                continue
+            fn = target_step_fn(B, n, K, BETA - 1, cfg.vocab_size, cfg.num_layers, cfg.num_kv_heads,
+                                cfg.head_dim, dtype, device)
+            ms = median(time_calls(fn, device, plan.warmup, plan.reps, plan.max_s))
+            out.append({"layout": name, "requests": B, "draft": n, "suffixes": K, "ms": ms})
+            print(f"  {name:28} B={B:>2}: {ms:8.3f} ms/step", flush=True)
+            del fn
+            gc.collect()
+    return out
+
+
 # ---- c. tree-attention kernel ----------------------------------------------------------------
 
 def kernel_skip_reason(device: torch.device) -> str | None:
@@ -576,6 +652,13 @@ def modeled(rows: list[dict], t_target: dict[int, float], t_draft: dict[int, flo
              "draft_round": r.get("settings", {}).get("draft_round", "host")} for r in rows]
 
 
+def with_step_cost(row: dict, t1_ms: float, step_ms: float) -> float:
+    """A modeled row's speedup with step_ms more per target forward (the formula's per-token
+    cost plus step_ms / tokens per target forward)."""
+    per_tok = t1_ms / row["modeled"]
+    return t1_ms / (per_tok + step_ms / row["tokens_per_target_forward"])
+
+
 def phrase_drafting(row: dict) -> bool:
     """The row drafted with the Jacobi window and pool guesses (the flags' row stands for it)."""
     st = row.get("settings", {})
@@ -591,7 +674,8 @@ def round_curve(rounds: list[dict], mode: str) -> dict[int, float] | None:
     return dict(sorted({1: pts[2], **pts}.items()))
 
 
-def modeled_section(args, curves: dict, rounds: list[dict], skipped: dict) -> dict:
+def modeled_section(args, curves: dict, rounds: list[dict], skipped: dict,
+                    target_step: list[dict] | None = None) -> dict:
     """Modeled speedups per drafting variant: the host round (eager drafting, today), the device
     and graph rounds, and the graph forward alone (no round overhead: the floor). The target's
     t(n): the target-shaped curve at 1 request, from its CUDA graph where measured (vLLM runs its
@@ -619,6 +703,15 @@ def modeled_section(args, curves: dict, rounds: list[dict], skipped: dict) -> di
                 " (no CUDA)" if "graph" in name and "graph" in skipped else "")
             continue
         out["variants"][name] = {"t_draft_ms": t_draft, "rows": modeled(rows, t_target, t_draft)}
+    # What the model leaves out: our patches' work around each target forward (target_step),
+    # at one request, the tree layout where measured (it moves KV), else the chain's.
+    steps = {p["layout"]: p["ms"] for p in target_step or [] if p["requests"] == 1}
+    step_ms = next((steps[k] for k in reversed(TARGET_STEP_LAYOUTS) if k in steps), None)
+    if step_ms is not None:
+        out["target_step_ms"] = step_ms
+        for v in out["variants"].values():
+            for r in v["rows"] if v else []:
+                r["modeled_with_target_step"] = with_step_cost(r, t_target[1], step_ms)
     # Graph rounds that exit early run the forwards their rows need: the host loop's counters.
     graph = [r for r in rounds if r["mode"] == "graph"]
     if out["variants"].get("graph drafting (graph round)"):
@@ -718,7 +811,8 @@ def markdown(res: dict) -> str:
         lines += [f"| {c['layout']} | {c['heads']} | {c['head_dim']} | "
                   f"{'passed' if c['passed'] else 'FAILED: ' + c['reason']} | {c['seconds']:.1f} |"
                   for c in checks]
-    lines += _md_curves(res) + _md_rounds(res) + _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel"))
+    lines += _md_curves(res) + _md_rounds(res) + _md_target_step(res.get("target_step"))
+    lines += _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel"))
     lines += _md_modeled(res.get("modeled"))
     if res["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in res["skipped"].items()]
@@ -772,18 +866,28 @@ def _md_kernel(k: dict | None) -> list[str]:
 def _md_modeled(m: dict | None) -> list[str]:
     if not m:
         return []
+    step = m.get("target_step_ms")
+    extra = f" with our step's work ({step:.2f} ms) |" if step is not None else ""
     lines = ["", f"## Modeled speedup over no speculation (benchmark.py's formula; target t(n): "
              f"{m['target_curve']}; counters: {m['counters']})", "",
-             "| drafting | row | tokens / target fwd | draft fwd / token | tokens / draft fwd | modeled |",
-             "|---|---|---|---|---|---|"]
+             "| drafting | row | tokens / target fwd | draft fwd / token | tokens / draft fwd | modeled |" + extra,
+             "|---|---|---|---|---|---|" + ("---|" if extra else "")]
     for name, v in m["variants"].items():
         if not v:
-            lines.append(f"| {name} | not measured | - | - | - | - |")
+            lines.append(f"| {name} | not measured | - | - | - | - |" + (" - |" if extra else ""))
             continue
         lines += [f"| {name} | {r['row']} | {r['tokens_per_target_forward']:.2f} | "
                   f"{r['draft_forwards_per_token']:.2f} | {r['draft_row_tokens']:g} | {r['modeled']:.2f} |"
-                  for r in v["rows"]]
+                  + (f" {r['modeled_with_target_step']:.2f} |" if extra else "") for r in v["rows"]]
     return lines
+
+
+def _md_target_step(pts: list | None) -> list[str]:
+    if not pts:
+        return []
+    lines = ["", "## Our patches' work around a target forward (target_step.py, verify.py, kv_relocate.py; "
+             "eager; ms, median)", "", "| layout | requests | ms / step |", "|---|---|---|"]
+    return lines + [f"| {p['layout']} | {p['requests']} | {_ms(p['ms'])} |" for p in pts]
 
 
 def environment(device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
@@ -889,7 +993,8 @@ def main() -> int:
     dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
     if not cuda:
         torch.set_num_threads(1)  # tiny tensors: thread wake-ups cost more than the work (tests/conftest.py)
-    res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "inserts": None, "kernel": None,
+    res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "target_step": None,
+           "inserts": None, "kernel": None,
            "modeled": None, "skipped": {}, "errors": {}}
     print(f"# {res['device']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}"
           f"{', --tiny' if args.tiny else ''}", flush=True)
@@ -909,7 +1014,8 @@ def save(args, res: dict, budget: Budget) -> None:
     for key in [k for k in res["skipped"] if k.startswith("modeled")]:
         del res["skipped"][key]  # an earlier checkpoint's reasons (no target curve yet, ...)
     res["modeled"] = run_section("modeled", lambda: modeled_section(args, res["curves"], res["rounds"],
-                                                                    res["skipped"]), res["errors"], quiet=True)
+                                                                    res["skipped"], res.get("target_step")),
+                                 res["errors"], quiet=True)
     res["acceptance"] = acceptance(res, args.tiny)
     res["wall_s"] = time.perf_counter() - budget.t0
     for path, text in ((args.json, json.dumps(res, indent=1)), (args.md, markdown(res))):
@@ -967,6 +1073,12 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         run_section("rounds", lambda: round_section(draft, plan, modes, errors, budget, skipped, res["rounds"]),
                     errors)
         checkpoint()
+    if "target" in args.skip:
+        skipped["target_step"] = "skipped: --skip target"
+    else:
+        res["target_step"] = run_section("target_step", lambda: target_step_section(
+            plan, device, dtype, budget, skipped), errors)
+        checkpoint()
     vocab = draft.vocab_size
     del draft
     gc.collect()
@@ -992,7 +1104,9 @@ def print_summary(res: dict) -> None:
     if m:
         print(f"[modeled speedup over no speculation] target t(n) {m['target_curve']}, counters {m['counters']}")
         for name, v in m["variants"].items():
-            vals = ", ".join(f"{r['row']} {r['modeled']:.2f}x" for r in v["rows"]) if v else res["skipped"].get(
+            vals = ", ".join(f"{r['row']} {r['modeled']:.2f}x" + (
+                f" ({r['modeled_with_target_step']:.2f}x with our step's work)" if "modeled_with_target_step" in r
+                else "") for r in v["rows"]) if v else res["skipped"].get(
                 f"modeled/{name}", "-")
             print(f"  {name}: {vals}")
     for k, v in res["skipped"].items():

@@ -41,6 +41,7 @@ class Regions:
         self.calls = collections.Counter()
         self.kernels = collections.Counter()
         self.entries = collections.Counter()
+        self.ops = collections.defaultdict(collections.Counter)  # region -> non-view op -> calls
 
     def wrap(self, owner, name: str, label: str) -> None:
         orig = getattr(owner, name)
@@ -65,6 +66,7 @@ class Regions:
                 regions.calls[label] += 1
                 if not any(v in str(func) for v in VIEWS):
                     regions.kernels[label] += 1
+                    regions.ops[label][str(func)] += 1
                 return func(*args, **(kwargs or {}))
 
         return Count()
@@ -74,6 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--window", action="store_true", help="phrase drafting: the Jacobi window on")
+    ap.add_argument("--detail", nargs="*", default=[], metavar="REGION",
+                    help="also list these regions' non-view ATen calls per step, most first")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
@@ -109,6 +113,10 @@ def main() -> None:
         calls = reg.entries[label]
         per_call = f"{reg.kernels[label] / calls:15.0f}" if calls else f"{'-':>15}"
         print(f"{label:<30}{calls / steps:11.2f}{n / steps:11.1f}{reg.kernels[label] / steps:15.1f}{per_call}")
+    for label in args.detail:
+        print(f"\n{label}: non-view ATen calls per step")
+        for op, k in reg.ops[label].most_common():
+            print(f"  {k / steps:8.2f}  {op}")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,27 @@ def test_inserts_are_timed(tiny_run):
     assert all(("graph_ms" in p) == CUDA for p in pts.values())
 
 
+def test_target_step_is_timed_and_charged_to_the_model(tiny_run):
+    """Our patches' work around a target forward, every layout at every batch size (the walk
+    accepted the planted path and, with 3 suffixes, moved KV, or the section would have
+    failed), and the modeled speedups charged with it at one request."""
+    _, result, _, _ = tiny_run
+    plan = bench_gpu.Plan(tiny=True)
+    pts = {(p["layout"], p["requests"]): p["ms"] for p in result["target_step"]}
+    assert set(pts) == {(name, b) for name in bench_gpu.TARGET_STEP_LAYOUTS for b in plan.round_batches}
+    assert all(ms > 0 for ms in pts.values())
+    mod = result["modeled"]
+    assert mod["target_step_ms"] == pts[("tree: draft 8 + 3 suffixes", 1)]
+    rows = [r for v in mod["variants"].values() if v for r in v["rows"]]
+    assert rows and all(r["modeled_with_target_step"] < r["modeled"] for r in rows)
+
+
+def test_with_step_cost():
+    # 10 ms target forward, modeled 2x: 5 ms per token; 1 ms more per forward of 4 tokens.
+    row = {"modeled": 2.0, "tokens_per_target_forward": 4.0}
+    assert bench_gpu.with_step_cost(row, 10.0, 1.0) == pytest.approx(10.0 / 5.25)
+
+
 def test_skips_say_why_and_nothing_passes_on_tiny_shapes(tiny_run):
     _, result, _, output = tiny_run
     if not CUDA:

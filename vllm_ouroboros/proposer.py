@@ -371,7 +371,7 @@ class OuroborosProposer:
     def on_verified(self, req_ids: list[str], outcome) -> None:
         """Read the target's tokens at every tree node (called by the runner patch).
 
-        `outcome` is patches/tree_verify.StepOutcome: the step's TokenTree, the target's argmax
+        `outcome` is target_step.StepOutcome: the step's TokenTree, the target's argmax
         after the root and after every node, and what each request accepted.
         """
         if self.runtime is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -24,8 +24,8 @@ import torch
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.patches import tree_attention
-from vllm_ouroboros.step_plan import StepPlan, build_plan, ragged_arange
-from vllm_ouroboros.tree import TokenTree, tree_from_flat
+from vllm_ouroboros.step_plan import ragged_arange
+from vllm_ouroboros.target_step import StepOutcome, TargetStep, plan_target_step
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -33,26 +33,6 @@ _SAMPLING_EPS = 1e-5  # vLLM's Sampler: temperature below this is greedy
 # Debugging aid (tests/test_tree_relocation.py): leave the accepted branch's KV where it is, to
 # show that outputs go wrong without the move. Never set it in production.
 _SKIP_RELOCATION = os.environ.get("VLLM_OUROBOROS_DEBUG_SKIP_KV_RELOCATION", "0") == "1"
-
-
-@dataclass
-class TargetStep:
-    """What one step's verification needs after the forward."""
-
-    plan: StepPlan
-    tree: TokenTree
-    row_start: torch.Tensor  # [B] first logit row (the root's) of each request
-    root_rows: torch.Tensor  # [B] query row of each request's root
-
-
-@dataclass
-class StepOutcome:
-    """For the pool feedback: target argmax per tree row and what each request accepted."""
-
-    tree: TokenTree
-    target_next: torch.Tensor   # [B, N + 1]
-    num_accepted: torch.Tensor  # [B] draft + suffix tokens accepted
-    suffix_index: torch.Tensor  # [B] suffix on the accepted path, -1 none
 
 
 class TreeState:
@@ -96,38 +76,26 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
         return None
     B = len(spec_meta.num_draft_tokens)
     req_ids = runner.input_batch.req_ids[:B]
-    c = np.asarray(spec_meta.num_draft_tokens, np.int64)
     n, sl = drafter.layouts(req_ids)
-    qs = runner.query_start_loc.np[:B + 1].astype(np.int64)
-    plan = build_plan(c, n, sl, qs, runner.input_batch.num_computed_tokens_cpu[:B])
-    dev = runner.device
-
-    def to_dev(a):
-        return to_device(dev, a)[0]
-
+    step = plan_target_step(np.asarray(spec_meta.num_draft_tokens, np.int64), n, sl,
+                            runner.query_start_loc.np[:B + 1], runner.input_batch.num_computed_tokens_cpu[:B],
+                            spec_meta.draft_token_ids, spec_meta.cu_num_sampled_tokens, drafter.cfg.phrase_len)
+    plan = step.plan
     if plan.has_tree:
         if st.reason is not None:  # cannot happen: the drafter sent no tree; stay lossless
             raise RuntimeError(f"ouroboros: a tree was scheduled but the tree path is off ({st.reason})")
-        runner.positions[to_dev(plan.pos_rows)] -= to_dev(plan.pos_delta)
-        bt = runner.input_batch.block_table[0].block_table.gpu
+        dev = runner.device
         write = np.nonzero(plan.write)[0]
+        pos_rows, pos_delta, q_rows, q_start, prefix_lens, bits, tree_reqs, write_t, write_rows = to_device(
+            dev, plan.pos_rows, plan.pos_delta, plan.q_rows, plan.q_start, plan.prefix_lens, plan.bits,
+            plan.tree_reqs, write, plan.q_rows[write])
+        runner.positions[pos_rows] -= pos_delta
+        bt = runner.input_batch.block_table[0].block_table.gpu
         tree_attention.set_active(tree_attention.TreeAttentionStep(
-            q_rows=to_dev(plan.q_rows), q_start=to_dev(plan.q_start),
-            prefix_lens=to_dev(plan.prefix_lens), bits=to_dev(plan.bits),
-            block_table=bt[to_dev(plan.tree_reqs)], write_local=to_dev(write),
-            write_rows=to_dev(plan.q_rows[write]), max_rows=plan.max_rows,
-            max_prefix=int(plan.prefix_lens.max(initial=0))))
-
-    # The tree of every request (chains included): flat tokens padded per request.
-    F = max(int(c.max()), 1)
-    row = np.repeat(np.arange(B), c)
-    col = ragged_arange(c)
-    flat = torch.zeros(B, F, dtype=torch.long, device=dev)
-    flat[to_dev(row), to_dev(col)] = spec_meta.draft_token_ids.long()
-    tree = tree_from_flat(flat, to_dev(plan.draft_len), to_dev(plan.suffix_len),
-                          D=max(int(plan.draft_len.max()), 0), L=drafter.cfg.phrase_len)
-    row_start = spec_meta.cu_num_sampled_tokens.long() - to_dev(c + 1)
-    return TargetStep(plan=plan, tree=tree, row_start=row_start, root_rows=to_dev(qs[:B]))
+            q_rows=q_rows, q_start=q_start, prefix_lens=prefix_lens, bits=bits,
+            block_table=bt[tree_reqs], write_local=write_t, write_rows=write_rows,
+            max_rows=plan.max_rows, max_prefix=int(plan.prefix_lens.max(initial=0))))
+    return step
 
 
 def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:

@@ -62,3 +62,20 @@ def test_overlapping_moves_read_before_write(device):
     v = k.clone() + 100
     move_kv([(k, v)], src, dst)
     assert k.flatten()[2:5].tolist() == [3., 4., 5.] and v.flatten()[2:5].tolist() == [103., 104., 105.]
+
+
+def test_every_layer_moves_whatever_its_block_size(device):
+    """Layers of two block sizes in one call (the split of slots into block and offset is
+    computed once per block size, not per layer): each layer's slots move, nothing else."""
+    src = torch.tensor([9, 10, 11], device=device)
+    dst = torch.tensor([5, 6, 7], device=device)
+    layers = [tuple(torch.randn(64 // bs, bs, 2, 3, device=device) for _ in range(2)) for bs in (4, 8, 4, 16)]
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    move_kv(layers, src, dst)
+    for (k, v), (k0, v0) in zip(layers, before):
+        for cache, old in ((k, k0), (v, v0)):
+            flat, flat0 = cache.flatten(0, 1), old.flatten(0, 1)
+            assert torch.equal(flat[dst], flat0[src])
+            keep = torch.ones(64, dtype=torch.bool, device=device)
+            keep[dst] = False
+            assert torch.equal(flat[keep], flat0[keep])

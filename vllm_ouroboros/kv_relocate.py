@@ -41,8 +41,11 @@ def move_kv(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
     """
     if src.numel() == 0:
         return
+    split: dict[int, tuple] = {}  # block size -> (src block, offset, dst block, offset): once, not per layer
     for k_cache, v_cache in caches:
         bs = k_cache.shape[1]
-        sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+        if bs not in split:
+            split[bs] = (src // bs, src % bs, dst // bs, dst % bs)
+        sb, so, db, do = split[bs]
         for cache in (k_cache, v_cache):
             cache[db, do] = cache[sb, so]

@@ -17,13 +17,17 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   rounds  DraftRuntime.run_round per round and per draft forward, decode-only and phrase
           drafting, draft_round = host / device / graph (graph-fixed: without the conditional
           nodes; graph+fused: through kernels/fused_ops.py, OuroborosConfig.draft_fused_ops).
+  target step  our patches' work around each target forward, eagerly as vLLM runs it: the plan
+          and token trees (target_step.py), the greedy walk (verify.py), the KV move of an
+          accepted later suffix in every target layer (kv_relocate.py).
   kernel  the tree-attention kernel vs torch SDPA (scripts/bench_tree_attention.py's inputs).
   inserts a step's pool insert (vllm_ouroboros/pool_writer.py) of 16, 64, 256 rows into a pool of
           the draft's vocabulary: eager vs replayed from a CUDA graph.
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
           runs' counters (results/drafting_modes.json, results/device_round_counters.json).
-In that order, what the issue's targets read first; --budget-s S skips what
-is left after S seconds, with that reason. Then the issue's acceptance lines, PASS / FAIL only
+What the issue's targets read comes first (curves, the rounds they name, the target step, the
+kernel; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
+with that reason. Then the issue's acceptance lines, PASS / FAIL only
 where measured (a kernel table cut short can fail, not pass). Writes results/bench_gpu.json
 (everything) and results/bench_gpu.md (--tiny: bench_gpu_tiny.*). No vLLM imports.
 """
@@ -103,11 +107,16 @@ class Plan:
         targets: the graph round at 1 and 32 requests, decode and W=G=4), so that a run cut
         short by its --budget-s still has those. graph-fixed (what conditional nodes save) at
         one request only."""
-        small, large = self.round_batches[0], self.round_batches[-1]
-        order = [("decode-only", small), ("phrases W=G=4", small), ("decode-only", large),
-                 ("phrases W=G=4", large), ("phrases W=G=15", small)]
+        small = self.round_batches[0]
+        order = self.target_groups() + [("phrases W=G=15", small)]
         order += [(s, b) for b in self.round_batches for s in ROUND_SETTINGS if (s, b) not in order]
         return [(s, b, m) for s, b in order for m in modes if m != "graph-fixed" or b == small]
+
+    def target_groups(self) -> list[tuple[str, int]]:
+        """The (setting, requests) the issue's targets read: decode and W=G=4 at one request
+        and at the most requests."""
+        small, large = self.round_batches[0], self.round_batches[-1]
+        return [("decode-only", small), ("phrases W=G=4", small), ("decode-only", large), ("phrases W=G=4", large)]
 
 
 MIN_REPS = 5
@@ -395,12 +404,13 @@ def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str,
     return res
 
 
-def round_section(model: DraftModel, plan: Plan, modes: list[str], errors: dict, budget: Budget,
-                  skipped: dict, out: list[dict]) -> list[dict]:
-    """time_rounds over plan.round_cases(modes), appended to `out` as they are measured (a
-    checkpoint of a cut run keeps them); the cases left when the budget is spent are skipped."""
+def round_section(model: DraftModel, plan: Plan, cases: list[tuple[str, int, str]], errors: dict,
+                  budget: Budget, skipped: dict, out: list[dict]) -> list[dict]:
+    """time_rounds of each (setting, requests, mode) case (Plan.round_cases), appended to `out`
+    as they are measured (a checkpoint of a cut run keeps them); the cases left when the
+    budget is spent are skipped."""
     seeds = {name: 100 * i for i, name in enumerate(ROUND_SETTINGS)}
-    for name, B, mode in plan.round_cases(modes):
+    for name, B, mode in cases:
         if budget.spent():
             skipped[f"rounds/{name}/{B}/{mode}"] = budget.reason()
             continue
@@ -1026,14 +1036,23 @@ def save(args, res: dict, budget: Budget) -> None:
 
 
 def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dict, budget: Budget) -> None:
-    """Sections a-d into `res`, most needed first (curves, rounds, kernel, inserts), each one's
-    failure recorded in res["errors"], its skip's reason in res["skipped"], the files written
-    after each (save)."""
+    """The sections into `res`, what the issue's targets read first (curves, the rounds the
+    targets name, our step's work, the kernel, then the other rounds and the inserts), each
+    one's failure recorded in res["errors"], its skip's reason in res["skipped"], its seconds
+    in res["section_s"] (to plan a lent GPU's minutes), the files written after each (save)."""
     skipped, errors = res["skipped"], res["errors"]
     res["prefix"] = plan.prefix
     res["complete"] = False
     res["budget_s"] = budget.seconds
+    res["section_s"] = {}
     checkpoint = lambda: save(args, res, budget)  # noqa: E731
+
+    def section(name: str, fn: Callable[[], object]):
+        t0 = time.perf_counter()
+        out = run_section(name, fn, errors)
+        res["section_s"][name] = res["section_s"].get(name, 0.0) + time.perf_counter() - t0
+        return out
+
     graphs = device.type == "cuda" and "graph" not in args.skip
     if not graphs:
         skipped["graph"] = "skipped: no CUDA" if device.type != "cuda" else "skipped: --skip graph"
@@ -1042,11 +1061,11 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     if device.type != "cuda":
         skipped["kernel_check"] = "skipped: no CUDA (the check compiles the kernel for the GPU)"
     else:
-        res["kernel_check"]["draft"] = run_section("kernel_check/draft", lambda: kernel_check(
-            draft, plan, "draft cache"), errors)
+        res["kernel_check"]["draft"] = section("kernel_check/draft", lambda: kernel_check(
+            draft, plan, "draft cache"))
     with torch.inference_mode():
-        res["curves"]["draft"] = run_section("curves/draft", lambda: forward_curve(
-            draft, plan, False, graphs, errors, "draft", budget, skipped), errors) or []
+        res["curves"]["draft"] = section("curves/draft", lambda: forward_curve(
+            draft, plan, False, graphs, errors, "draft", budget, skipped)) or []
         checkpoint()
         if "target" in args.skip:
             skipped["curves/target"] = "skipped: --skip target"
@@ -1054,34 +1073,35 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         else:
             target, res["models"]["target"] = load_model("target", args.target, plan.tiny, dtype, device)
             if device.type == "cuda":
-                res["kernel_check"]["target"] = run_section("kernel_check/target", lambda: kernel_check(
-                    target, plan, "vLLM paged cache"), errors)
-            res["curves"]["target"] = run_section("curves/target", lambda: forward_curve(
-                target, plan, True, graphs, errors, "target", budget, skipped), errors) or []
+                res["kernel_check"]["target"] = section("kernel_check/target", lambda: kernel_check(
+                    target, plan, "vLLM paged cache"))
+            res["curves"]["target"] = section("curves/target", lambda: forward_curve(
+                target, plan, True, graphs, errors, "target", budget, skipped)) or []
             del target  # the rounds and the kernel get its memory
             gc.collect()
             checkpoint()
+    # graph-fixed: the graph round without its conditional nodes, to time what they cost;
+    # graph+fused: through the fused layer kernels, to choose OuroborosConfig.draft_fused_ops.
+    modes = (["graph"] if graphs else []) + (["graph+fused"] if graphs and "fused" not in args.skip else []) + (
+        ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + ["host", "device"]
+    if graphs and "fused" in args.skip:
+        skipped["rounds/graph+fused"] = "skipped: --skip fused"
+    cases = [] if "rounds" in args.skip else plan.round_cases(modes)
     if "rounds" in args.skip:
         skipped["rounds"] = "skipped: --skip rounds"
-    else:
-        # graph-fixed: the graph round without its conditional nodes, to time what they cost;
-        # graph+fused: through the fused layer kernels, to choose OuroborosConfig.draft_fused_ops.
-        modes = (["graph"] if graphs else []) + (["graph+fused"] if graphs and "fused" not in args.skip else []) + (
-            ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + ["host", "device"]
-        if graphs and "fused" in args.skip:
-            skipped["rounds/graph+fused"] = "skipped: --skip fused"
-        run_section("rounds", lambda: round_section(draft, plan, modes, errors, budget, skipped, res["rounds"]),
-                    errors)
-        checkpoint()
+    first = [c for c in cases if c[:2] in plan.target_groups()]
+
+    def rounds(part: list) -> None:
+        if part:
+            section("rounds", lambda: round_section(draft, plan, part, errors, budget, skipped, res["rounds"]))
+            checkpoint()
+
+    rounds(first)
     if "target" in args.skip:
         skipped["target_step"] = "skipped: --skip target"
     else:
-        res["target_step"] = run_section("target_step", lambda: target_step_section(
-            plan, device, dtype, budget, skipped), errors)
+        res["target_step"] = section("target_step", lambda: target_step_section(plan, device, dtype, budget, skipped))
         checkpoint()
-    vocab = draft.vocab_size
-    del draft
-    gc.collect()
     reason = "skipped: --skip kernel" if "kernel" in args.skip else kernel_skip_reason(device)
     if reason:
         skipped["kernel"] = reason
@@ -1089,14 +1109,18 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     elif budget.spent():
         skipped["kernel"] = budget.reason()
     else:
-        res["kernel"] = run_section("kernel", lambda: kernel_section(args, device, budget, skipped), errors)
+        res["kernel"] = section("kernel", lambda: kernel_section(args, device, budget, skipped))
         checkpoint()
+    rounds([c for c in cases if c not in first])
+    vocab = draft.vocab_size
+    del draft
+    gc.collect()
     if "inserts" in args.skip:
         skipped["inserts"] = "skipped: --skip inserts"
     elif budget.spent():
         skipped["inserts"] = budget.reason()
     else:
-        res["inserts"] = run_section("inserts", lambda: insert_section(vocab, plan, device, graphs), errors)
+        res["inserts"] = section("inserts", lambda: insert_section(vocab, plan, device, graphs))
 
 
 def print_summary(res: dict) -> None:

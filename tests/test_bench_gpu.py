@@ -39,6 +39,9 @@ def test_tiny_run_exits_0_and_writes_both_files(tiny_run):
     assert result["errors"] == {}
     assert result["tiny"] and result["torch"] == torch.__version__ and "--tiny" in result["command"]
     assert md.exists() and "## Acceptance" in md.read_text()
+    # Seconds per section, to plan a lent GPU's minutes.
+    assert {"curves/draft", "curves/target", "rounds", "target_step", "inserts"} <= set(result["section_s"])
+    assert all(t > 0 for t in result["section_s"].values())
 
 
 def test_curves_have_every_point(tiny_run):
@@ -220,6 +223,9 @@ def test_round_cases_put_the_targets_first():
     assert first[("phrases W=G=4", 1, "graph")] < first[("decode-only", 32, "graph")] < first[
         ("phrases W=G=15", 1, "graph")] < first[("decode-only", 8, "graph")]
     assert len(cases) == len(set(cases)) == len(bench_gpu.ROUND_SETTINGS) * (3 * 4 + 1)
+    groups = list(dict.fromkeys(c[:2] for c in cases))  # (setting, requests) in order of first case
+    assert groups[:4] == plan.target_groups() == [("decode-only", 1), ("phrases W=G=4", 1),
+                                                  ("decode-only", 32), ("phrases W=G=4", 32)]
     assert all(b == 1 for s, b, m in cases if m == "graph-fixed")
 
 

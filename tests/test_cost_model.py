@@ -1,10 +1,13 @@
 """The cost rules that pick phrase drafting and back off speculation under load."""
 
+import contextlib
+import logging
+
 import numpy as np
 import pytest
 import torch
 
-from vllm_ouroboros import cost_model
+from vllm_ouroboros import LOGGER_NAME, cost_model
 from vllm_ouroboros.cost_model import CostCurve
 from vllm_ouroboros.draft.model import DraftModel
 
@@ -273,3 +276,71 @@ def test_drafting_mode_priors_are_the_measured_rows():
             m.use_lookahead, m.use_guesses)
         assert m.tokens_per_target_forward == pytest.approx(r["tokens_per_target_forward"], abs=0.006)
         assert m.draft_forwards_per_token == pytest.approx(r["draft_forwards_per_token"], abs=0.006)
+
+
+# ---- call_timer: what the curves time, replayed from a CUDA graph where asked ------------------
+
+class _TimerCuda:
+    """torch.cuda for call_timer on any machine (test_cuda_graph.FakeCuda plus synchronize and a
+    graph that replays what was captured); capture_fails: the capture raises."""
+
+    def __new__(cls, log, capture_fails=False):
+        from test_cuda_graph import FakeCuda
+
+        fake = FakeCuda(log)
+        captured = []
+
+        class CUDAGraph:
+            def replay(self):
+                log.append("replay")
+                for fn in captured:
+                    fn()
+
+        base_graph = fake.graph
+
+        @contextlib.contextmanager
+        def graph(g, pool=None):
+            with base_graph(g, pool):
+                if capture_fails:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                yield
+
+        fake.CUDAGraph, fake.graph = CUDAGraph, graph
+        fake.synchronize = lambda device=None: log.append("sync")
+        fake.captured = captured
+        return fake
+
+
+def test_call_timer_runs_eagerly_off_cuda():
+    calls = []
+    run = cost_model.call_timer(lambda: calls.append(1), "cpu", graphs=True)
+    assert run() >= 0 and run() >= 0 and calls == [1, 1]
+
+
+def test_call_timer_replays_a_graph_on_cuda(monkeypatch):
+    log, calls = [], []
+    fake = _TimerCuda(log)
+    monkeypatch.setattr(torch, "cuda", fake)
+
+    def fn():
+        calls.append(1)
+        if log and log[-1] == "capture (pool None)":
+            fake.captured.append(lambda: calls.append("replayed"))
+
+    run = cost_model.call_timer(fn, "cuda:0", graphs=True)
+    assert calls == [1, 1]  # the warm-up and the capture
+    log.clear()
+    run()
+    assert log == ["sync", "replay", "sync"] and calls[-1] == "replayed"
+
+
+def test_call_timer_falls_back_to_eager_when_the_capture_fails(monkeypatch, caplog):
+    log, calls = [], []
+    monkeypatch.setattr(torch, "cuda", _TimerCuda(log, capture_fails=True))
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        run = cost_model.call_timer(lambda: calls.append(1), "cuda:0", graphs=True, what="the LM head")
+    assert "capturing the LM head in a CUDA graph failed" in caplog.text and "timed eagerly" in caplog.text
+    n = len(calls)
+    log.clear()
+    run()
+    assert len(calls) == n + 1 and log == ["sync", "sync"]

@@ -40,6 +40,7 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
+
+logger = logging.getLogger(LOGGER_NAME)
 
 FLAT = 1.25
 # Suffixes whose tokens add at most this factor to the step go whatever their measured gain:
@@ -113,6 +117,36 @@ def measure_curve(timer_at: Callable[[int], Callable[[], float]], max_tokens: in
     return CostCurve(tuple(points), tuple(times))
 
 
+def call_timer(fn: Callable[[], object], device: torch.device | str, graphs: bool = False,
+               what: str = "a timed call") -> Callable[[], float]:
+    """A callable that runs fn once and returns its seconds, the device synchronised before and
+    after (a call's latency, not a queue's throughput).
+
+    graphs (CUDA only): fn is captured once in a CUDA graph and replayed, as the engine runs
+    what fn stands for (vLLM its target forward, the graph round the draft's): timed eagerly,
+    a GPU forward of these sizes costs what its kernel launches cost. A capture that fails
+    leaves fn eager, logged with `what`."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    step = fn
+    if graphs and cuda:
+        try:
+            step = capture_graph(lambda _: fn(), device).replay
+        except Exception as e:  # noqa: BLE001 - an eager timing is still a timing
+            sync()
+            logger.warning("ouroboros: capturing %s in a CUDA graph failed (%s: %s); it is timed eagerly",
+                           what, type(e).__name__, e)
+
+    def run() -> float:
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - t0
+    return run
+
+
 def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = False) -> CostCurve:
     """The draft model's t(n) (measure_curve): a forward over n new tokens in one row, empty
     prefix, slot 0 of its KV cache (given pages for them; what was written there is
@@ -121,8 +155,6 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = Fa
     graphs: time the forward replayed from a CUDA graph, as the graph drafting round runs it
     (draft/device_round.py); eager GPU forwards cost what their kernel launches cost, ~10x a
     replay at these sizes, and would make the back-off refuse drafts that pay."""
-    cuda = model.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     slots = torch.zeros(1, dtype=torch.long, device=model.device)
     zero = torch.zeros(1, dtype=torch.long, device=model.device)
 
@@ -135,17 +167,7 @@ def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = Fa
         def forward():
             model.greedy_tokens(model.forward(ids, pos, slots, zero, mask, max_cache_len=0))
 
-        step = forward
-        if graphs and cuda:
-            step = capture_graph(lambda _: forward(), model.device).replay
-
-        def run() -> float:
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            return time.perf_counter() - t0
-        return run
+        return call_timer(forward, model.device, graphs, f"the draft's forward of {n} tokens")
 
     return measure_curve(timer_at, max_tokens, reps)
 

@@ -2,7 +2,8 @@
 stream first (cuBLAS handles, Triton compilation, the caching allocator's first blocks happen
 outside the capture, as torch's capture rules require), then the capture, into a shared memory
 pool where one is given. Used by the drafting round (draft/device_round.py), the pool writer
-(pool_writer.py), the draft's cost curve (cost_model.py) and scripts/bench_gpu.py. No vLLM imports.
+(pool_writer.py), the draft's and the target's cost curves (cost_model.call_timer) and
+scripts/bench_gpu.py. No vLLM imports.
 """
 
 from __future__ import annotations

@@ -5,21 +5,33 @@ A vLLM forward cannot be run outside the runner's forward context, but at these 
 its matrix products: time the linear modules of one decoder layer on n tokens, times the number
 of layers, plus the LM head over n rows. Attention over short contexts, norms and activations are
 left out (small next to the products). The LM head runs over all n rows, as in a verification
-step (not once, as in a prefill). Used by the back-off (cost_model.py).
+step (not once, as in a prefill). On a GPU without tensor parallelism both are replayed from CUDA
+graphs, as vLLM runs its target (timed eagerly they would cost their kernel launches). Used by
+the back-off and the drafting decisions (cost_model.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
-from vllm_ouroboros.cost_model import CostCurve, measure_curve
+from vllm_ouroboros.cost_model import CostCurve, call_timer, measure_curve
 
 logger = logging.getLogger(LOGGER_NAME)
+
+
+def _single_rank() -> bool:
+    """No tensor parallelism: the row-parallel products all-reduce across ranks otherwise,
+    which a CUDA graph of our own must not capture (vLLM captures its collectives itself)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size() == 1
+    except Exception:  # noqa: BLE001 - not knowing is not single
+        return False
 
 
 def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
@@ -40,7 +52,7 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
             raise ValueError("decoder layer 0 has no vLLM linear modules")
         p = next(target_model.parameters())
         dev, dtype = p.device, p.dtype if p.dtype.is_floating_point else torch.float16
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        graphs = dev.type == "cuda" and _single_rank()
         # The LM head as vLLM's LogitsProcessor runs it (its quant method: on CPU the prepacked
         # GEMM). F.linear stood in before and, on a host where it costs 2-3x per extra row,
         # made the curve 1.4x steeper than the real verification step's from 4 tokens on.
@@ -54,19 +66,18 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
             hx = (torch.randn(n, head_w.shape[1], device=dev, dtype=head_w.dtype)
                   if head_w is not None and head_w.dim() == 2 else None)
 
-            @torch.inference_mode()
-            def run() -> float:
-                sync()
-                t0 = time.perf_counter()
+            def products():
                 for m, x in zip(linears, xs):
                     m(x)
-                sync()
-                layer = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                if hx is not None:
-                    head_product(hx)
-                sync()
-                return layer * len(layers) + time.perf_counter() - t0
+
+            with torch.inference_mode():
+                layer = call_timer(products, dev, graphs, f"the target layer's products on {n} tokens")
+                head_t = (call_timer(lambda: head_product(hx), dev, graphs, f"the LM head on {n} rows")
+                          if hx is not None else (lambda: 0.0))
+
+            @torch.inference_mode()
+            def run() -> float:
+                return layer() * len(layers) + head_t()
             return run
 
         return measure_curve(timer_at, max_tokens, reps, agree)

@@ -64,10 +64,13 @@ class Regions:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 label = regions.stack[-1]
                 regions.calls[label] += 1
-                if not any(v in str(func) for v in VIEWS):
+                out = func(*args, **(kwargs or {}))
+                # A cast to the dtype a tensor has (`.long()` of a long) returns it: no kernel.
+                noop = func.__name__.startswith("to") and args and out is args[0]
+                if not noop and not any(v in str(func) for v in VIEWS):
                     regions.kernels[label] += 1
                     regions.ops[label][str(func)] += 1
-                return func(*args, **(kwargs or {}))
+                return out
 
         return Count()
 

@@ -182,3 +182,27 @@ def test_ancestor_bits_use_all_64_bits():
     for i in range(D + 1):
         word = int(bits[i]) & ((1 << 64) - 1)
         assert word == (1 << (i + 1)) - 1
+
+
+def test_tree_from_flat_equals_build_tree():
+    """vLLM's flat layout (draft, then the suffixes, packed per request) read in place gives the
+    tree build_tree lays out from the draft and the suffixes, field for field: empty drafts,
+    empty and short suffixes, one suffix, no suffix, rows of different widths."""
+    from vllm_ouroboros.tree import tree_from_flat
+
+    rng = random.Random(7)
+    for D, K, L in [(4, 3, 3), (6, 1, 4), (3, 0, 2), (1, 2, 1), (8, 3, 4)]:
+        B = 5
+        n = [rng.randint(0, D) for _ in range(B)]
+        sl = [[rng.randint(0, L) for _ in range(K)] for _ in range(B)]
+        draft = [[rng.randint(2, 99) for _ in range(D)] for _ in range(B)]
+        sfx = [[[rng.randint(2, 99) for _ in range(L)] for _ in range(K)] for _ in range(B)]
+        rows = [draft[b][:n[b]] + [t for k in range(K) for t in sfx[b][k][:sl[b][k]]] for b in range(B)]
+        F = max(max(len(r) for r in rows), 1)
+        flat = T([r + [-5] * (F - len(r)) for r in rows])  # -5: what lies past a row is never read
+        want = build_tree(T(draft).view(B, D), T(n), T(sfx).view(B, K, L), T(sl).view(B, K))
+        got = tree_from_flat(flat, T(n), T(sl).view(B, K), D=D, L=L)
+        for name in ("tokens", "parents", "depth", "num_nodes", "branch_of", "draft_len", "suffix_start",
+                     "suffix_len", "paths", "path_len", "ancestor_mask"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (D, K, L, name)
+        assert (got.D, got.K, got.L) == (want.D, want.K, want.L)

@@ -18,9 +18,11 @@ Position of node i = position of the root + depth[i]. No vLLM imports.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # Padding entries of TokenTree.branch_of (draft nodes are -1, suffix nodes their k).
 PAD_BRANCH = -2
@@ -37,7 +39,8 @@ class TokenTree:
       depth:         [B, N], 1-based distance from the root (draft i: i + 1; suffix token j:
                      n + 1 + j); the node's position offset from the root.
       num_nodes:     [B], n + sum_k suffix_len.
-      ancestor_mask: [B, N, N] bool, [b, i, j] = node j is node i or an ancestor of it (the
+      ancestor_mask: (a property, built on first use)
+                     [B, N, N] bool, [b, i, j] = node j is node i or an ancestor of it (the
                      root, in the KV cache or the query, is seen by all and not included).
                      A padding node sees only itself, so no softmax row is empty.
       branch_of:     [B, N], -1 for draft nodes, k for suffix k, PAD_BRANCH for padding.
@@ -54,7 +57,6 @@ class TokenTree:
     parents: torch.Tensor
     depth: torch.Tensor
     num_nodes: torch.Tensor
-    ancestor_mask: torch.Tensor
     branch_of: torch.Tensor
     draft_len: torch.Tensor
     suffix_start: torch.Tensor
@@ -73,11 +75,25 @@ class TokenTree:
     def N(self) -> int:
         return self.tokens.shape[1]
 
-    @property
+    @functools.cached_property
     def valid(self) -> torch.Tensor:
-        """[B, N] bool, real nodes."""
+        """[B, N] bool, real nodes (computed once: the walk and the feedback read it often)."""
         col = torch.arange(self.N, device=self.tokens.device)
         return col[None, :] < self.num_nodes[:, None]
+
+    @functools.cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """[B, N, N] bool (see the class docstring). Built on first use: the target's step reads
+        the attention pattern from step_plan's bits and the walk needs no mask, so a step that
+        builds its trees does not pay for it."""
+        col = torch.arange(self.N, device=self.tokens.device)
+        valid = self.valid
+        # j attends i iff j is a draft node at or before i, or in i's own suffix at or before
+        # i: suffixes are contiguous and come after the whole draft, so index order is tree order.
+        ci, cj = col[None, :, None], col[None, None, :]
+        bi, bj = self.branch_of[:, :, None], self.branch_of[:, None, :]
+        mask = valid[:, :, None] & valid[:, None, :] & (cj <= ci) & ((bj == -1) | (bj == bi))
+        return mask | ((ci == cj) & ~valid[:, :, None])
 
     def positions(self, root_pos: torch.Tensor) -> torch.Tensor:
         """Absolute positions. Shape: root_pos [B] -> [B, N] (padding sits at root_pos)."""
@@ -98,56 +114,15 @@ def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Ten
     B, D = draft.shape
     K, L = suffixes.shape[1], suffixes.shape[2]
     assert suffixes.shape[0] == B and suffix_len.shape == (B, K) and draft_len.shape == (B,)
-    dev = draft.device
-    N = D + K * L
-    n = draft_len.long().clamp(0, D)
-    slen = suffix_len.long().clamp(0, L)
-    # One dummy empty suffix when K == 0 and one dummy column when D or L is 0 keep the
-    # gathers below shape-valid; they are never selected.
-    if K == 0:
-        sfx, sl = suffixes.new_zeros(B, 1, max(L, 1)), slen.new_zeros(B, 1)
-    else:
-        sfx, sl = (suffixes if L else suffixes.new_zeros(B, K, 1)), slen
+    lay = _Layout(draft_len, suffix_len, D, L)
+    # One dummy column when D or L is 0 and a dummy empty suffix when K == 0 keep the gathers
+    # shape-valid; they are never selected.
+    sfx = suffixes if K and L else suffixes.new_zeros(B, max(K, 1), max(L, 1))
     drf = draft if D else draft.new_zeros(B, 1)
-
-    sstart = n[:, None] + sl.cumsum(1) - sl  # [B, K']
-    send = sstart + sl
-    num_nodes = n + sl.sum(1)
-    col = torch.arange(N, device=dev)[None, :].expand(B, N)
-    is_draft = col < n[:, None]
-    valid = col < num_nodes[:, None]
-    is_suf = valid & ~is_draft
-    # Suffix of node i: how many suffixes end at or before i (empty ones end where they start,
-    # so they are skipped); j is its offset inside that suffix.
-    k = (col[:, :, None] >= send[:, None, :]).sum(-1).clamp(max=sl.shape[1] - 1)
-    j = (col - sstart.gather(1, k)).clamp(0, sfx.shape[2] - 1)
-    suf_tok = sfx[torch.arange(B, device=dev)[:, None], k, j]
-    drf_tok = drf.gather(1, col.clamp(max=drf.shape[1] - 1))
-
-    zero = torch.zeros_like(col)
-    tokens = torch.where(is_draft, drf_tok, torch.where(is_suf, suf_tok, zero)).long()
-    branch_of = torch.where(is_draft, -1, torch.where(is_suf, k, PAD_BRANCH))
-    depth = torch.where(is_draft, col + 1, torch.where(is_suf, n[:, None] + 1 + j, zero))
-    # A suffix head hangs off the last draft node (n - 1, which is -1 = root when n == 0).
-    parents = torch.where(is_draft, col - 1,
-                          torch.where(is_suf, torch.where(j == 0, n[:, None] - 1, col - 1), -1))
-
-    # j attends i iff j is a draft node at or before i, or in i's own suffix at or before i:
-    # suffixes are contiguous and come after the whole draft, so index order is tree order.
-    ci, cj = col[:, :, None], col[:, None, :]
-    bi, bj = branch_of[:, :, None], branch_of[:, None, :]
-    mask = valid[:, :, None] & valid[:, None, :] & (cj <= ci) & ((bj == -1) | (bj == bi))
-    eye = torch.eye(N, dtype=torch.bool, device=dev)[None]
-    mask = mask | (eye & ~valid[:, :, None])
-
-    t = torch.arange(D + L, device=dev)[None, None, :]
-    nn = n[:, None, None]
-    paths = torch.where(t < nn, t, torch.where(t < nn + slen[:, :, None],
-                                               sstart[:, :K, None] + t - nn, -1))
-    return TokenTree(tokens=tokens, parents=parents, depth=depth, num_nodes=num_nodes,
-                     ancestor_mask=mask, branch_of=branch_of, draft_len=n,
-                     suffix_start=sstart[:, :K], suffix_len=slen, paths=paths,
-                     path_len=n[:, None] + slen, D=D, K=K, L=L)
+    suf_tok = sfx[torch.arange(B, device=draft.device)[:, None], lay.k, lay.j.clamp(max=sfx.shape[2] - 1)]
+    drf_tok = drf.gather(1, lay.col.clamp(max=drf.shape[1] - 1))
+    tokens = torch.where(lay.is_draft, drf_tok, torch.where(lay.is_suf, suf_tok, 0)).long()
+    return lay.tree(tokens)
 
 
 def tree_from_flat(flat: torch.Tensor, draft_len: torch.Tensor, suffix_len: torch.Tensor,
@@ -156,21 +131,55 @@ def tree_from_flat(flat: torch.Tensor, draft_len: torch.Tensor, suffix_len: torc
 
     Shape: flat [B, F] int64 (request b's draft_len[b] + sum_k suffix_len[b, k] first are
     real), draft_len [B], suffix_len [B, K]; D >= max(draft_len) and L >= max(suffix_len) are
-    the padded widths. Node i of the result is flat token i (see build_tree's numbering).
+    the padded widths. Node i of the result is flat token i (build_tree numbers the nodes in the
+    flat layout's order), so the tokens are read in place, not gathered.
     """
-    B, F = flat.shape
-    K = suffix_len.shape[1]
-    dev = flat.device
-    n = draft_len.long()
-    sl = suffix_len.long()
-    col = torch.arange(max(D, 1), device=dev)[None, :]
-    draft = flat.gather(1, col.expand(B, -1).clamp(max=max(F - 1, 0))) if F else flat.new_zeros(B, max(D, 1))
-    draft = draft[:, :D]
-    start = n[:, None] + sl.cumsum(1) - sl  # [B, K]
-    j = torch.arange(L, device=dev)[None, None, :]
-    idx = (start[:, :, None] + j).clamp(max=max(F - 1, 0)).view(B, -1)
-    suffixes = flat.gather(1, idx).view(B, K, L) if F else flat.new_zeros(B, K, L)
-    return build_tree(draft, n, suffixes, sl)
+    lay = _Layout(draft_len, suffix_len, D, L)
+    N = lay.col.shape[1]
+    rows = flat[:, :N] if flat.shape[1] >= N else F.pad(flat, (0, N - flat.shape[1]))
+    return lay.tree(torch.where(lay.valid, rows, 0).long())
+
+
+class _Layout:
+    """Everything of the trees but their tokens (build_tree's numbering): per node its suffix k,
+    offset j, kind, parent, depth; per suffix its start; per path its nodes."""
+
+    def __init__(self, draft_len: torch.Tensor, suffix_len: torch.Tensor, D: int, L: int):
+        B, K = suffix_len.shape
+        dev = suffix_len.device
+        N = D + K * L
+        self.D, self.K, self.L = D, K, L
+        self.n = n = draft_len.long().clamp(0, D)
+        self.slen = slen = suffix_len.long().clamp(0, L)
+        sl = slen if K else slen.new_zeros(B, 1)  # a dummy empty suffix when K == 0
+        self.sstart = sstart = n[:, None] + sl.cumsum(1) - sl  # [B, K']
+        send = sstart + sl
+        self.num_nodes = n + sl.sum(1)
+        self.col = col = torch.arange(N, device=dev)[None, :].expand(B, N)
+        self.is_draft = is_draft = col < n[:, None]
+        self.valid = valid = col < self.num_nodes[:, None]
+        self.is_suf = is_suf = valid & ~is_draft
+        # Suffix of node i: how many suffixes end at or before i (empty ones end where they
+        # start, so they are skipped); j is its offset inside that suffix.
+        self.k = k = (col[:, :, None] >= send[:, None, :]).sum(-1).clamp(max=sl.shape[1] - 1)
+        self.j = j = (col - sstart.gather(1, k)).clamp(0, max(L - 1, 0))
+        self.branch_of = torch.where(is_draft, -1, torch.where(is_suf, k, PAD_BRANCH))
+        self.depth = torch.where(is_draft, col + 1, torch.where(is_suf, n[:, None] + 1 + j, 0))
+        # A suffix head hangs off the last draft node (n - 1, which is -1 = root when n == 0).
+        self.parents = torch.where(is_draft, col - 1,
+                                   torch.where(is_suf, torch.where(j == 0, n[:, None] - 1, col - 1), -1))
+        t = torch.arange(D + L, device=dev)[None, None, :]
+        nn = n[:, None, None]
+        self.paths = torch.where(t < nn, t, torch.where(t < nn + slen[:, :, None],
+                                                        sstart[:, :K, None] + t - nn, -1))
+
+    def tree(self, tokens: torch.Tensor) -> TokenTree:
+        tree = TokenTree(tokens=tokens, parents=self.parents, depth=self.depth, num_nodes=self.num_nodes,
+                         branch_of=self.branch_of, draft_len=self.n, suffix_start=self.sstart[:, :self.K],
+                         suffix_len=self.slen, paths=self.paths, path_len=self.n[:, None] + self.slen,
+                         D=self.D, K=self.K, L=self.L)
+        tree.__dict__["valid"] = self.valid  # the cached property, already computed here
+        return tree
 
 
 @dataclass

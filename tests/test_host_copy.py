@@ -74,3 +74,23 @@ def test_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert np.array_equal(dst.cpu().numpy(), a)
+
+
+def test_packed_copy_one_buffer_per_dtype():
+    """What to_device does on CUDA, with an unpinned buffer on the CPU: the arrays of one dtype
+    share one copied buffer as disjoint views in the order given, shapes and values kept."""
+    from vllm_ouroboros.host_copy import packed_copy
+
+    arrays = _arrays()
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    out = packed_copy(tensors, "cpu", pin=False)
+    for a, t in zip(arrays, out):
+        assert t.shape == a.shape and t.is_contiguous() and np.array_equal(t.numpy(), a)
+    by_dtype = {}
+    for t in out:
+        by_dtype.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
+    assert all(len(ptrs) == 1 for ptrs in by_dtype.values())  # one buffer per dtype
+    assert by_dtype.keys() == {torch.int64, torch.int32, torch.bool}
+    arrays[0][:] = 0  # a copy, not the arrays' memory
+    out[0].fill_(-1)  # views do not overlap
+    assert np.array_equal(out[1].numpy(), _arrays()[1])

@@ -451,7 +451,7 @@ class OuroborosProposer:
                 # refinement returns rows in (b, k) order; find each one's k for the old phrase.
                 idx = np.nonzero((s_len == L) & (np.repeat(n, K) + L <= flat_len))[0]
                 old = self._last_suffix[owners[idx], idx % K]
-                keys, old, new, own = self._to_device(refn.keys, old, refn.tokens, refn.owners)
+                keys, old, new, own = to_device(self.device, refn.keys, old, refn.tokens, refn.owners)
                 self.pool.replace(keys, old, new, own)
         # What the tree added over chain verification in this very step (against the argmax, so
         # exact for greedy requests).
@@ -473,9 +473,6 @@ class OuroborosProposer:
         if len(ph):
             self._writer.insert(ph.keys, ph.tokens, ph.owners)
         self._ctx_seen[slots] = lens
-
-    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        return to_device(self.device, *arrays)
 
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,

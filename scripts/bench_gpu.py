@@ -467,7 +467,7 @@ def target_step_fn(B: int, n: int, K: int, L: int, vocab: int, layers: int, kv_h
                    head_dim: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
     """One step of what our patches add to the target's step around its forward (eagerly, as
     vLLM runs them): plan the step and lay out the trees (target_step.plan_target_step), the
-    greedy walk over the logits (verify.py), and the move of an accepted suffix k >= 1's KV in
+    argmax over the logits read back and walked greedily on the host (verify.py), and the move of an accepted suffix k >= 1's KV in
     every layer (kv_relocate.py). B requests of a draft of n tokens and K suffixes of L; the
     logits make every request accept its draft and its last suffix whole (with K >= 2 that
     suffix's KV moves, as when a later suffix wins)."""
@@ -488,8 +488,8 @@ def target_step_fn(B: int, n: int, K: int, L: int, vocab: int, layers: int, kv_h
     want[:, n] = tokens[:, last]  # after the last draft node: suffix K-1's first token
     want[:, 1 + last:last + L] = tokens[:, last + 1:last + L]
     logits = torch.randn(int(rows.sum()), vocab, dtype=dtype, device=device)
-    r, t, draft_ids, cu = to_device(device, (qs[:-1, None] + np.arange(n + K * L + 1)[None, :]).ravel(),
-                                    want.ravel(), tokens.ravel(), np.cumsum(rows))
+    r, t, draft_ids = to_device(device, (qs[:-1, None] + np.arange(n + K * L + 1)[None, :]).ravel(),
+                                want.ravel(), tokens.ravel())
     logits[r, t] = 30.0
     n_arr, sl = np.full(B, n, np.int64), np.full((B, K), L, np.int64)
     computed = np.full(B, 300, np.int64)
@@ -499,14 +499,14 @@ def target_step_fn(B: int, n: int, K: int, L: int, vocab: int, layers: int, kv_h
     slot_mapping = torch.arange(int(rows.sum()), device=device) + 16
 
     def run():
-        step = plan_target_step(c, n_arr, sl, qs, computed, draft_ids, cu, L)
+        step = plan_target_step(c, n_arr, sl, qs, computed, draft_ids, L)
         v = verify(step.tree, logits, step.row_start)
         src, dst = relocation_slots(v.result, step.root_rows, slot_mapping)
         move_kv(caches, src, dst)
         return v, src
 
     v, src = run()
-    accepted = v.result.num_accepted.cpu()
+    accepted = v.result.num_accepted
     assert (accepted == n + L).all(), f"the walk accepted {accepted.tolist()}, not the planted path"
     assert (src.numel() > 0) == (K >= 2)
     return run

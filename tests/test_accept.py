@@ -14,7 +14,7 @@ import torch
 
 from conftest import DEVICE
 
-from vllm_ouroboros.accept import accept_greedy, accept_sampled, select, walk_steps
+from vllm_ouroboros.accept import accept_greedy, accept_sampled, walk_steps
 from vllm_ouroboros.tree import build_tree
 
 T = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
@@ -191,7 +191,7 @@ def test_sampled_with_one_hot_target_equals_greedy():
         g = accept_greedy(tree, tn)
         s = accept_sampled(tree, probs, gen(seed))
         for f in ("accepted_nodes", "emitted", "num_emitted", "kv_keep_src", "suffix_index"):
-            assert torch.equal(getattr(g, f), getattr(s, f)), f
+            assert np.array_equal(getattr(g, f), getattr(s, f)), f
 
 
 def test_sampled_duplicate_head_continues_on_the_later_suffix():
@@ -237,7 +237,7 @@ def test_edge_shapes_no_suffixes_and_empty_tree():
     g = accept_greedy(tree, tn)
     assert emitted(g, 0) == [4, 5, 6, 9] and emitted(g, 1) == [4, 1]
     s = accept_sampled(tree, torch.nn.functional.one_hot(tn, 10).float(), gen(0))
-    assert torch.equal(s.emitted, g.emitted) and torch.equal(s.kv_keep_src, g.kv_keep_src)
+    assert np.array_equal(s.emitted, g.emitted) and np.array_equal(s.kv_keep_src, g.kv_keep_src)
     # N = 0 (no draft, no suffix): just the target's token after the root.
     tree = build_tree(empty(1, 0), T([0]), empty(1, 0, 2), empty(1, 0))
     assert emitted(accept_greedy(tree, T([[7]]))) == [7]
@@ -245,13 +245,26 @@ def test_edge_shapes_no_suffixes_and_empty_tree():
     assert emitted(s) == [7]
 
 
-def test_select_mixes_rows():
-    tree = build_tree(T([[5, 6, 7]] * 2), T([3, 3]), T([[[1, 2], [3, 4], [8, 9]]] * 2),
-                      T([[2, 2, 2]] * 2))
-    a = accept_greedy(tree, T([[5, 6, 7, 8, 0, 0, 0, 0, 9, 77]] * 2))
-    b = accept_greedy(tree, T([[9] * 10] * 2))
-    m = select(T([1, 0]).bool(), a, b)
-    assert emitted(m, 0) == [5, 6, 7, 8, 9, 77] and emitted(m, 1) == [9]
+def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
+    """A batch mixing greedy and sampled requests takes one (sampled) walk, the greedy rows on
+    the one-hot of the raw argmax: they come out as the greedy walk's, whatever the processed
+    logits and the uniforms say (tempting: walking them on their processed distribution)."""
+    from vllm_ouroboros.verify import verify
+
+    tree = build_tree(T([[5, 6, 7]] * 4), T([3] * 4), T([[[1, 2], [3, 4], [8, 9]]] * 4), T([[2] * 3] * 4))
+    paths = [[5, 6, 7, 8, 0, 0, 0, 0, 9, 77], [9] * 10, [5, 6, 7, 3, 0, 0, 4, 11, 0, 0], [5, 42] + [0] * 8]
+    V = 80
+    logits = torch.nn.functional.one_hot(T(paths), V).float().view(-1, V) * 5
+    processed = torch.randn(40, V, generator=gen(1), device=DEVICE)  # what sampling would see
+    greedy = T([1, 0, 1, 1]).bool()
+    got = verify(tree, logits, np.arange(4) * 10, greedy, processed, generator=gen(2))
+    want = accept_greedy(tree, T(paths))
+    for b in (0, 2, 3):
+        assert emitted(got.result, b) == emitted(want, b)
+    assert emitted(got.result, 0) == [5, 6, 7, 8, 9, 77] and emitted(got.result, 2) == [5, 6, 7, 3, 4, 11]
+    assert np.array_equal(got.target_next, np.array(paths)) and got.token_ids.dtype == np.int32
+    # Row 1 was sampled from its processed distribution: a real token, not the greedy 9 forced.
+    assert all(0 <= t < V for t in emitted(got.result, 1))
 
 
 # ---- lossless sampling: chi-square against the exact target ----------------------------------
@@ -421,7 +434,7 @@ def test_sampling_is_lossless_chi_square():
     pa, pb = make_target(BOOST_A, 1), make_target(BOOST_B, 2)
     configs = [(TREE_A, pa), (TREE_B, pb)]
     res, which = run_production(configs, seed=1234)
-    seqs, lens = res.emitted.cpu().numpy(), res.num_emitted.cpu().numpy()
+    seqs, lens = res.emitted, res.num_emitted
     for ci, (cfg, p_of) in enumerate(configs):
         rows = which == ci
         assert not ends_at_tree_context(seqs[rows], lens[rows], tree_contexts(**cfg)).any()
@@ -436,7 +449,7 @@ def test_sampled_accepted_tokens_lie_on_reported_nodes():
     pa, pb = make_target(BOOST_A, 1), make_target(BOOST_B, 2)
     res, which = run_production([(TREE_A, pa), (TREE_B, pb)], seed=7)
     tree_tokens = {0: one_tree(**TREE_A), 1: one_tree(**TREE_B, D=2, L=3)}
-    src, na = res.kv_keep_src.cpu().numpy(), res.num_accepted.cpu().numpy()
+    src, na = res.kv_keep_src, res.num_accepted
     for b in range(0, len(which), 2501):
         t = tree_tokens[int(which[b])]
         nodes = src[b, :na[b]].tolist()
@@ -450,7 +463,7 @@ def test_uniforms_argument_reproduces_generator_draws():
     u = torch.rand(1, walk_steps(tree), tree.K + 1, generator=gen(3), device=DEVICE)
     a = accept_sampled(tree, probs, gen(3))
     b = accept_sampled(tree, probs, uniforms=u)
-    assert torch.equal(a.emitted, b.emitted)
+    assert np.array_equal(a.emitted, b.emitted)
 
 
 # ---- negative controls: the same check must reject wrong samplers ----------------------------

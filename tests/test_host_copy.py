@@ -1,4 +1,5 @@
-"""host_copy: host arrays onto the device in stream order, without the host waiting for the GPU."""
+"""host_copy: host arrays onto the device in stream order, without the host waiting for the GPU;
+and back, many small tensors in one copy."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ouroboros.host_copy import copy_into, to_device
+from vllm_ouroboros.host_copy import copy_into, to_device, to_host
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="pinned staging and stream-ordered copies need a CUDA device")
@@ -94,3 +95,35 @@ def test_packed_copy_one_buffer_per_dtype():
     arrays[0][:] = 0  # a copy, not the arrays' memory
     out[0].fill_(-1)  # views do not overlap
     assert np.array_equal(out[1].numpy(), _arrays()[1])
+
+
+def test_to_host_round_trip(device):
+    """Values, shapes and dtypes come back as they went, whatever their mix (non-contiguous,
+    empty, bool, several dtypes)."""
+    arrays = _arrays()
+    tensors = to_device(device, *arrays)
+    tensors[1] = tensors[0][:, ::2]  # a strided view of a device tensor
+    back = to_host(*tensors)
+    for a, h in zip(arrays, back):
+        assert isinstance(h, np.ndarray) and h.shape == a.shape and h.dtype == np.ascontiguousarray(a).dtype
+        assert np.array_equal(h, a)
+
+
+@needs_cuda
+def test_to_host_syncs_once():
+    """Several small results, one read-back: under torch's sync debug mode ("warn") the count of
+    synchronisations is one (tempting: a .cpu() per tensor, one wait each)."""
+    import warnings
+
+    ts = [torch.arange(5, device="cuda") * i for i in range(6)] + [torch.ones(3, device="cuda", dtype=torch.bool)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            back = to_host(*ts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert 1 <= len(syncs) <= 2  # one copy per dtype (int64, bool), not one per tensor (7)
+    assert all(np.array_equal(b, t.cpu().numpy()) for b, t in zip(back, ts))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 
 from vllm_ouroboros.accept import accept_greedy
@@ -27,7 +28,7 @@ def test_accepted_suffix_is_moved_behind_the_draft(device):
     assert res.num_accepted.tolist() == [4, 4] and res.suffix_index.tolist() == [2, 0]
 
     bs, H, D = 4, 2, 3
-    root_rows = T([0, 9])  # request 1's rows start at 9
+    root_rows = np.array([0, 9])  # request 1's rows start at 9
     slot_mapping = torch.arange(20, device=device) + 3  # row r -> slot r + 3 (crosses blocks)
     k = torch.randn(8, bs, H, D, device=device)
     v = torch.randn(8, bs, H, D, device=device)
@@ -56,7 +57,7 @@ def test_overlapping_moves_read_before_write(device):
     tn[0, 1 + 2], tn[0, 1 + 3], tn[0, 1 + 4] = 11, 12, 13
     res = accept_greedy(tree, tn)
     assert res.num_accepted.tolist() == [4] and res.suffix_index.tolist() == [1]
-    src, dst = relocation_slots(res, T([0]), torch.arange(16, device=device))
+    src, dst = relocation_slots(res, np.array([0]), torch.arange(16, device=device))
     assert src.tolist() == [3, 4, 5] and dst.tolist() == [2, 3, 4]
     k = torch.arange(16., device=device).view(4, 4, 1, 1).clone()
     v = k.clone() + 100

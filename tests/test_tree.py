@@ -6,6 +6,7 @@ the offset from the root's position, the same for token j of every suffix.
 
 import random
 
+import numpy as np
 import torch
 
 from conftest import DEVICE
@@ -185,8 +186,8 @@ def test_ancestor_bits_use_all_64_bits():
 
 
 def test_tree_from_flat_equals_build_tree():
-    """vLLM's flat layout (draft, then the suffixes, packed per request) read in place gives the
-    tree build_tree lays out from the draft and the suffixes, field for field: empty drafts,
+    """vLLM's flat layout (per request the draft, then the suffixes; requests back to back) gives
+    the tree build_tree lays out from the draft and the suffixes, field for field: empty drafts,
     empty and short suffixes, one suffix, no suffix, rows of different widths."""
     from vllm_ouroboros.tree import tree_from_flat
 
@@ -198,10 +199,9 @@ def test_tree_from_flat_equals_build_tree():
         draft = [[rng.randint(2, 99) for _ in range(D)] for _ in range(B)]
         sfx = [[[rng.randint(2, 99) for _ in range(L)] for _ in range(K)] for _ in range(B)]
         rows = [draft[b][:n[b]] + [t for k in range(K) for t in sfx[b][k][:sl[b][k]]] for b in range(B)]
-        F = max(max(len(r) for r in rows), 1)
-        flat = T([r + [-5] * (F - len(r)) for r in rows])  # -5: what lies past a row is never read
+        flat = T([t for r in rows for t in r] + [-5])  # -5: what lies past the drafts is never read
         want = build_tree(T(draft).view(B, D), T(n), T(sfx).view(B, K, L), T(sl).view(B, K))
-        got = tree_from_flat(flat, T(n), T(sl).view(B, K), D=D, L=L)
+        got = tree_from_flat(flat, np.array(n), np.array(sl).reshape(B, K), D=D, L=L)
         for name in ("tokens", "parents", "depth", "num_nodes", "branch_of", "draft_len", "suffix_start",
                      "suffix_len", "paths", "path_len", "ancestor_mask"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (D, K, L, name)

@@ -20,23 +20,32 @@ in the query (tree.flatten(..., root_tokens=...)) these are simply the query row
   children are their next tokens, so a duplicate suffix head does not cut a longer suffix off.
 
 The accepted path is reported on one branch (the lowest k among those that match it): its nodes
-are what the KV relocation moves into the first slots behind the root. No vLLM imports.
+are what the KV relocation moves into the first slots behind the root.
+
+Where each walk runs: the greedy walk reads only the target's argmax at each node, a few
+integers per node, so it runs on the host in numpy after one small read-back (verify.py), where
+on a GPU it would be some fifty kernel launches of a few elements each; the sampled walk reads
+whole distributions and runs on the device, and only its four per-request results come back.
+Both results are host arrays: the KV move, vLLM's sampled tokens and the pool feedback all read
+them there. No vLLM imports.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .tree import TokenTree
+from .host_copy import to_host
+from .tree import TokenTree, TreeLayout
 
 
 @dataclass
 class AcceptResult:
-    """Outcome of one verification per request (N = tree.N, -1 pads every int tensor).
+    """Outcome of one verification per request (N = tree.N, -1 pads every int array).
 
-    Fields (int64):
+    Fields (int64 numpy arrays, on the host):
       accepted_nodes:  [B, N], tree nodes on the accepted path, root's child first.
       num_accepted:    [B], accepted draft + suffix tokens.
       emitted:         [B, N + 1], the accepted tokens, then the correction / bonus token.
@@ -51,76 +60,72 @@ class AcceptResult:
       suffix_accepted: [B], accepted suffix tokens.
     """
 
-    accepted_nodes: torch.Tensor
-    num_accepted: torch.Tensor
-    emitted: torch.Tensor
-    num_emitted: torch.Tensor
-    kv_keep_src: torch.Tensor
-    draft_accepted: torch.Tensor
-    suffix_index: torch.Tensor
-    suffix_accepted: torch.Tensor
+    accepted_nodes: np.ndarray
+    num_accepted: np.ndarray
+    emitted: np.ndarray
+    num_emitted: np.ndarray
+    kv_keep_src: np.ndarray
+    draft_accepted: np.ndarray
+    suffix_index: np.ndarray
+    suffix_accepted: np.ndarray
 
 
-def select(mask: torch.Tensor, a: AcceptResult, b: AcceptResult) -> AcceptResult:
-    """Per row: a where mask [B] is true, else b (e.g. greedy rows vs sampled rows)."""
-    def pick(x, y):
-        return torch.where(mask.view(-1, *([1] * (x.dim() - 1))), x, y)
-    return AcceptResult(**{f.name: pick(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
-
-
-def _assemble(tree: TokenTree, l_d: torch.Tensor, branch: torch.Tensor, hits: torch.Tensor,
-              last_token: torch.Tensor) -> AcceptResult:
+def _assemble(lay: TreeLayout, tokens: np.ndarray, l_d: np.ndarray, branch: np.ndarray,
+              hits: np.ndarray, last_token: np.ndarray) -> AcceptResult:
     """Result from the draft prefix l_d [B], then hits [B] tokens of suffix branch [B], and
-    the emitted token after the last accepted node last_token [B]."""
-    B, N, K = tree.B, tree.N, tree.K
-    dev = tree.tokens.device
-    t = torch.arange(N, device=dev)[None, :]
+    the emitted token after the last accepted node last_token [B] (tokens [B, N]: the tree's)."""
+    B, N = tokens.shape
+    rows = np.arange(B)
+    t = np.arange(N)[None, :]
+    l_d, branch, hits = (np.asarray(x, np.int64) for x in (l_d, branch, hits))
     num_acc = l_d + hits
-    if K:
-        start = tree.suffix_start.gather(1, branch.clamp(0, K - 1)[:, None])  # [B, 1]
-    else:
-        start = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    nodes = torch.where(t < l_d[:, None], t,
-                        torch.where(t < num_acc[:, None], start + t - l_d[:, None], -1))
-    tok = tree.tokens.gather(1, nodes.clamp(min=0))
-    emitted = torch.full((B, N + 1), -1, dtype=torch.long, device=dev)
-    emitted[:, :N] = torch.where(nodes >= 0, tok, -1)
-    emitted.scatter_(1, num_acc[:, None], last_token.long()[:, None])
+    # K == 0 keeps one dummy suffix column in the layout; hits are 0 there.
+    start = lay.sstart[rows, np.clip(branch, 0, lay.sstart.shape[1] - 1)][:, None]
+    nodes = np.where(t < l_d[:, None], t, np.where(t < num_acc[:, None], start + t - l_d[:, None], -1))
+    emitted = np.full((B, N + 1), -1, np.int64)
+    emitted[:, :N] = np.where(nodes >= 0, np.take_along_axis(tokens, np.maximum(nodes, 0), 1), -1)
+    emitted[rows, num_acc] = last_token
     return AcceptResult(accepted_nodes=nodes, num_accepted=num_acc, emitted=emitted,
-                        num_emitted=num_acc + 1, kv_keep_src=nodes.clone(), draft_accepted=l_d,
-                        suffix_index=torch.where(hits > 0, branch, -1), suffix_accepted=hits)
+                        num_emitted=num_acc + 1, kv_keep_src=nodes.copy(), draft_accepted=l_d,
+                        suffix_index=np.where(hits > 0, branch, -1), suffix_accepted=hits)
 
 
-def accept_greedy(tree: TokenTree, target_next: torch.Tensor) -> AcceptResult:
-    """Greedy verification.
+def _host(x) -> np.ndarray:
+    return to_host(x)[0] if isinstance(x, torch.Tensor) else np.asarray(x)
 
-    Shape: target_next [B, N + 1] int64, the target's argmax after the root (column 0) and
-    after each node i (column 1 + i); columns of padding nodes are ignored.
+
+def accept_greedy(tree: TokenTree, target_next: np.ndarray | torch.Tensor,
+                  tokens: np.ndarray | None = None) -> AcceptResult:
+    """Greedy verification, on the host.
+
+    Shape: target_next [B, N + 1] int, the target's argmax after the root (column 0) and after
+    each node i (column 1 + i); columns of padding nodes are ignored. tokens [B, N]: the tree's
+    tokens on the host (read back from tree.tokens where None; a tensor target_next likewise).
     """
+    lay = tree.layout
     B, N, K, L = tree.B, tree.N, tree.K, tree.L
-    dev = tree.tokens.device
-    target_next = target_next.long()
+    tn = _host(target_next).astype(np.int64, copy=False)
+    tok = _host(tree.tokens) if tokens is None else tokens
+    rows = np.arange(B)
     # Node i is right iff it is the target's prediction after its parent.
-    match = (tree.tokens == target_next.gather(1, tree.parents + 1)) & tree.valid
-    n = tree.draft_len
-    col = torch.arange(N, device=dev)[None, :]
-    l_d = (match & (col < n[:, None])).long().cumprod(1).sum(1)
+    match = (tok == np.take_along_axis(tn, lay.parents + 1, 1)) & lay.valid
+    n = lay.n
+    l_d = np.cumprod(match & lay.is_draft, 1).sum(1)
     if K and L:
-        j = torch.arange(L, device=dev)[None, None, :]
-        idx = (tree.suffix_start[:, :, None] + j).clamp(max=N - 1)  # [B, K, L]
-        sm = match.gather(1, idx.view(B, -1)).view(B, K, L) & (j < tree.suffix_len[:, :, None])
-        hits = sm.long().cumprod(2).sum(2) * (l_d == n)[:, None]  # suffixes only after a full draft
+        j = np.arange(L)[None, None, :]
+        idx = np.minimum(lay.sstart[:, :K, None] + j, N - 1)  # [B, K, L]
+        sm = np.take_along_axis(match, idx.reshape(B, -1), 1).reshape(B, K, L) & (j < lay.slen[:, :, None])
+        hits = np.cumprod(sm, 2).sum(2) * (l_d == n)[:, None]  # suffixes only after a full draft
         # Longest match, lowest k on ties (explicit: argmax's tie rule is not relied upon).
-        k = torch.arange(K, device=dev)[None, :]
-        best = (hits * K + (K - 1 - k)).argmax(1)
-        best_hits = hits.gather(1, best[:, None])[:, 0]
-        last_sfx = tree.suffix_start.gather(1, best[:, None])[:, 0] + best_hits - 1
-        last = torch.where(best_hits > 0, last_sfx, l_d - 1)  # last accepted node, -1 = root
+        best = (hits * K + (K - 1 - np.arange(K))[None, :]).argmax(1)
+        best_hits = hits[rows, best]
+        last_sfx = lay.sstart[rows, best] + best_hits - 1
+        last = np.where(best_hits > 0, last_sfx, l_d - 1)  # last accepted node, -1 = root
     else:
-        best = torch.zeros(B, dtype=torch.long, device=dev)
-        best_hits = torch.zeros_like(best)
+        best = np.zeros(B, np.int64)
+        best_hits = np.zeros(B, np.int64)
         last = l_d - 1
-    return _assemble(tree, l_d, best, best_hits, target_next.gather(1, (last + 1)[:, None])[:, 0])
+    return _assemble(lay, tok, l_d, best, best_hits, tn[rows, last + 1])
 
 
 def walk_steps(tree: TokenTree) -> int:
@@ -130,7 +135,23 @@ def walk_steps(tree: TokenTree) -> int:
 
 def accept_sampled(tree: TokenTree, probs: torch.Tensor, generator: torch.Generator | None = None,
                    uniforms: torch.Tensor | None = None) -> AcceptResult:
-    """Lossless random verification (temperature > 0) for a deterministic draft.
+    """Lossless random verification (temperature > 0) for a deterministic draft: sampled_walk
+    on the device, its result and the tree's tokens read back in one copy, assembled on the host."""
+    walk, tokens = to_host(sampled_walk(tree, probs, generator, uniforms), tree.tokens)
+    return assemble_walk(tree, tokens, walk)
+
+
+def assemble_walk(tree: TokenTree, tokens: np.ndarray, walk: np.ndarray) -> AcceptResult:
+    """The AcceptResult of a sampled_walk read back to the host (walk [4, B]; tokens [B, N])."""
+    return _assemble(tree.layout, tokens, *walk)
+
+
+def sampled_walk(tree: TokenTree, probs: torch.Tensor, generator: torch.Generator | None = None,
+                 uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """The walk of accept_sampled, on probs' device, no host synchronisation.
+
+    Returns [4, B] int64: draft tokens accepted, suffix branch, suffix tokens accepted, and the
+    token emitted after the last accepted node (assemble_walk turns them into an AcceptResult).
 
     Shape:
       probs:    [B, N + 1, V] float, the target's (processed: temperature, top-k/p) next-token
@@ -210,4 +231,4 @@ def accept_sampled(tree: TokenTree, probs: torch.Tensor, generator: torch.Genera
     # cur is on the lowest live branch, the one the path is reported (and KV moved) along.
     branch = tree.branch_of.gather(1, cur.clamp(min=0)[:, None])[:, 0] if N else cur
     branch = torch.where(hits > 0, branch, 0)
-    return _assemble(tree, l_d, branch, hits, last_tok)
+    return torch.stack([l_d, branch, hits, last_tok])

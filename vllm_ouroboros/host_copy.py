@@ -9,7 +9,8 @@ block from reuse until the copies that read it have run, so the staging buffers 
 bookkeeping here, and the numpy array may change as soon as the call returns.
 
 On a CPU device the arrays are wrapped, not copied (what `.to("cpu")` of `from_numpy` gives):
-the CPU path stays as fast as it was. No vLLM imports.
+the CPU path stays as fast as it was. The way back (`to_host`) packs a step's small results the
+same way: one device-to-host copy per dtype, one wait. No vLLM imports.
 """
 
 from __future__ import annotations
@@ -35,22 +36,26 @@ def to_device(device: torch.device | str, *arrays: np.ndarray) -> list[torch.Ten
 def packed_copy(tensors: list[torch.Tensor], device: torch.device | str, pin: bool) -> list[torch.Tensor]:
     """Host tensors to `device` with one staging buffer (pinned where `pin`) and one copy per
     dtype; returns views of the copies, in the order given, shapes kept."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
+    def move(group: list[torch.Tensor]) -> torch.Tensor:
+        staging = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, pin_memory=pin)
+        torch.cat([t.reshape(-1) for t in group], out=staging)
+        return staging.to(device, non_blocking=pin)
+    return _per_dtype(tensors, move)
+
+
+def _per_dtype(tensors: list[torch.Tensor], move) -> list:
+    """Each dtype's tensors flattened through one `move` (a flat tensor in, a flat tensor or
+    array out), split back into the tensors' shapes, in the order given."""
+    out: list = [None] * len(tensors)
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
-    for dtype, idx in groups.items():
-        staging = torch.empty(sum(tensors[i].numel() for i in idx), dtype=dtype, pin_memory=pin)
+    for idx in groups.values():
+        moved = move([tensors[i] for i in idx])
         off = 0
         for i in idx:
             n = tensors[i].numel()
-            staging[off:off + n].copy_(tensors[i].reshape(-1))
-            off += n
-        moved = staging.to(device, non_blocking=pin)
-        off = 0
-        for i in idx:
-            n = tensors[i].numel()
-            out[i] = moved[off:off + n].view(tensors[i].shape)
+            out[i] = moved[off:off + n].reshape(tensors[i].shape)
             off += n
     return out
 
@@ -63,3 +68,15 @@ def copy_into(dst: torch.Tensor, array: np.ndarray) -> None:
         dst.copy_(src)
     else:
         dst.copy_(src.pin_memory(), non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """Device tensors as host arrays, same shapes and dtypes, read back with one copy per dtype
+    (on a GPU: one synchronisation for the lot, where a `.cpu()` each would wait each time).
+
+    On a CPU device the arrays share the tensors' memory (what `.numpy()` gives): read them,
+    do not write them."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.detach().numpy() for t in tensors]
+    return _per_dtype([t.detach() for t in tensors],
+                      lambda group: torch.cat([t.reshape(-1) for t in group]).cpu().numpy())

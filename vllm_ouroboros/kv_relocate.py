@@ -8,27 +8,35 @@ and are copied left (accept.py's kv_keep_src says from where). No vLLM imports.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .accept import AcceptResult
+from .host_copy import to_device
 
 
-def relocation_slots(result: AcceptResult, root_rows: torch.Tensor,
+def relocation_slots(result: AcceptResult, root_rows: np.ndarray,
                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KV slots to copy, (src, dst), only where they differ.
 
-    Shape: root_rows [B] (query row of each request's root), slot_mapping [T] (the step's
-    query row -> KV slot) -> two [M] int64 tensors. One host sync (the moves are few and data
-    dependent; the runner reads the accepted tokens on the host right after anyway).
+    Shape: result on the host (accept.py), root_rows [B] host array (query row of each
+    request's root), slot_mapping [T] on the device (the step's query row -> KV slot) -> two
+    [M] int64 tensors on its device. The rows to move are host arithmetic on the walk's result;
+    a step that moves nothing (the common case: the draft or suffix 0 won) launches nothing.
     """
     src_node = result.kv_keep_src
     B, N = src_node.shape
-    j = torch.arange(N, device=src_node.device)[None, :]
+    j = np.arange(N)[None, :]
     keep = (j < result.num_accepted[:, None]) & (src_node != j)
-    base = root_rows.long()[:, None] + 1
-    src_row = (base + src_node.clamp(min=0))[keep]
-    dst_row = (base + j).expand(B, N)[keep]
-    return slot_mapping[src_row].long(), slot_mapping[dst_row].long()
+    if not keep.any():
+        empty = torch.empty(0, dtype=torch.long, device=slot_mapping.device)
+        return empty, empty
+    base = np.asarray(root_rows, np.int64)[:, None] + 1
+    src_row = (base + np.maximum(src_node, 0))[keep]
+    dst_row = np.broadcast_to(base + j, (B, N))[keep]
+    (rows,) = to_device(slot_mapping.device, np.concatenate([src_row, dst_row]))
+    slots = slot_mapping[rows].long()
+    return slots[:len(src_row)], slots[len(src_row):]
 
 
 def move_kv(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,

@@ -371,23 +371,18 @@ class OuroborosProposer:
     def on_verified(self, req_ids: list[str], outcome) -> None:
         """Read the target's tokens at every tree node (called by the runner patch).
 
-        `outcome` is target_step.StepOutcome: the step's TokenTree, the target's argmax
-        after the root and after every node, and what each request accepted.
+        `outcome` is target_step.StepOutcome, on the host: the step's TokenTree (its layout)
+        and tokens, the target's argmax after the root and after every node, and what each
+        request accepted.
         """
         if self.runtime is None:
             return
-        tree = outcome.tree
-        B, K = tree.B, tree.K
+        tree, lay = outcome.tree, outcome.tree.layout
+        B = tree.B
         slots = np.array([self._slot_of.get(r, -1) for r in req_ids[:B]], np.int64)
-        # One device -> host copy for everything the pool update reads (one sync on a GPU).
-        cols = [tree.draft_len[:, None], tree.num_nodes[:, None], outcome.num_accepted[:, None],
-                outcome.suffix_index[:, None], tree.path_len, tree.suffix_len, tree.tokens,
-                outcome.target_next, tree.paths.reshape(B, -1)]
-        host = torch.cat([c.long() for c in cols], 1).cpu().numpy()
-        widths = np.cumsum([c.shape[1] for c in cols])[:-1]
-        n, num_nodes, num_acc, sfx_idx, plen, slen, tokens, tn, paths = np.split(host, widths, 1)
-        n, num_nodes, num_acc, sfx_idx = n[:, 0], num_nodes[:, 0], num_acc[:, 0], sfx_idx[:, 0]
-        paths = paths.reshape(B, K, tree.D + tree.L)
+        n, num_nodes, plen, slen, paths = lay.n, lay.num_nodes, lay.path_len, lay.slen, lay.paths
+        num_acc, sfx_idx = outcome.num_accepted, outcome.suffix_index
+        tokens, tn = outcome.tokens, outcome.target_next
         ok = (num_nodes > 0) & (slots >= 0)
         if not ok.any():
             return

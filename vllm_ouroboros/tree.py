@@ -21,8 +21,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+
+from .host_copy import to_device
 
 # Padding entries of TokenTree.branch_of (draft nodes are -1, suffix nodes their k).
 PAD_BRANCH = -2
@@ -51,6 +53,8 @@ class TokenTree:
                      suffix k (draft nodes 0..n-1, then suffix k's nodes), -1 padded. The
                      draft chain alone is nodes 0..n-1.
       path_len:      [B, K], n + suffix_len.
+      layout:        the TreeLayout (host, numpy) these fields were uploaded from: the
+                     greedy walk and the pool feedback read it there, not back from the device.
     """
 
     tokens: torch.Tensor
@@ -66,6 +70,7 @@ class TokenTree:
     D: int
     K: int
     L: int
+    layout: TreeLayout  # the host arrays these were uploaded from
 
     @property
     def B(self) -> int:
@@ -109,76 +114,96 @@ def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Ten
       draft_len:  [B] int64 in 0..D.
       suffixes:   [B, K, L] int64, suffix k's first suffix_len[b, k] tokens are real.
       suffix_len: [B, K] int64 in 0..L (0 = invalid suffix; a bool validity mask times L works).
-    Lengths outside their range are clamped.
+    Lengths outside their range are clamped. The layout is computed on the host (TreeLayout):
+    lengths on a GPU are read back first (one sync); the engine's step builds its trees with
+    tree_from_flat from lengths the host already has. The tree is on draft's device.
     """
     B, D = draft.shape
     K, L = suffixes.shape[1], suffixes.shape[2]
     assert suffixes.shape[0] == B and suffix_len.shape == (B, K) and draft_len.shape == (B,)
-    lay = _Layout(draft_len, suffix_len, D, L)
+    lay = TreeLayout(draft_len.cpu().numpy(), suffix_len.cpu().numpy(), D, L)
     # One dummy column when D or L is 0 and a dummy empty suffix when K == 0 keep the gathers
     # shape-valid; they are never selected.
-    sfx = suffixes if K and L else suffixes.new_zeros(B, max(K, 1), max(L, 1))
-    drf = draft if D else draft.new_zeros(B, 1)
-    suf_tok = sfx[torch.arange(B, device=draft.device)[:, None], lay.k, lay.j.clamp(max=sfx.shape[2] - 1)]
-    drf_tok = drf.gather(1, lay.col.clamp(max=drf.shape[1] - 1))
-    tokens = torch.where(lay.is_draft, drf_tok, torch.where(lay.is_suf, suf_tok, 0)).long()
-    return lay.tree(tokens)
+    sfx = suffixes.cpu().numpy() if K and L else np.zeros((B, max(K, 1), max(L, 1)), np.int64)
+    drf = draft.cpu().numpy() if D else np.zeros((B, 1), np.int64)
+    suf_tok = sfx[np.arange(B)[:, None], lay.k, np.minimum(lay.j, sfx.shape[2] - 1)]
+    drf_tok = np.take_along_axis(drf, np.minimum(lay.col, drf.shape[1] - 1), 1)
+    tokens = np.where(lay.is_draft, drf_tok, np.where(lay.is_suf, suf_tok, 0)).astype(np.int64)
+    return lay.tree(draft.device, tokens=tokens)
 
 
-def tree_from_flat(flat: torch.Tensor, draft_len: torch.Tensor, suffix_len: torch.Tensor,
+def tree_from_flat(flat: torch.Tensor, draft_len: np.ndarray, suffix_len: np.ndarray,
                    D: int, L: int) -> TokenTree:
-    """The tree of vLLM's flat layout: per request the draft, then suffix 0, suffix 1, ...
+    """The trees of vLLM's flat layout: per request the draft, then suffix 0, suffix 1, ...,
+    the requests one after another.
 
-    Shape: flat [B, F] int64 (request b's draft_len[b] + sum_k suffix_len[b, k] first are
-    real), draft_len [B], suffix_len [B, K]; D >= max(draft_len) and L >= max(suffix_len) are
-    the padded widths. Node i of the result is flat token i (build_tree numbers the nodes in the
-    flat layout's order), so the tokens are read in place, not gathered.
+    Shape: flat [T] int64 on the device, T = sum of draft_len[b] + sum_k suffix_len[b, k] (what
+    vLLM scheduled: SpecDecodeMetadata.draft_token_ids); draft_len [B] and suffix_len [B, K]
+    host arrays; D >= max(draft_len) and L >= max(suffix_len) the padded widths. Node i of
+    request b is flat token (b's start) + i (build_tree numbers the nodes in the flat layout's
+    order): the layout is host arithmetic and one upload, the tokens one gather.
     """
-    lay = _Layout(draft_len, suffix_len, D, L)
-    N = lay.col.shape[1]
-    rows = flat[:, :N] if flat.shape[1] >= N else F.pad(flat, (0, N - flat.shape[1]))
-    return lay.tree(torch.where(lay.valid, rows, 0).long())
+    return TreeLayout(draft_len, suffix_len, D, L).tree(flat.device, flat=flat)
 
 
-class _Layout:
-    """Everything of the trees but their tokens (build_tree's numbering): per node its suffix k,
-    offset j, kind, parent, depth; per suffix its start; per path its nodes."""
+class TreeLayout:
+    """Everything of the trees but their tokens (build_tree's numbering), numpy on the host:
+    per node its suffix k, offset j, kind, parent, depth; per suffix its start; per path its
+    nodes. The lengths the proposer sent are host data, so the layout costs no kernel launch;
+    `tree()` uploads the fields the walk and the pool feedback read in one copy per dtype.
 
-    def __init__(self, draft_len: torch.Tensor, suffix_len: torch.Tensor, D: int, L: int):
+    Shape: draft_len [B], suffix_len [B, K] (clamped to 0..D and 0..L); node arrays [B, N],
+    N = D + K * L; paths [B, K, D + L].
+    """
+
+    def __init__(self, draft_len: np.ndarray, suffix_len: np.ndarray, D: int, L: int):
+        suffix_len = np.asarray(suffix_len, np.int64)
         B, K = suffix_len.shape
-        dev = suffix_len.device
         N = D + K * L
         self.D, self.K, self.L = D, K, L
-        self.n = n = draft_len.long().clamp(0, D)
-        self.slen = slen = suffix_len.long().clamp(0, L)
-        sl = slen if K else slen.new_zeros(B, 1)  # a dummy empty suffix when K == 0
+        self.n = n = np.clip(np.asarray(draft_len, np.int64), 0, D)
+        self.slen = slen = np.clip(suffix_len, 0, L)
+        sl = slen if K else np.zeros((B, 1), np.int64)  # a dummy empty suffix when K == 0
         self.sstart = sstart = n[:, None] + sl.cumsum(1) - sl  # [B, K']
         send = sstart + sl
         self.num_nodes = n + sl.sum(1)
-        self.col = col = torch.arange(N, device=dev)[None, :].expand(B, N)
+        self.col = col = np.broadcast_to(np.arange(N, dtype=np.int64)[None, :], (B, N))
         self.is_draft = is_draft = col < n[:, None]
         self.valid = valid = col < self.num_nodes[:, None]
         self.is_suf = is_suf = valid & ~is_draft
         # Suffix of node i: how many suffixes end at or before i (empty ones end where they
         # start, so they are skipped); j is its offset inside that suffix.
-        self.k = k = (col[:, :, None] >= send[:, None, :]).sum(-1).clamp(max=sl.shape[1] - 1)
-        self.j = j = (col - sstart.gather(1, k)).clamp(0, max(L - 1, 0))
-        self.branch_of = torch.where(is_draft, -1, torch.where(is_suf, k, PAD_BRANCH))
-        self.depth = torch.where(is_draft, col + 1, torch.where(is_suf, n[:, None] + 1 + j, 0))
+        self.k = k = np.minimum((col[:, :, None] >= send[:, None, :]).sum(-1), sl.shape[1] - 1)
+        self.j = j = np.clip(col - np.take_along_axis(sstart, k, 1), 0, max(L - 1, 0))
+        self.branch_of = np.where(is_draft, -1, np.where(is_suf, k, PAD_BRANCH))
+        self.depth = np.where(is_draft, col + 1, np.where(is_suf, n[:, None] + 1 + j, 0))
         # A suffix head hangs off the last draft node (n - 1, which is -1 = root when n == 0).
-        self.parents = torch.where(is_draft, col - 1,
-                                   torch.where(is_suf, torch.where(j == 0, n[:, None] - 1, col - 1), -1))
-        t = torch.arange(D + L, device=dev)[None, None, :]
+        self.parents = np.where(is_draft, col - 1,
+                                np.where(is_suf, np.where(j == 0, n[:, None] - 1, col - 1), -1))
+        t = np.arange(D + L, dtype=np.int64)[None, None, :]
         nn = n[:, None, None]
-        self.paths = torch.where(t < nn, t, torch.where(t < nn + slen[:, :, None],
-                                                        sstart[:, :K, None] + t - nn, -1))
+        self.paths = np.where(t < nn, t, np.where(t < nn + slen[:, :, None],
+                                                  sstart[:, :K, None] + t - nn, -1))
+        self.path_len = n[:, None] + slen
 
-    def tree(self, tokens: torch.Tensor) -> TokenTree:
-        tree = TokenTree(tokens=tokens, parents=self.parents, depth=self.depth, num_nodes=self.num_nodes,
-                         branch_of=self.branch_of, draft_len=self.n, suffix_start=self.sstart[:, :self.K],
-                         suffix_len=self.slen, paths=self.paths, path_len=self.n[:, None] + self.slen,
-                         D=self.D, K=self.K, L=self.L)
-        tree.__dict__["valid"] = self.valid  # the cached property, already computed here
+    def tree(self, device: torch.device | str, tokens: np.ndarray | None = None,
+             flat: torch.Tensor | None = None) -> TokenTree:
+        """The TokenTree on `device`, its tokens given on the host (tokens [B, N]) or read
+        from vLLM's flat drafts on the device (flat [T], tree_from_flat); one upload either way."""
+        start = np.cumsum(self.num_nodes) - self.num_nodes
+        src = np.where(self.valid, start[:, None] + self.col, 0)  # flat index of each node
+        arrays = [self.parents, self.depth, self.num_nodes, self.branch_of, self.n, self.sstart[:, :self.K],
+                  self.slen, self.paths, self.path_len, self.valid, src if tokens is None else tokens]
+        parents, depth, num_nodes, branch_of, n, sstart, slen, paths, path_len, valid, tok = to_device(
+            device, *arrays)
+        if tokens is None:
+            assert flat is not None and flat.numel() >= int(self.num_nodes.sum())
+            # Padding nodes read flat token 0 (or nothing in an empty step), then become 0.
+            tok = torch.where(valid, flat.long()[tok], 0) if flat.numel() else torch.zeros_like(tok)
+        tree = TokenTree(tokens=tok, parents=parents, depth=depth, num_nodes=num_nodes,
+                         branch_of=branch_of, draft_len=n, suffix_start=sstart, suffix_len=slen,
+                         paths=paths, path_len=path_len, D=self.D, K=self.K, L=self.L, layout=self)
+        tree.__dict__["valid"] = valid  # the cached property, already computed here
         return tree
 
 

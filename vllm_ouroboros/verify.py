@@ -4,65 +4,81 @@ Input is what the target computed in its one forward: logits at every query row 
 (the root, then each tree node in node order). Greedy requests take the greedy walk, the others
 the lossless multi-candidate rejection sampling walk (accept.py); the result is the token rows
 vLLM expects from its sampler (accepted tokens, then the correction or bonus; -1 pads) plus the
-accepted path, which the KV relocation and the pool feedback read. No vLLM imports.
+accepted path, which the KV relocation and the pool feedback read.
+
+One read-back per step: the target's argmax at every node and the tree's tokens (and, for a
+batch with sampled requests, the sampled walk's four numbers per request) come to the host in
+one copy, where the greedy walk runs (accept.py says why) and where vLLM reads the step's tokens
+right after anyway. No vLLM imports.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .accept import AcceptResult, accept_greedy, accept_sampled, select, walk_steps
+from .accept import AcceptResult, accept_greedy, assemble_walk, sampled_walk, walk_steps
+from .host_copy import to_device, to_host
 from .tree import TokenTree
 
 
 @dataclass
 class Verified:
-    """Outcome of one step.
+    """Outcome of one step, on the host.
 
     Fields:
       result:      AcceptResult per request (accept.py).
       target_next: [B, N + 1] int64, the target's argmax after the root and after each node
                    (the pool feedback reads it, also for sampled requests).
+      tokens:      [B, N] int64, the tree's tokens.
       token_ids:   [B, N + 1] int32, emitted tokens, -1 padded (vLLM's sampled_token_ids).
     """
 
     result: AcceptResult
-    target_next: torch.Tensor
-    token_ids: torch.Tensor
+    target_next: np.ndarray
+    tokens: np.ndarray
+    token_ids: np.ndarray
 
 
-def node_rows(tree: TokenTree, row_start: torch.Tensor) -> torch.Tensor:
-    """Logit row of the root and of each node per request.
+def node_rows(tree: TokenTree, row_start: np.ndarray) -> np.ndarray:
+    """Logit row of the root and of each node per request, on the host.
 
     Shape: row_start [B] (first logit row of each request) -> [B, N + 1] int64; padding nodes
     repeat the request's last row, so every index is in range.
     """
-    col = torch.arange(tree.N + 1, device=tree.tokens.device)[None, :]
-    return row_start.long()[:, None] + torch.minimum(col, tree.num_nodes[:, None])
+    col = np.arange(tree.N + 1)[None, :]
+    return np.asarray(row_start, np.int64)[:, None] + np.minimum(col, tree.layout.num_nodes[:, None])
 
 
-def verify(tree: TokenTree, logits: torch.Tensor, row_start: torch.Tensor,
+def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
            greedy: torch.Tensor | None = None, processed: torch.Tensor | None = None,
            uniforms: torch.Tensor | None = None,
            generator: torch.Generator | None = None) -> Verified:
     """Accept per request.
 
-    Shape: logits [R, V] (raw target logits, one row per query row of the batch), row_start [B],
-    greedy [B] bool (None: all greedy; no host sync either way), processed [R, V] float (the same rows after temperature /
-    top-k / top-p; needed unless all greedy), uniforms [B, walk_steps(tree), max(K,1)+1] or None.
+    Shape: logits [R, V] (raw target logits, one row per query row of the batch), row_start [B]
+    host array, greedy [B] bool on the device (None: all greedy; either way no host sync but
+    the one read-back), processed [R, V] float (the same rows after temperature / top-k /
+    top-p; needed unless all greedy), uniforms [B, walk_steps(tree), max(K,1)+1] or None.
     """
-    rows = node_rows(tree, row_start)
+    (rows,) = to_device(logits.device, node_rows(tree, row_start))
     target_next = logits.argmax(dim=-1)[rows]
-    res = accept_greedy(tree, target_next)
-    if greedy is not None:  # the caller knows (host flag) when a batch is all greedy
+    if greedy is None:  # the caller knows (host flag) when a batch is all greedy
+        tn, tokens = to_host(target_next, tree.tokens)
+        res = accept_greedy(tree, tn, tokens)
+    else:
         if processed is None:
             raise ValueError("sampled requests need the processed logits")
         probs = torch.softmax(processed[rows].float(), dim=-1)
-        sampled = accept_sampled(tree, probs, generator=generator, uniforms=uniforms)
-        res = select(greedy, res, sampled)
-    return Verified(result=res, target_next=target_next, token_ids=res.emitted.to(torch.int32))
+        # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk accepts
+        # exactly what the greedy walk would (tests/test_accept.py): one walk for the batch.
+        probs.mul_(~greedy[:, None, None])
+        probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(*rows.shape, 1).float())
+        walk, tn, tokens = to_host(sampled_walk(tree, probs, generator, uniforms), target_next, tree.tokens)
+        res = assemble_walk(tree, tokens, walk)
+    return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
 
 
 def draw_uniforms(tree: TokenTree, generators: dict[int, torch.Generator],

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
-from vllm_ouroboros.host_copy import to_device
+from vllm_ouroboros.host_copy import to_device, to_host
 from vllm_ouroboros.patches import tree_attention
 from vllm_ouroboros.step_plan import ragged_arange
 from vllm_ouroboros.target_step import StepOutcome, TargetStep, plan_target_step
@@ -79,7 +79,7 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
     n, sl = drafter.layouts(req_ids)
     step = plan_target_step(np.asarray(spec_meta.num_draft_tokens, np.int64), n, sl,
                             runner.query_start_loc.np[:B + 1], runner.input_batch.num_computed_tokens_cpu[:B],
-                            spec_meta.draft_token_ids, spec_meta.cu_num_sampled_tokens, drafter.cfg.phrase_len)
+                            spec_meta.draft_token_ids, drafter.cfg.phrase_len)
     plan = step.plan
     if plan.has_tree:
         if st.reason is not None:  # cannot happen: the drafter sent no tree; stay lossless
@@ -164,18 +164,21 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         logprobs = None
         if sm.max_num_logprobs is not None:
             logprobs = _path_logprobs(runner.sampler, mode, logits, step, v, sm.max_num_logprobs)
-        out = SamplerOutput(sampled_token_ids=v.token_ids, logprobs_tensors=logprobs)
-        return out, StepOutcome(step.tree, v.target_next, v.result.num_accepted,
+        (token_ids,) = to_device(logits.device, v.token_ids)
+        out = SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=logprobs)
+        return out, StepOutcome(step.tree, v.tokens, v.target_next, v.result.num_accepted,
                                 v.result.suffix_index)
 
     if step.plan.has_tree:
         out = _chain_view_sample(runner, logits, spec_meta, step, sm)
     else:
         out = original_sample(runner, logits, spec_meta)
-    target_next = logits.argmax(dim=-1)[node_rows(step.tree, step.row_start)]
-    num_acc = (out.sampled_token_ids != -1).sum(1).long() - 1
-    sfx = torch.where(num_acc > step.tree.draft_len, 0, -1)
-    return out, StepOutcome(step.tree, target_next, num_acc, sfx)
+    (rows,) = to_device(logits.device, node_rows(step.tree, step.row_start))
+    target_next, tokens, sampled = to_host(logits.argmax(dim=-1)[rows], step.tree.tokens,
+                                           out.sampled_token_ids.long())
+    num_acc = (sampled != -1).sum(1) - 1
+    sfx = np.where(num_acc > step.tree.layout.n, 0, -1)
+    return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx)
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):
@@ -187,13 +190,12 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int
     """
     res = v.result
     B, N1 = v.token_ids.shape
-    prev = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=logits.device),
-                      res.accepted_nodes[:, :N1 - 1]], 1)
-    rows = step.row_start.long()[:, None] + 1 + prev.clamp(min=-1)
-    rows = torch.where(v.token_ids >= 0, rows, 0).reshape(-1)
-    x = logits[rows].float()
+    prev = np.concatenate([np.full((B, 1), -1, np.int64), res.accepted_nodes[:, :N1 - 1]], 1)
+    rows = np.asarray(step.row_start, np.int64)[:, None] + 1 + prev
+    rows = np.where(v.token_ids >= 0, rows, 0).reshape(-1)
+    rows_t, tok = to_device(logits.device, rows, np.maximum(v.token_ids.reshape(-1), 0).astype(np.int64))
+    x = logits[rows_t].float()
     lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
-    tok = v.token_ids.reshape(-1).long().clamp(min=0)
     return sampler.gather_logprobs(lp, num_logprobs, tok)
 
 

@@ -78,11 +78,12 @@ PYTEST=(python -m pytest -v -p no:cacheprovider -rfEs --durations=15)
 python -c "import importlib.util as u, sys; sys.exit(not u.find_spec('xdist') or bool(u.find_spec('vllm')))" \
     2>/dev/null && PYTEST+=(-n "${GPU_CHECK_WORKERS:-8}")
 python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
-# The tests that run the draft side on the GPU, first.
+# The tests that run the draft side and our target step on the GPU (the CUDA-only sync counts
+# among them), first.
 GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_fused_ops.py tests/test_draft_model.py
            tests/test_draft_attention_layout.py tests/test_draft_runtime.py tests/test_device_round.py
            tests/test_cuda_graph.py tests/test_pool_writer.py tests/test_kv_cache.py tests/test_pool.py
-           tests/test_bench_gpu.py)
+           tests/test_host_copy.py tests/test_target_step.py tests/test_bench_gpu.py)
 
 run_tests() {  # $1: log name, the rest: pytest arguments; then the log's last lines into the summary
     local name=$1; shift

@@ -1,6 +1,10 @@
 """ATen calls per engine step by region of our code, one greedy request on the tiny test pair
 (tests/tiny_models.py; in-process engine): a proxy for the kernels a GPU's host launches one by
-one where that code runs eagerly. Views are counted apart (they launch nothing).
+one where that code runs eagerly. Views are counted apart (they launch nothing). Then the host
+time of each region per step (exclusive of the regions nested in it), from a second run without
+the counting: on a GPU the host runs our Python and numpy between the target's forwards while
+the GPU waits, so this is time a GPU step pays too (the tiny pair's forwards, inside run_round
+and outside our regions, are cheap here; on a GPU the graph round replaces run_round's host loop).
 
 Usage: source scripts/env.sh && python scripts/step_ops.py [--tokens 100] [--window]
 
@@ -19,6 +23,7 @@ import functools
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its ops are seen
@@ -42,6 +47,8 @@ class Regions:
         self.kernels = collections.Counter()
         self.entries = collections.Counter()
         self.ops = collections.defaultdict(collections.Counter)  # region -> non-view op -> calls
+        self.seconds = collections.Counter()  # region -> host seconds, nested regions excluded
+        self._nested = [0.0]  # per open region: seconds its nested regions took
 
     def wrap(self, owner, name: str, label: str) -> None:
         orig = getattr(owner, name)
@@ -50,9 +57,14 @@ class Regions:
         def run(*a, **k):
             self.entries[label] += 1
             self.stack.append(label)
+            self._nested.append(0.0)
+            t0 = time.perf_counter()
             try:
                 return orig(*a, **k)
             finally:
+                took = time.perf_counter() - t0
+                self.seconds[label] += took - self._nested.pop()
+                self._nested[-1] += took
                 self.stack.pop()
 
         setattr(owner, name, run)
@@ -110,12 +122,22 @@ def main() -> None:
     with reg.mode():
         llm.generate([prompt], sp, use_tqdm=False)
     steps = reg.entries["propose (outside the round)"]
-    print(f"{steps} drafting steps (propose calls), {args.tokens} tokens")
-    print(f"{'region':<30}{'calls/step':>11}{'ATen/step':>11}{'non-view/step':>15}{'non-view/call':>15}")
+    entries = dict(reg.entries)  # the timed run below enters the regions again
+    reg.seconds.clear()
+    t0 = time.perf_counter()
+    llm.generate([prompt], sp, use_tqdm=False)  # the same request, timed without the counting
+    wall = time.perf_counter() - t0
+    print(f"{steps} drafting steps (propose calls), {args.tokens} tokens; host ms per step: "
+          f"{1000 * wall / steps:.2f} in all, by region below (nested regions excluded)")
+    print(f"{'region':<30}{'calls/step':>11}{'ATen/step':>11}{'non-view/step':>15}{'non-view/call':>15}"
+          f"{'host ms/step':>14}")
+    outside = wall - sum(reg.seconds.values())
     for label, n in reg.calls.most_common():
-        calls = reg.entries[label]
+        calls = entries.get(label, 0)
         per_call = f"{reg.kernels[label] / calls:15.0f}" if calls else f"{'-':>15}"
-        print(f"{label:<30}{calls / steps:11.2f}{n / steps:11.1f}{reg.kernels[label] / steps:15.1f}{per_call}")
+        sec = outside if label == "outside" else reg.seconds[label]
+        print(f"{label:<30}{calls / steps:11.2f}{n / steps:11.1f}{reg.kernels[label] / steps:15.1f}{per_call}"
+              f"{1000 * sec / steps:14.3f}")
     for label in args.detail:
         print(f"\n{label}: non-view ATen calls per step")
         for op, k in reg.ops[label].most_common():

@@ -299,10 +299,33 @@ _TILES = {
     ("half", 256): (32, 32, 8, 8),
     **{("fp32", d): (16, 32, 4, 4) for d in (16, 32, 64, 128, 256)},
 }
+# What scripts/bench_gpu.py times on a GPU where the table above misses the issue's 1.25x of SDPA
+# (half inputs, D <= 128): the table's own rows, then fewer / more rows per program, narrower /
+# wider key tiles, more warps. Each entry is a `_TILES` value; tests check every one under the
+# interpreter, so a swept entry is a correct one.
+TILE_CANDIDATES = (
+    (64, 64, 4, 8), (64, 64, 8, 8), (32, 64, 4, 4), (16, 64, 4, 4),
+    (64, 128, 4, 8), (32, 128, 4, 4), (64, 32, 4, 4), (128, 64, 8, 8),
+)
 
 
-def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_query_len: int) -> dict:
-    """Tile sizes and launch options from `_TILES`. Register use below was read with cuobjdump
+def check_tiles(tiles) -> tuple[int, int, int, int]:
+    """A `_TILES` entry given by a caller (tree_attention's `tiles`), checked: (max rows per
+    program M in 16..128, key tile BLOCK_N in 16..256, warps when M < 64, warps when M >= 64),
+    powers of two; warps in 1..16."""
+    ok = (isinstance(tiles, tuple) and len(tiles) == 4 and all(type(x) is int and x > 0 and x & (x - 1) == 0
+                                                                for x in tiles)
+          and 16 <= tiles[0] <= 128 and 16 <= tiles[1] <= 256 and tiles[2] <= 16 and tiles[3] <= 16)
+    if not ok:
+        raise ValueError("tiles must be a tuple of 4 powers of two (max rows M in 16..128, BLOCK_N in "
+                         f"16..256, warps for M < 64, warps for M >= 64, each <= 16), got {tiles!r}")
+    return tiles
+
+
+def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_query_len: int,
+                 tiles: tuple[int, int, int, int] | None = None) -> dict:
+    """Tile sizes and launch options from `_TILES` (or `tiles`, the same four numbers, where a
+    caller sweeps them: scripts/bench_gpu.py's kernel tiles). Register use below was read with cuobjdump
     from sm_90 / sm_80 cubins compiled on a machine without a GPU (Triton 3.9,
     `scripts/bench_tree_attention.py --compile-only`); not yet timed on a device.
 
@@ -318,7 +341,7 @@ def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_quer
     partials instead of `out`; its register counts are printed by the same `--compile-only`.
     """
     fp32 = dtype == torch.float32
-    max_rows, block_n, warps_small, warps_full = _TILES["fp32" if fp32 else "half", head_dim_pad]
+    max_rows, block_n, warps_small, warps_full = tiles or _TILES["fp32" if fp32 else "half", head_dim_pad]
     block_q = min(_next_pow2(max_query_len), max(1, max_rows // group_pad))
     block_q = max(block_q, max(1, 16 // group_pad))
     block_m = block_q * group_pad
@@ -392,11 +415,12 @@ def _merge_warps(splits_pad: int, head_dim_pad: int) -> int:
 
 def _launch_plan(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, batch: int,
                  max_query_len: int, prefix_bound: int, device: torch.device,
-                 num_splits: int | None = None) -> tuple[dict, int, int]:
+                 num_splits: int | None = None,
+                 tiles: tuple[int, int, int, int] | None = None) -> tuple[dict, int, int]:
     """(tile config, q blocks per request, S) of one `tree_attention` call; host values only.
     The benchmark prints the S chosen here."""
     group_pad = _next_pow2(num_heads // num_kv_heads)
-    cfg = _tile_config(dtype, group_pad, max(16, _next_pow2(head_dim)), max_query_len)
+    cfg = _tile_config(dtype, group_pad, max(16, _next_pow2(head_dim)), max_query_len, tiles)
     num_q_blocks = -(-max_query_len // cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, num_q_blocks, _num_sms(device),
@@ -418,6 +442,7 @@ def tree_attention(
     backend: str = "auto",
     num_splits: int | None = None,
     max_prefix_len: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of every tree node to its request's prefix and to its tree ancestors.
 
@@ -447,6 +472,8 @@ def tree_attention(
     CUDA graph (the fp32 scratch, T x Hq x S x (D + 2), comes from torch.empty). `max_prefix_len`,
     an upper bound on max(prefix_lens) known on the host, only tightens that choice (the default
     bound is the block table's width in tokens); a wrong value changes speed, never the result.
+    `tiles` (Triton only): this call's `_TILES` entry (check_tiles), for measuring candidates;
+    None: the table's.
     """
     if backend not in ("auto", "triton", "torch", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton', 'torch' or 'reference', got {backend!r}")
@@ -454,6 +481,8 @@ def tree_attention(
         raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
     if max_prefix_len is not None and (type(max_prefix_len) is not int or max_prefix_len < 0):
         raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
+    if tiles is not None:
+        check_tiles(tiles)
     device = q.device
     floats = (torch.float32, torch.float16, torch.bfloat16)
     _check("q", q, 3, floats, device)
@@ -521,7 +550,7 @@ def tree_attention(
     group = hq // hkv
     prefix_bound = block_table.shape[1] * block_size if max_prefix_len is None else max_prefix_len
     cfg, num_q_blocks, num_splits = _launch_plan(q.dtype, hq, hkv, head_dim, batch, max_query_len,
-                                                 prefix_bound, device, num_splits)
+                                                 prefix_bound, device, num_splits, tiles)
     split = num_splits > 1
     if split:
         # One allocation for both partial arrays (acc, then (m, l) from ml_offset): each

@@ -212,6 +212,26 @@ def test_budget_skips_what_is_left_and_says_why(tmp_path):
         assert "budget" in result["acceptance"][0]["status"], result["acceptance"][0]
 
 
+def test_kernel_tiles_are_swept_where_the_table_misses(tmp_path):
+    """Under the interpreter (its kernel / SDPA ratio is far above 1.25) the kernel table
+    "misses", so the tile sweep runs: each candidate timed and checked against the reference at
+    the table's configuration, the best one named, in the JSON, the markdown and the summary."""
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--tiny", "--skip", "rounds",
+                           "inserts", "graph", "fused", "target", "--json", str(js), "--md", str(md)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    result = json.loads(js.read_text())
+    tiles = result["kernel_tiles"]
+    assert tiles["interpreted"] and tiles["complete"] and list(tiles["head_dims"]) == ["32"]
+    v = tiles["head_dims"]["32"]
+    assert len(v["candidates"]) == 2 and all(c["max_abs_err"] < 1e-4 for c in v["candidates"])
+    assert v["best"]["worst_ratio"] == min(c["worst_ratio"] for c in v["candidates"])
+    assert "Kernel tiles swept" in md.read_text() and "[kernel tiles] D=32" in out and "not a timing" in out
+
+
 def test_round_cases_put_the_targets_first():
     """A budget-cut run keeps what the issue's targets read: the graph round at one request
     (decode and W=G=4) and at the most requests, before the rest."""

@@ -244,6 +244,20 @@ def test_split_kv_parity(group, head_dim, splits, block_size, dtype):
     assert err <= tol, f"max abs error {err:.3g} > {tol}"
 
 
+@pytest.mark.parametrize("tiles", ta.TILE_CANDIDATES)
+def test_tile_candidates_parity(tiles):
+    """Every tile entry the GPU benchmark may time (and a next table may hold) computes the same
+    attention, single pass and split-KV, bf16 with GQA and ragged trees across page boundaries."""
+    rng = random.Random(str(tiles))
+    trees = [random_parents("ouroboros", 37, rng), random_parents("bushy", 9, rng), random_parents("chain", 1, rng)]
+    for head_dim, splits in ((64, 1), (128, 3)):
+        batch, _, _ = make_batch([150, 0, 33], trees, hkv=2, group=4, head_dim=head_dim, block_size=16,
+                                 dtype=torch.bfloat16, seed=3)
+        out = tree_attention(**on_device(batch), backend="triton", num_splits=splits, tiles=tiles).cpu()
+        err = (out.float() - tree_attention_reference(**batch).float()).abs().max().item()
+        assert torch.isfinite(out).all() and err <= 4e-2, (head_dim, splits, err)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_head_dim_256(splits):
     # D = 256 has its own row in the tile table (M = 32, 32-wide key tiles)
@@ -449,6 +463,8 @@ def test_wrapper_rejects_bad_inputs():
     ]
     bad += [(dict(num_splits=s), ValueError, "num_splits") for s in (0, ta.MAX_SPLITS + 1, 2.0, True)]
     bad += [(dict(max_prefix_len=-1), ValueError, "max_prefix_len")]
+    bad += [(dict(tiles=t), ValueError, "tiles") for t in ((64, 64, 4), (48, 64, 4, 4), (8, 64, 4, 4),
+                                                             (64, 512, 4, 4), [64, 64, 4, 4], (64, 64, 32, 4))]
     for override, exc, match in bad:
         with pytest.raises(exc, match=match):
             tree_attention(**{**batch, **override}, backend="triton")

@@ -6,7 +6,7 @@ position j (its prediction after context + d[:j]); t[n] is the bonus. -1 pads ra
 
 import numpy as np
 
-from vllm_ouroboros.feedback import accepted_lengths, inspiration, refinement
+from vllm_ouroboros.feedback import accepted_lengths, correction_phrases, inspiration, refinement
 
 A = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
 
@@ -158,3 +158,26 @@ def test_context_phrases_cover_new_text_only():
     assert ph.owners.tolist() == [7, 3, 3]
     # Too short for one phrase: nothing.
     assert len(context_phrases(table, np.array([1]), np.array([2]), np.array([0]), np.array([0]), 2)) == 0
+
+
+def test_correction_phrase_keyed_by_the_correction():
+    d = A([[5, 6, 7, 8, 9]])
+    t = A([[5, 99, 7, 8, 42, 11]])  # reject at 1 (the target says 99); agree at 2, 3
+    # Key 99 (the next round starts from it), tokens t[2], t[3]: what the target predicted after
+    # the rejected 6, taken as a guess for after 99 (tempting: key 6, the rejected draft token,
+    # or tokens d[2], d[3]: the draft's, not the target's).
+    assert phrases_of(correction_phrases(d, t, A([5]), A([4]), 2, A([1]), 0)) == [(99, [7, 8], 4)]
+    # agree = 2 asks d[2:4] == t[2:4] (yes); L = 3 with agree = 2: tokens t[2..4] = 7, 8, 42.
+    assert phrases_of(correction_phrases(d, t, A([5]), A([4]), 3, A([1]), 2)) == [(99, [7, 8, 42], 4)]
+    # agree = 3 needs d[4] == t[4] too: 9 != 42, nothing.
+    assert len(correction_phrases(d, t, A([5]), A([4]), 4, A([1]), 3)) == 0
+
+
+def test_correction_phrase_needs_verified_positions_and_a_rejection():
+    d = A([[5, 6, 7, 8], [5, 6, 7, 8]])
+    t = A([[5, 99, 7, 8, 30], [5, 6, 7, 8, 30]])
+    # Row 0 with only 2 tokens verified: t[2] is the bonus, t[3] does not exist (L = 2 needs it).
+    assert len(correction_phrases(d[:1], t[:1], A([2]), A([0]), 2, A([1]), 0)) == 0
+    # Row 1 accepted everything: no correction, no phrase; row 0 gives its own (owner 7).
+    p = correction_phrases(d, t, A([4, 4]), A([7, 8]), 2, A([1, 4]), 1)
+    assert phrases_of(p) == [(99, [7, 8], 7)]

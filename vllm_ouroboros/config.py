@@ -64,6 +64,10 @@ class OuroborosConfig:
     # true = always (K of them, as num_suffixes says); false = never (the draft alone).
     use_suffixes: bool | None = None
     use_inspiration: bool = True
+    # Inspiration at the rejection itself: the target's tokens after the rejected position,
+    # keyed by its correction, where the draft's next this-many tokens agreed with the target's
+    # (feedback.correction_phrases); None = off.
+    correction_phrases: int | None = None
     use_refinement: bool = True
     # Phrases from the confirmed text itself (prompt + accepted tokens), see feedback.py.
     use_context_phrases: bool = True
@@ -160,8 +164,9 @@ _INT_RANGES = {
     "max_draft_length": (1, 64),
     "context_phrase_window": (0, None),
     "max_speculative_batch": (1, None),
+    "correction_phrases": (0, 15),
 }
-_OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch"}  # None = derived / auto
+_OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch", "correction_phrases"}  # None = derived / auto / off
 _AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_suffixes"}  # None = decided on the device
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
               if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
@@ -190,6 +195,10 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
             f"ouroboros: num_guesses={cfg.num_guesses} exceeds window_size={cfg.window_size}; "
             "the pool keeps window_size phrases per key, so at most that many can be guessed"
         )
+    if cfg.correction_phrases is not None and cfg.correction_phrases > cfg.beta - 2:
+        raise OuroborosConfigError(
+            f"ouroboros: correction_phrases={cfg.correction_phrases} exceeds beta - 2 = {cfg.beta - 2} "
+            "(agreements among the phrase's tokens before its last)")
     if cfg.num_suffixes > cfg.window_size:
         raise OuroborosConfigError(
             f"ouroboros: num_suffixes={cfg.num_suffixes} exceeds window_size={cfg.window_size}"

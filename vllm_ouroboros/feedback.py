@@ -83,6 +83,33 @@ def inspiration(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners:
                    owners[b_idx].astype(np.int64))
 
 
+def correction_phrases(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners: np.ndarray,
+                       L: int, l_d: np.ndarray, agree: int) -> Phrases:
+    """The target's tokens after a rejection, keyed by its correction.
+
+    Shape: draft [B, D], target [B, D+1], lens [B], owners [B], l_d [B] (accepted lengths).
+    Where row b rejected d[l_d] (l_d < lens) and l_d + L <= lens: key t[l_d] (the correction, the
+    next round's first token), tokens t[l_d+1 .. l_d+L], if d[l_d+1 .. l_d+agree] == t[l_d+1 ..
+    l_d+agree]. The tokens were predicted after the rejected d[l_d], not after the correction: a
+    guess that the text goes on the same way (a substituted word); the draft verifies it like any
+    pool phrase, so it can only make the next round's first forward bring more tokens.
+    """
+    B, D = draft.shape
+    if L < 1 or B == 0:
+        return Phrases.empty(L)
+    ok = (l_d < lens) & (l_d + L <= lens)
+    agreement = _agreement(draft, target, lens)
+    for i in range(1, agree + 1):
+        col = np.minimum(l_d + i, D - 1)
+        ok &= agreement[np.arange(B), col] & (l_d + i < lens)
+    b_idx = np.nonzero(ok)[0]
+    if len(b_idx) == 0:
+        return Phrases.empty(L)
+    cols = l_d[b_idx, None] + 1 + np.arange(L)[None, :]
+    return Phrases(target[b_idx, l_d[b_idx]].astype(np.int64), target[b_idx[:, None], cols].astype(np.int64),
+                   owners[b_idx].astype(np.int64))
+
+
 def refinement(target: np.ndarray, suffix_start: np.ndarray, suffix_len: np.ndarray,
                suffix_key: np.ndarray, lens: np.ndarray, owners: np.ndarray,
                L: int) -> Phrases:

@@ -431,10 +431,15 @@ class OuroborosProposer:
             # Along the accepted path (suffix 0's chain when no suffix token was accepted).
             k_acc = np.maximum(sfx_idx, 0)
             r = np.arange(B) * K + k_acc
-            insp = feedback.inspiration(chain[r], target[r], flat_len[r], slots, L,
-                                        l_d=along[np.arange(B), k_acc])
-            if len(insp):
-                self._writer.insert(insp.keys, insp.tokens, insp.owners)
+            l_d = along[np.arange(B), k_acc]
+            insp = feedback.inspiration(chain[r], target[r], flat_len[r], slots, L, l_d=l_d)
+            corr = feedback.Phrases.empty(L) if self.cfg.correction_phrases is None else \
+                feedback.correction_phrases(chain[r], target[r], flat_len[r], slots, L, l_d,
+                                            self.cfg.correction_phrases)
+            if len(insp) + len(corr):  # one insert (on a GPU one graph replay) for both
+                self._writer.insert(np.concatenate([insp.keys, corr.keys]),
+                                    np.concatenate([insp.tokens, corr.tokens]),
+                                    np.concatenate([insp.owners, corr.owners]))
         if self.cfg.use_refinement:
             # Every suffix the walk tried: all K once the sentence draft was accepted in full.
             # Where the draft was rejected first, the target's tokens on a suffix continue a

@@ -53,24 +53,45 @@ class TokenTree:
                      suffix k (draft nodes 0..n-1, then suffix k's nodes), -1 padded. The
                      draft chain alone is nodes 0..n-1.
       path_len:      [B, K], n + suffix_len.
-      layout:        the TreeLayout (host, numpy) these fields were uploaded from: the
-                     greedy walk and the pool feedback read it there, not back from the device.
+      layout:        the TreeLayout (host, numpy) these fields come from: the greedy walk
+                     and the pool feedback read it there, not back from the device.
+    tokens, valid and what the sampled walk reads (branch_of, draft_len, suffix_start,
+    suffix_len) are uploaded with the tree; parents, depth, num_nodes, paths and path_len,
+    which no step reads on the device, on first use (properties).
     """
 
     tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    num_nodes: torch.Tensor
     branch_of: torch.Tensor
     draft_len: torch.Tensor
     suffix_start: torch.Tensor
     suffix_len: torch.Tensor
-    paths: torch.Tensor
-    path_len: torch.Tensor
     D: int
     K: int
     L: int
-    layout: TreeLayout  # the host arrays these were uploaded from
+    layout: TreeLayout
+
+    def _uploaded(self, host: np.ndarray) -> torch.Tensor:
+        return to_device(self.tokens.device, host)[0]
+
+    @functools.cached_property
+    def parents(self) -> torch.Tensor:
+        return self._uploaded(self.layout.parents)
+
+    @functools.cached_property
+    def depth(self) -> torch.Tensor:
+        return self._uploaded(self.layout.depth)
+
+    @functools.cached_property
+    def num_nodes(self) -> torch.Tensor:
+        return self._uploaded(self.layout.num_nodes)
+
+    @functools.cached_property
+    def paths(self) -> torch.Tensor:
+        return self._uploaded(self.layout.paths)
+
+    @functools.cached_property
+    def path_len(self) -> torch.Tensor:
+        return self._uploaded(self.layout.path_len)
 
     @property
     def B(self) -> int:
@@ -82,9 +103,8 @@ class TokenTree:
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
-        """[B, N] bool, real nodes (computed once: the walk and the feedback read it often)."""
-        col = torch.arange(self.N, device=self.tokens.device)
-        return col[None, :] < self.num_nodes[:, None]
+        """[B, N] bool, real nodes (uploaded with the tree by TreeLayout.tree)."""
+        return self._uploaded(self.layout.valid)
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
@@ -190,20 +210,20 @@ class TreeLayout:
              flat: torch.Tensor | None = None) -> TokenTree:
         """The TokenTree on `device`, its tokens given on the host (tokens [B, N]) or read
         from vLLM's flat drafts on the device (flat [T], tree_from_flat); one upload either way."""
-        start = np.cumsum(self.num_nodes) - self.num_nodes
-        src = np.where(self.valid, start[:, None] + self.col, 0)  # flat index of each node
-        arrays = [self.parents, self.depth, self.num_nodes, self.branch_of, self.n, self.sstart[:, :self.K],
-                  self.slen, self.paths, self.path_len, self.valid, src if tokens is None else tokens]
-        parents, depth, num_nodes, branch_of, n, sstart, slen, paths, path_len, valid, tok = to_device(
-            device, *arrays)
+        if (tokens is None) == (flat is None):
+            raise ValueError("TreeLayout.tree: give the tokens (host) or flat (device), one of them")
         if tokens is None:
-            assert flat is not None and flat.numel() >= int(self.num_nodes.sum())
+            start = np.cumsum(self.num_nodes) - self.num_nodes
+            tokens = np.where(self.valid, start[:, None] + self.col, 0)  # flat index of each node
+        branch_of, n, sstart, slen, valid, tok = to_device(
+            device, self.branch_of, self.n, self.sstart[:, :self.K], self.slen, self.valid, tokens)
+        if flat is not None:
+            assert flat.numel() >= int(self.num_nodes.sum())
             # Padding nodes read flat token 0 (or nothing in an empty step), then become 0.
             tok = torch.where(valid, flat.long()[tok], 0) if flat.numel() else torch.zeros_like(tok)
-        tree = TokenTree(tokens=tok, parents=parents, depth=depth, num_nodes=num_nodes,
-                         branch_of=branch_of, draft_len=n, suffix_start=sstart, suffix_len=slen,
-                         paths=paths, path_len=path_len, D=self.D, K=self.K, L=self.L, layout=self)
-        tree.__dict__["valid"] = valid  # the cached property, already computed here
+        tree = TokenTree(tokens=tok, branch_of=branch_of, draft_len=n, suffix_start=sstart,
+                         suffix_len=slen, D=self.D, K=self.K, L=self.L, layout=self)
+        tree.__dict__["valid"] = valid  # the cached property, already uploaded
         return tree
 
 

@@ -89,3 +89,39 @@ def test_graphs_need_cuda():
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         PoolWriter(PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 8)), graphs=True)
     assert PoolWriter(PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 8))).capture() == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_staged_rows_go_in_with_the_next_insert(graphs):
+    """A step's inspiration rows staged, then its context rows inserted (and a flush with
+    nothing after): every reader sees the pool as after separate inserts in the same order
+    (phrases by key and owner, counters; which page holds a key may differ), in one call each.
+    (With a page for every key: where pages run short, one call protects the pages of all its
+    keys from recycling, two calls only their own, so which keys lose their pages may differ.)"""
+    budget = PhrasePool.budget_for(V, L, W, V)
+    eager, written = PhrasePool(V, L, W, budget), PhrasePool(V, L, W, budget)
+    writer = PoolWriter(written, graphs=graphs, emulate_graphs=graphs)
+    rng = np.random.default_rng(2)
+    for step in range(12):
+        staged = [rows(rng, int(n)) for n in rng.integers(0, 20, 2)]
+        ctx = rows(rng, int(rng.integers(0, 30)))
+        for part in staged:
+            writer.stage(*part)
+        assert writer.staged == sum(len(k) for k, _, _ in staged)
+        calls = writer.calls
+        if step % 3 == 2:
+            writer.flush()  # e.g. before a replace or a release
+            writer.insert(*ctx)
+        else:
+            writer.insert(*ctx)
+            writer.flush()  # nothing left: no call
+        assert writer.staged == 0
+        n_staged, n_ctx = sum(len(k) for k, _, _ in staged), len(ctx[0])
+        expected = (n_staged > 0) + (n_ctx > 0) if step % 3 == 2 else int(n_staged + n_ctx > 0)
+        assert writer.calls - calls == expected
+        for k, ph, ow in [*staged, ctx]:
+            if len(k):
+                eager.insert(*(torch.from_numpy(a) for a in (k, ph, ow)))
+        (phr, valid, *_, counters), (phr2, valid2, *_, counters2) = pool_view(eager), pool_view(written)
+        assert torch.equal(phr, phr2) and torch.equal(valid, valid2) and torch.equal(counters, counters2), \
+            f"step {step}"

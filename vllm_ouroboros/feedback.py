@@ -98,7 +98,7 @@ def correction_phrases(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, 
     if L < 1 or B == 0:
         return Phrases.empty(L)
     ok = (l_d < lens) & (l_d + L <= lens)
-    agreement = _agreement(draft, target, lens)
+    agreement = _agreement(draft, target, lens) if agree else None
     for i in range(1, agree + 1):
         col = np.minimum(l_d + i, D - 1)
         ok &= agreement[np.arange(B), col] & (l_d + i < lens)

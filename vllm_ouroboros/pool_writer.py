@@ -15,7 +15,16 @@ packed rows into the bucket's static device buffer and replays the bucket's grap
 device copy (the eager path makes three), queued from pinned memory without a host wait
 (host_copy.py). Masked rows take recency stamps as real ones do: only the order of stamps
 matters, and that is unchanged. More rows than the largest bucket, and every insert without
-graphs (the CPU), run eagerly. No vLLM imports.
+graphs (the CPU), run eagerly.
+
+A step's two sources reach the writer at different times: candidate inspiration after the
+target's forward (proposer.on_verified), the context phrases at the next round's start. Nothing
+reads the pool in between, so the first are staged (`stage`) and go in with the second: one
+insert per step instead of two (on a GPU one graph replay, ~150 kernels, less). Readers see the
+pool as after two calls (rows in the same order; which page holds a key may differ) while it
+has a page for every key; a full pool may recycle other pages (one call protects the pages of
+all its keys, two calls only their own): lossless either way, the pool only proposes. Whoever
+reads or changes the pool otherwise first calls `flush`. No vLLM imports.
 """
 
 from __future__ import annotations
@@ -56,14 +65,46 @@ class PoolWriter:
         self._replays: dict[int, object] = {}  # bucket -> captured graph
         self._graph_pool = None
         self.replayed = 0  # inserts that ran from a graph (the rest ran eagerly)
+        self.calls = 0  # pool inserts run (graph replays and eager calls)
+        self._staged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def stage(self, keys: np.ndarray, phrases: np.ndarray, owners: np.ndarray) -> None:
+        """Queue rows for the next `insert` or `flush`, older than the rows that call brings
+        (module docstring). Shapes as `insert`."""
+        if len(keys):
+            self._staged.append((np.asarray(keys), np.asarray(phrases), np.asarray(owners)))
+
+    @property
+    def staged(self) -> int:
+        """Rows queued by `stage` and not inserted yet."""
+        return sum(len(k) for k, _, _ in self._staged)
+
+    def flush(self) -> None:
+        """Insert the staged rows now (nothing if none): before the pool is read or changed
+        by anything but this writer."""
+        if self._staged:
+            self._insert(*self._take_staged())
+
+    def _take_staged(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        keys, phrases, owners = (np.concatenate(parts) for parts in zip(*self._staged))
+        self._staged = []
+        return keys, phrases, owners
 
     def insert(self, keys: np.ndarray, phrases: np.ndarray, owners: np.ndarray) -> None:
-        """Insert phrases as newest (PhrasePool.insert), later rows newer.
+        """Insert the staged rows, then these, as newest (PhrasePool.insert), later rows
+        newer: one pool insert.
 
         Shape: keys [N] int, phrases [N, L] int, owners [N] int (host arrays)."""
+        if self._staged:
+            self.stage(keys, phrases, owners)
+            keys, phrases, owners = self._take_staged()
+        self._insert(keys, phrases, owners)
+
+    def _insert(self, keys: np.ndarray, phrases: np.ndarray, owners: np.ndarray) -> None:
         N = len(keys)
         if N == 0:
             return
+        self.calls += 1
         Nb = bucket(N, BUCKETS)
         if not self.graphs or N > BUCKETS[-1] or not self._ready(Nb):
             self.pool.insert(*to_device(self.pool.device, keys, phrases, owners))

@@ -300,8 +300,15 @@ class OuroborosProposer:
         """Write the pool (atomically: a reader never sees half a file)."""
         path = path or self.cfg.pool_save_path
         if path and self.pool is not None:
+            self._flush_staged()
             self.pool.save(path)
             self._last_pool_save = time.monotonic()
+
+    def _flush_staged(self) -> None:
+        """Insert the rows staged for the next round's insert (pool_writer.py) before the pool
+        is read or changed by anything else."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def _maybe_save_pool(self) -> None:
         # atexit alone is not enough: vLLM may kill the engine process at shutdown before exit
@@ -323,6 +330,7 @@ class OuroborosProposer:
         if changes.released:
             slots = changes.released
             if self.pool is not None:  # None on a TP rank that follows the first
+                self._flush_staged()  # staged rows keep the owner they were written for
                 self.pool.release(torch.tensor(slots, dtype=torch.long, device=self.device))
             for s in slots:
                 if self.runtime is not None:
@@ -436,10 +444,9 @@ class OuroborosProposer:
             corr = feedback.Phrases.empty(L) if self.cfg.correction_phrases is None else \
                 feedback.correction_phrases(chain[r], target[r], flat_len[r], slots, L, l_d,
                                             self.cfg.correction_phrases)
-            if len(insp) + len(corr):  # one insert (on a GPU one graph replay) for both
-                self._writer.insert(np.concatenate([insp.keys, corr.keys]),
-                                    np.concatenate([insp.tokens, corr.tokens]),
-                                    np.concatenate([insp.owners, corr.owners]))
+            # Staged: inserted with the next round's context phrases (pool_writer.py).
+            self._writer.stage(insp.keys, insp.tokens, insp.owners)
+            self._writer.stage(corr.keys, corr.tokens, corr.owners)
         if self.cfg.use_refinement:
             # Every suffix the walk tried: all K once the sentence draft was accepted in full.
             # Where the draft was rejected first, the target's tokens on a suffix continue a
@@ -452,6 +459,7 @@ class OuroborosProposer:
                 idx = np.nonzero((s_len == L) & (np.repeat(n, K) + L <= flat_len))[0]
                 old = self._last_suffix[owners[idx], idx % K]
                 keys, old, new, own = to_device(self.device, refn.keys, old, refn.tokens, refn.owners)
+                self._flush_staged()  # the replace sees what it saw when inserts were immediate
                 self.pool.replace(keys, old, new, own)
         # What the tree added over chain verification in this very step (against the argmax, so
         # exact for greedy requests).
@@ -532,6 +540,7 @@ class OuroborosProposer:
             return proposals
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
+        self._flush_staged()  # what the context insert did not take (none where it ran)
         t_draft = time.perf_counter()
         forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(rows)))
         try:
@@ -713,6 +722,7 @@ class OuroborosProposer:
 
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""
+        self._flush_staged()
         pool = self.pool.stats() if self.pool is not None else None
         out = self.stats.snapshot(pool, per_request=per_request)
         out["requests_returned"] = self._slot_of.returned

@@ -8,8 +8,9 @@ a tree: a draft prefix, or the full draft and the first suffixes. Flat index f (
 query row, the KV slot and, for f >= 1, TokenTree node f - 1 (tree.py numbers nodes in the same
 order). What changes for a suffix k >= 1 node is its position (depth, not f) and the tokens it
 attends (the draft and its own suffix, not the earlier suffixes): the two things this plan gives
-the runner and the attention. No vLLM imports, no torch: numpy on the host, as vLLM builds its
-own per-step metadata.
+the runner and the attention. Both are read from the step's TreeLayout (tree.py), the same
+numbering the walk and the pool feedback read. No vLLM imports: numpy on the host, as vLLM
+builds its own per-step metadata.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .tree import TreeLayout
 
 # Tree query rows per request: the ancestor masks are int64 bitmasks.
 MAX_TREE_ROWS = 64
@@ -63,6 +66,8 @@ class StepPlan:
       write:       [Tt] bool, rows whose attention differs from causal (suffix k >= 1 nodes).
       pos_rows:    [P] int64, query rows whose position is not root + f, and
       pos_delta:   [P] int64, how much to subtract from vLLM's position there.
+    layout:        the TreeLayout of all B requests (truncated lengths; tree.py), which the
+                   step's TokenTree is built from.
     """
 
     num_drafts: np.ndarray
@@ -76,6 +81,7 @@ class StepPlan:
     write: np.ndarray
     pos_rows: np.ndarray
     pos_delta: np.ndarray
+    layout: TreeLayout
 
     @property
     def has_tree(self) -> bool:
@@ -88,15 +94,21 @@ class StepPlan:
 
 
 def build_plan(num_scheduled: np.ndarray, draft_len: np.ndarray, suffix_len: np.ndarray,
-               query_start: np.ndarray, num_computed: np.ndarray) -> StepPlan:
+               query_start: np.ndarray, num_computed: np.ndarray, L: int | None = None) -> StepPlan:
     """Plan one step.
 
     Shape: num_scheduled [B] (draft tokens vLLM scheduled per request), draft_len [B] and
     suffix_len [B, K] (the layout proposed), query_start [B + 1] (first query row of each
-    request; its root), num_computed [B] (the root's position).
+    request; its root), num_computed [B] (the root's position). L: the layout's padded suffix
+    width (>= every suffix length; default their maximum).
     """
     n, sl = truncate_layout(num_scheduled, draft_len, suffix_len)
     c = n + sl.sum(1)
+    L_max = int(sl.max(initial=0))
+    if L is not None and L < L_max:
+        raise ValueError(f"a suffix of {L_max} tokens exceeds the layout's width L = {L}")
+    L = L_max if L is None else L
+    layout = TreeLayout(n, sl, D=int(n.max(initial=0)), L=L)
     tree = np.nonzero((sl[:, 1:] > 0).any(1))[0] if sl.shape[1] > 1 else np.zeros(0, np.int64)
     if len(tree) and (c[tree] + 1).max() > MAX_TREE_ROWS:
         raise ValueError(f"a tree of {(c[tree] + 1).max()} rows exceeds {MAX_TREE_ROWS}")
@@ -105,14 +117,12 @@ def build_plan(num_scheduled: np.ndarray, draft_len: np.ndarray, suffix_len: np.
     q_start[1:] = np.cumsum(counts)
     req = np.repeat(np.arange(len(tree)), counts)  # index into tree
     f = ragged_arange(counts)
-    nr = n[tree][req]
-    cum = sl[tree].cumsum(1)  # [Bt, K] suffix ends, relative to the draft's end
-    s = f - 1 - nr  # offset into the suffix region (>= 0 for suffix nodes)
-    in_sfx = s >= 0
-    k = (s[:, None] >= cum[req]).sum(1).clip(max=sl.shape[1] - 1)
-    j = s - (cum[req, k] - sl[tree][req, k])
-    depth = np.where(in_sfx, nr + 1 + j, f)
-    branch = np.where(in_sfx, k, -1)
+    rb, node = tree[req], np.maximum(f - 1, 0)  # row f >= 1 is node f - 1; row 0 the root
+    nr = n[rb]
+    in_sfx = (f >= 1) & layout.is_suf[rb, node]
+    j = layout.j[rb, node]
+    depth = np.where(in_sfx, layout.depth[rb, node], f)
+    branch = np.where(in_sfx, layout.branch_of[rb, node], -1)
 
     u = np.uint64
     f_u, nr_u, j_u = f.astype(u), nr.astype(u), np.maximum(j, 0).astype(u)
@@ -129,5 +139,5 @@ def build_plan(num_scheduled: np.ndarray, draft_len: np.ndarray, suffix_len: np.
         q_rows=q_rows, q_start=q_start,
         prefix_lens=np.asarray(num_computed, np.int64)[tree].astype(np.int32),
         bits=bits.view(np.int64), write=branch >= 1,
-        pos_rows=q_rows[moved], pos_delta=delta[moved],
+        pos_rows=q_rows[moved], pos_delta=delta[moved], layout=layout,
     )

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros.step_plan import StepPlan, build_plan
-from vllm_ouroboros.tree import TokenTree, tree_from_flat
+from vllm_ouroboros.tree import TokenTree
 
 
 @dataclass
@@ -46,13 +46,13 @@ def plan_target_step(num_drafts: np.ndarray, draft_len: np.ndarray, suffix_len: 
     suffix_len [B, K] (the layout the proposer sent), query_start [B + 1] (first query row of
     each request: its root), num_computed [B] (the root's position), all host arrays;
     draft_token_ids [sum num_drafts] on the device (SpecDecodeMetadata's flat drafted tokens).
-    Everything but the tokens is host arithmetic: one upload and one gather on the device.
+    Everything but the tokens is host arithmetic (the plan's TreeLayout, which the tree's
+    tokens are gathered for): one upload and one gather on the device.
     Logit rows are vLLM's: 1 + num_drafts per request, in batch order.
     """
     c = np.asarray(num_drafts, np.int64)
     B = len(c)
     qs = np.asarray(query_start[:B + 1], np.int64)
-    plan = build_plan(c, draft_len, suffix_len, qs, num_computed)
-    D = max(int(plan.draft_len.max(initial=0)), 0)
-    tree = tree_from_flat(draft_token_ids, plan.draft_len, plan.suffix_len, D=D, L=phrase_len)
+    plan = build_plan(c, draft_len, suffix_len, qs, num_computed, L=phrase_len)
+    tree = plan.layout.tree(draft_token_ids.device, flat=draft_token_ids)
     return TargetStep(plan=plan, tree=tree, row_start=np.cumsum(c + 1) - (c + 1), root_rows=qs[:B])

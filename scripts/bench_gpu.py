@@ -24,12 +24,15 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           where it misses 1.25x, the tile entries of kernels/tree_attention.TILE_CANDIDATES
           timed at every configuration of the failing head dims (kernel tiles: the best entry
           per head dim is what to set in the kernel's table).
+  profile where the W=G=4 round's time goes at one request (scripts/profile_round.py): the eager
+          device round by region of our code (device activities, device and host ms; through the
+          fused kernels too on CUDA), the graph round's totals and the device's busy share.
   inserts a step's pool insert (vllm_ouroboros/pool_writer.py) of 16, 64, 256 rows into a pool of
           the draft's vocabulary: eager vs replayed from a CUDA graph.
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
           runs' counters (results/drafting_modes.json, results/device_round_counters.json).
 What the issue's targets read comes first (curves, the rounds they name, the target step, the
-kernel; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
+kernel, the profile; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
 with that reason. Then the issue's acceptance lines, PASS / FAIL only
 where measured (a kernel table cut short can fail, not pass). Writes results/bench_gpu.json
 (everything) and results/bench_gpu.md (--tiny: bench_gpu_tiny.*). No vLLM imports.
@@ -104,6 +107,7 @@ class Plan:
         self.max_s = 10.0 if tiny else 0.4
         self.round_batches = (1, 2) if tiny else (1, 8, 32)
         self.warmup_rounds, self.timed_rounds = (1, 3) if tiny else (3, 10)
+        self.profile_rounds = 2 if tiny else 3  # profiled after one more (within RoundRunner's sizing)
 
     def round_cases(self, modes: list[str]) -> list[tuple[str, int, str]]:
         """(setting, requests, mode) of the rounds section, most needed first (the issue's
@@ -346,61 +350,75 @@ def token_table(contexts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.n
     return tab, np.arange(len(contexts), dtype=np.int64), lens
 
 
+class RoundRunner:
+    """B requests of plan.prefix random tokens drafting with one (setting, mode), each round's
+    whole draft accepted plus one random token (random weights accept nothing useful; the
+    shapes are what is timed or profiled). `run()` drafts one round and advances the contexts."""
+
+    def __init__(self, model: DraftModel, window: int, guesses: int, B: int, mode: str, plan: Plan,
+                 seed: int):
+        dev = model.device
+        # graph-fixed: the graph round without its conditional nodes; X+fused: the X round
+        # through the fused layer kernels (OuroborosConfig.draft_fused_ops).
+        draft_round = "graph" if mode.startswith("graph") else mode.split("+")[0]
+        model.fused_ops = mode.endswith("+fused")
+        settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
+                                 num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
+                                 draft_round=draft_round, round_forwards=GAMMA)
+        pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev)
+        rounds = plan.warmup_rounds + plan.timed_rounds
+        growth = rounds * (GAMMA + BETA + 1)  # a round adds at most gamma - 1 + beta draft tokens + 1
+        max_len = plan.prefix + growth + 64
+        # A fresh paged cache, its pages shared by the B requests (as the proposer sizes it at load).
+        model.allocate_cache(B + 1, max_len, num_tokens=B * max_len)
+        self.rt = rt = DraftRuntime(model, pool, settings, B, max_len, dev)
+        if mode == "graph-fixed":  # the graph round without conditional nodes: every F forward runs
+            rt.device_round = DeviceRound(rt, graphs=True, early_exit=False)
+        self.rng = rng = np.random.default_rng(seed)  # the same seed in every mode: the same contexts
+        self.V = V = model.vocab_size
+        self.contexts = [rng.integers(3, V, plan.prefix).tolist() for _ in range(B)]
+        self.slots = np.arange(B, dtype=np.int64)
+        # One round over the longest contexts the run reaches (these plus a random tail): the
+        # runtime takes its cache pages now, not while timing (growing the page store reallocates
+        # it and drops captured graphs). The next round rolls back to the contexts themselves.
+        tail = rng.integers(3, V, (B, growth)).tolist()
+        rt.run_round(self.slots, *token_table([c + t for c, t in zip(self.contexts, tail)]))
+        self.captured = rt.device_round.capture([B]) if draft_round == "graph" else 0
+        self.generation = rt.generation
+
+    def run(self):
+        """One round (the RoundOutput); the contexts then take its draft and one random token."""
+        out = self.rt.run_round(self.slots, *token_table(self.contexts))
+        for b in range(len(self.contexts)):
+            self.contexts[b] += out.drafts[b, :out.draft_lens[b]].tolist() + [int(self.rng.integers(3, self.V))]
+        return out
+
+
 def time_rounds(model: DraftModel, window: int, guesses: int, B: int, mode: str, plan: Plan,
                 seed: int) -> dict:
-    """run_round timings of one (setting, batch, mode): B requests of plan.prefix random tokens,
-    each round's whole draft accepted plus one random token (random weights accept nothing
-    useful; the shapes are what is timed). Wall time per round: a round is host and device work
-    ending in a device->host copy, so its latency is what the engine waits for."""
-    dev = model.device
-    phrases = bool(window or guesses)
-    # graph-fixed: the graph round without its conditional nodes; graph+fused: the graph round
-    # through the fused layer kernels (OuroborosConfig.draft_fused_ops).
-    draft_round = "graph" if mode.startswith("graph") else mode
-    model.fused_ops = mode == "graph+fused"
-    settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
-                             num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
-                             draft_round=draft_round, round_forwards=GAMMA)
-    pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev)
-    rounds = plan.warmup_rounds + plan.timed_rounds
-    growth = rounds * (GAMMA + BETA + 1)  # a round adds at most gamma - 1 + beta draft tokens + 1
-    max_len = plan.prefix + growth + 64
-    # A fresh paged cache, its pages shared by the B requests (as the proposer sizes it at load).
-    model.allocate_cache(B + 1, max_len, num_tokens=B * max_len)
-    rt = DraftRuntime(model, pool, settings, B, max_len, dev)
-    if mode == "graph-fixed":  # the graph round without conditional nodes: every F forward runs
-        rt.device_round = DeviceRound(rt, graphs=True, early_exit=False)
-    rng = np.random.default_rng(seed)  # the same seed in every mode: the same contexts
-    V = model.vocab_size
-    contexts = [rng.integers(3, V, plan.prefix).tolist() for _ in range(B)]
-    slots = np.arange(B, dtype=np.int64)
-    # One round over the longest contexts the run reaches (these plus a random tail): the
-    # runtime takes its cache pages now, not while timing (growing the page store reallocates
-    # it and drops captured graphs). The next round rolls back to the contexts themselves.
-    tail = rng.integers(3, V, (B, growth)).tolist()
-    rt.run_round(slots, *token_table([c + t for c, t in zip(contexts, tail)]))
-    captured = rt.device_round.capture([B]) if draft_round == "graph" else 0
-    generation = rt.generation
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    res = {"window": window, "guesses": guesses, "row_tokens": row_tokens(window, guesses) if phrases else 2,
-           "requests": B, "mode": mode, "captured_graphs": captured, "round_ms": [], "forwards": [],
+    """run_round timings of one (setting, batch, mode) (RoundRunner). Wall time per round: a
+    round is host and device work ending in a device->host copy, so its latency is what the
+    engine waits for."""
+    runner = RoundRunner(model, window, guesses, B, mode, plan, seed)
+    rt = runner.rt
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    res = {"window": window, "guesses": guesses,
+           "row_tokens": row_tokens(window, guesses) if window or guesses else 2,
+           "requests": B, "mode": mode, "captured_graphs": runner.captured, "round_ms": [], "forwards": [],
            "early_exit": rt.device_round is not None and rt.device_round.early_exit,
            "draft_tokens": [], "prefill_forwards": 0}
-    for r in range(rounds):
-        tab, rows, lens = token_table(contexts)
+    for r in range(plan.warmup_rounds + plan.timed_rounds):
         sync()
         t0 = time.perf_counter()
-        out = rt.run_round(slots, tab, rows, lens)
+        out = runner.run()
         sync()
         ms = 1000 * (time.perf_counter() - t0)
-        for b in range(B):
-            contexts[b] += out.drafts[b, :out.draft_lens[b]].tolist() + [int(rng.integers(3, V))]
         if r >= plan.warmup_rounds:
             res["round_ms"].append(ms)
             res["forwards"].append(int(out.forwards))
             res["draft_tokens"].append(int(out.draft_lens.sum()))
             res["prefill_forwards"] += int(out.prefill_forwards)
-    res["cache_regrown"] = rt.generation != generation  # True: graphs were recaptured while timing
+    res["cache_regrown"] = rt.generation != runner.generation  # True: graphs were recaptured while timing
     res["draft_cache"] = rt.kv.stats()  # the paged store after the rounds: bytes, pages, in use
     res["ms_per_round"] = median(res["round_ms"])
     res["ms_per_forward"] = median([t / max(f, 1) for t, f in zip(res["round_ms"], res["forwards"])])
@@ -458,6 +476,29 @@ def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -
         out.append(point)
         print(f"  insert {n:>4} rows: eager {point['eager_ms']:8.3f} ms  graph {_ms(point.get('graph_ms'))} ms",
               flush=True)
+    return out
+
+
+def profile_section(model: DraftModel, plan: Plan, modes: list[str], budget: Budget, skipped: dict,
+                    out: dict) -> dict:
+    """scripts/profile_round.py's view of the W = G = 4 round at one request, into `out` by
+    mode: the eager device round by region ("device", "device+fused": through the fused
+    kernels), the graph round's totals ("graph")."""
+    import profile_round
+
+    window, guesses = ROUND_SETTINGS["phrases W=G=4"]
+    for mode in modes:
+        if budget.spent():
+            skipped[f"profile/{mode}"] = budget.reason()
+            continue
+        try:
+            runner = RoundRunner(model, window, guesses, 1, mode, plan, seed=0)
+            out[mode] = p = profile_round.profile_rounds(runner.run, plan.profile_rounds, model.device,
+                                                         attribute=not mode.startswith("graph"))
+        finally:
+            model.fused_ops = False
+        for line in profile_round.report_lines(f"{mode} round, 1 request, phrases W=G=4", p):
+            print(line, flush=True)
     return out
 
 
@@ -885,7 +926,7 @@ def markdown(res: dict) -> str:
                   for c in checks]
     lines += _md_curves(res) + _md_rounds(res) + _md_target_step(res.get("target_step"))
     lines += _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel")) + _md_kernel_tiles(res.get("kernel_tiles"))
-    lines += _md_modeled(res.get("modeled"))
+    lines += _md_profile(res.get("profile")) + _md_modeled(res.get("modeled"))
     if res["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in res["skipped"].items()]
     if res["errors"]:
@@ -923,6 +964,19 @@ def _md_inserts(pts: list | None) -> list[str]:
     lines = ["", "## A step's pool insert (pool_writer.py; ms, median)", "", "| rows | eager | CUDA graph |",
              "|---|---|---|"]
     return lines + [f"| {p['rows']} | {_ms(p['eager_ms'])} | {_ms(p.get('graph_ms'))} |" for p in pts]
+
+
+def _md_profile(prof: dict | None) -> list[str]:
+    lines = []
+    for mode, p in (prof or {}).items():
+        busy = "" if not p["device_activities"] else \
+            f", device busy {p['device_ms']:.2f} ms ({100 * p['device_busy']:.0f}% of the wall)"
+        lines += ["", f"## Profile: {mode} round, 1 request, phrases W=G=4 (scripts/profile_round.py; per round)", "",
+                  f"{p['wall_ms']:.2f} ms wall{busy}, {p['device_activities']:.0f} device activities.", "",
+                  "| region | calls | device activities | device ms | host ms |", "|---|---|---|---|---|"]
+        lines += [f"| {r['region']} | {r['calls']:.1f} | {r['device_activities']:.1f} | {r['device_ms']:.3f} | "
+                  f"{r['host_ms']:.3f} |" for r in p["regions"]]
+    return lines
 
 
 def _md_kernel(k: dict | None) -> list[str]:
@@ -1005,7 +1059,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="default bfloat16 (--tiny: float32)")
     ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["target", "rounds", "kernel", "graph", "inserts", "fused"],
+                    choices=["target", "rounds", "kernel", "graph", "inserts", "fused", "profile"],
                     help="sections to leave out (graph: no CUDA-graph timings; fused: no graph rounds "
                          "through the fused layer kernels, DraftModel.fused_ops, which run on CUDA)")
     ap.add_argument("--budget-s", type=float,
@@ -1081,7 +1135,7 @@ def main() -> int:
     if not cuda:
         torch.set_num_threads(1)  # tiny tensors: thread wake-ups cost more than the work (tests/conftest.py)
     res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "target_step": None,
-           "inserts": None, "kernel": None, "kernel_tiles": None,
+           "inserts": None, "kernel": None, "kernel_tiles": None, "profile": None,
            "modeled": None, "skipped": {}, "errors": {}}
     print(f"# {res['device']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}"
           f"{', --tiny' if args.tiny else ''}", flush=True)
@@ -1195,16 +1249,31 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
             checkpoint()
         elif kern:
             skipped["kernel_tiles"] = f"skipped: the shipped tiles are within {KERNEL_TARGET}x of SDPA"
+    # The graph round's profile comes last: CUPTI tracing graph replays (conditional nodes
+    # included) is the least tried thing here, and what is measured before it is kept.
+    profiles = [["device"] + (["device+fused"] if graphs and "fused" not in args.skip else []),
+                ["graph"] if graphs else []]
+
+    def profile(modes: list[str]) -> None:
+        if "profile" in args.skip:
+            skipped["profile"] = "skipped: --skip profile"
+        elif modes:
+            res["profile"] = res["profile"] or {}
+            section("profile", lambda: profile_section(draft, plan, modes, budget, skipped, res["profile"]))
+            checkpoint()
+
+    profile(profiles[0])
     rounds([c for c in cases if c not in first])
-    vocab = draft.vocab_size
-    del draft
-    gc.collect()
     if "inserts" in args.skip:
         skipped["inserts"] = "skipped: --skip inserts"
     elif budget.spent():
         skipped["inserts"] = budget.reason()
     else:
-        res["inserts"] = section("inserts", lambda: insert_section(vocab, plan, device, graphs))
+        res["inserts"] = section("inserts", lambda: insert_section(draft.vocab_size, plan, device, graphs))
+        checkpoint()
+    profile(profiles[1])
+    del draft
+    gc.collect()
 
 
 def print_summary(res: dict) -> None:

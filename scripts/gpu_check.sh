@@ -12,7 +12,7 @@
 # section) and the tests the rest: first the files that run on the GPU (kernels, draft model and
 # runtime, rounds, graphs, pool), then the others, each in its own log, so a cut leaves the first.
 # What comes back from $OUT (the tool returns 8 files at most): summary.txt (machine, install,
-# how each part ended, the acceptance lines, failures), bench.log, bench_gpu.json, bench_gpu.md,
+# how each part ended, the acceptance lines, the round profile, failures), bench.log, bench_gpu.json, bench_gpu.md,
 # tests_gpu.log, tests_rest.log (tests.log for a selection). Outside the device tool $OUT defaults
 # to results/gpu_check. Runs on a CPU too (the tests then run on the CPU; the benchmark needs
 # CUDA unless GPU_CHECK_BENCH_ARGS=--tiny).
@@ -99,7 +99,7 @@ if [[ $PART == bench || $PART == all ]]; then
     timed bench $(( budget + 45 < $(left) ? budget + 45 : $(left) )) "$OUT/bench.log" python \
         scripts/bench_gpu.py "${extra[@]}" --budget-s "$budget" --json "$OUT/bench_gpu.json" \
         --md "$OUT/bench_gpu.md"
-    { echo "== bench acceptance"; grep -E "PASS|FAIL|NOT MEASURED|INCOMPLETE|^\[errors\]|^\[kernel tiles\]" "$OUT/bench.log"; } \
+    { echo "== bench acceptance"; grep -E "PASS|FAIL|NOT MEASURED|INCOMPLETE|^\[errors\]|^\[kernel tiles\]|^\[profile\] " "$OUT/bench.log"; } \
         >> "$SUMMARY" 2>/dev/null
 fi
 

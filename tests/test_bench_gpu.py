@@ -302,3 +302,35 @@ def test_modeled_only_prints_the_counters_under_given_curves():
     plain = max(r["tokens"] - c["target_forwards"] - c["accepted_tokens"], 0)
     per_token = (c["draft_forward_calls"] * 1.0 + (c["target_forwards"] + plain) * 4.0) / r["tokens"]
     assert float(line.split()[-1]) == pytest.approx(4.0 / per_token, abs=0.006)
+
+
+def test_round_profile_charges_each_region(tiny_run):
+    """The profile section (scripts/profile_round.py) on the tiny shapes: host time by region
+    of the eager device round (no device activities on a CPU), the regions' functions restored
+    after it, its lines in the output."""
+    import profile_round
+    from vllm_ouroboros.draft.model import DraftLayer
+    from vllm_ouroboros.pool import PhrasePool
+
+    _, result, md, output = tiny_run
+    prof = result["profile"]
+    assert set(prof) == ({"device", "device+fused", "graph"} if CUDA else {"device"})
+    p = prof["device"]
+    regions = {r["region"]: r for r in p["regions"]}
+    for name in ("pool: lookup", "pool: insert", "draft: matrix products", "draft: attention",
+                 "draft: LM head + argmax", "round: row inputs (masks, positions)"):
+        assert regions[name]["calls"] > 0 and regions[name]["host_ms"] > 0, name
+    # Two layers, four projections each (qkv, o, gate_up, down), every forward.
+    fwd = regions["draft forward, rest (embedding, RoPE tables)"]["calls"]
+    assert regions["draft: matrix products"]["calls"] == 4 * 2 * fwd
+    assert sum(r["host_ms"] for r in p["regions"]) <= p["wall_ms"] * 1.05
+    assert (p["device_activities"] > 0) == CUDA
+    assert "[profile] device round, 1 request, phrases W=G=4" in output and "## Profile: device round" in md.read_text()
+    # In this process: wrapped inside annotated(), the very same functions after it.
+    before = PhrasePool.__dict__["insert"], DraftLayer.__dict__["project"], profile_round._owner(
+        "vllm_ouroboros.draft.model").rms_norm
+    with profile_round.annotated():
+        assert PhrasePool.__dict__["insert"] is not before[0] and DraftLayer.__dict__["project"] is not before[1]
+    after = PhrasePool.__dict__["insert"], DraftLayer.__dict__["project"], profile_round._owner(
+        "vllm_ouroboros.draft.model").rms_norm
+    assert all(x is y for x, y in zip(before, after))

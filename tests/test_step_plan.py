@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_ouroboros.step_plan import build_plan, truncate_layout
@@ -75,3 +76,13 @@ def test_plan_matches_tree_masks_and_positions(device):
         # Rows of other requests never move.
         tree_rows = set(plan.q_rows.tolist())
         assert all(r in tree_rows for r in plan.pos_rows.tolist())
+
+
+def test_plan_layout_is_the_truncated_layout_and_rejects_a_narrow_width():
+    n, sl = np.array([3, 2]), np.array([[4, 4], [4, 0]])
+    c = np.array([9, 4])  # request 0 loses the last two tokens of suffix 1
+    plan = build_plan(c, n, sl, np.array([0, 10, 15]), np.array([7, 9]), L=6)
+    assert plan.layout.n.tolist() == [3, 2] and plan.layout.slen.tolist() == [[4, 2], [2, 0]]
+    assert (plan.layout.D, plan.layout.L) == (3, 6)
+    with pytest.raises(ValueError, match="a suffix of 4 tokens exceeds the layout's width L = 3"):
+        build_plan(c, n, sl, np.array([0, 10, 15]), np.array([7, 9]), L=3)

@@ -261,8 +261,9 @@ class DeviceRound:
         c += 7
         sfx = out[:, c:c + K * L].reshape(B, K, L)
         valid = out[:, c + K * L:c + K * L + K].astype(bool)
-        needed = F + 1 if act.any() else int(rf.max(initial=1))
-        self._recent = (self._recent + [needed])[-8:]
+        if not self.early_exit:  # forwards_for_next_round reads it only without early exit
+            needed = F + 1 if act.any() else int(rf.max(initial=1))
+            self._recent = (self._recent + [needed])[-8:]
         # A forward ran iff some row was drafting, and every such row counts it.
         ran = int(rf.max(initial=1)) if self.graphs and self.early_exit else F
         return DeviceRoundOutput(out[:, :D], dlen, rf, gt, gh, rule.astype(bool), dlen - last,

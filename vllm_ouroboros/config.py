@@ -66,10 +66,10 @@ class OuroborosConfig:
     use_inspiration: bool = True
     # Inspiration at the rejection itself: the target's tokens after the rejected position,
     # keyed by its correction, where the draft's next this-many tokens agreed with the target's
-    # (feedback.correction_phrases); None = off. 0 (no agreement asked beyond the correction):
-    # 1.5-2% fewer draft forwards on two HumanEval runs at the same tokens per target forward
-    # (results/README.md, "Candidate inspiration at the rejection").
-    correction_phrases: int | None = 0
+    # (feedback.correction_phrases); None = off. Off: 1.5-2% fewer draft forwards at one request
+    # (HumanEval, 8 and 20 prompts), none at five concurrent requests, where tokens per target
+    # forward fell (results/README.md, "Candidate inspiration at the rejection").
+    correction_phrases: int | None = None
     use_refinement: bool = True
     # Phrases from the confirmed text itself (prompt + accepted tokens), see feedback.py.
     use_context_phrases: bool = True

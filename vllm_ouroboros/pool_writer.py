@@ -79,31 +79,22 @@ class PoolWriter:
         """Rows queued by `stage` and not inserted yet."""
         return sum(len(k) for k, _, _ in self._staged)
 
-    def flush(self) -> None:
-        """Insert the staged rows now (nothing if none): before the pool is read or changed
-        by anything but this writer."""
-        if self._staged:
-            self._insert(*self._take_staged())
-
-    def _take_staged(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        keys, phrases, owners = (np.concatenate(parts) for parts in zip(*self._staged))
-        self._staged = []
-        return keys, phrases, owners
-
     def insert(self, keys: np.ndarray, phrases: np.ndarray, owners: np.ndarray) -> None:
         """Insert the staged rows, then these, as newest (PhrasePool.insert), later rows
         newer: one pool insert.
 
         Shape: keys [N] int, phrases [N, L] int, owners [N] int (host arrays)."""
-        if self._staged:
-            self.stage(keys, phrases, owners)
-            keys, phrases, owners = self._take_staged()
-        self._insert(keys, phrases, owners)
+        self.stage(keys, phrases, owners)
+        self.flush()
 
-    def _insert(self, keys: np.ndarray, phrases: np.ndarray, owners: np.ndarray) -> None:
-        N = len(keys)
-        if N == 0:
+    def flush(self) -> None:
+        """Insert the staged rows now (nothing if none): before the pool is read or changed
+        by anything but this writer."""
+        if not self._staged:
             return
+        parts, self._staged = self._staged, []
+        keys, phrases, owners = parts[0] if len(parts) == 1 else (np.concatenate(p) for p in zip(*parts))
+        N = len(keys)
         self.calls += 1
         Nb = bucket(N, BUCKETS)
         if not self.graphs or N > BUCKETS[-1] or not self._ready(Nb):

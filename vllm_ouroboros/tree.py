@@ -30,6 +30,16 @@ from .host_copy import to_device
 PAD_BRANCH = -2
 
 
+def _uploaded_on_first_use(name: str) -> functools.cached_property:
+    """A TokenTree field that is TreeLayout's array `name`, uploaded to the tree's device the
+    first time it is read (then cached)."""
+    def get(tree: "TokenTree") -> torch.Tensor:
+        return to_device(tree.tokens.device, getattr(tree.layout, name))[0]
+
+    get.__doc__ = f"TreeLayout.{name} on the tree's device (the class docstring gives its shape)."
+    return functools.cached_property(get)
+
+
 @dataclass
 class TokenTree:
     """Draft + suffixes as a tree, batched and padded to N = D + K*L nodes per row.
@@ -70,28 +80,14 @@ class TokenTree:
     L: int
     layout: TreeLayout
 
-    def _uploaded(self, host: np.ndarray) -> torch.Tensor:
-        return to_device(self.tokens.device, host)[0]
-
-    @functools.cached_property
-    def parents(self) -> torch.Tensor:
-        return self._uploaded(self.layout.parents)
-
-    @functools.cached_property
-    def depth(self) -> torch.Tensor:
-        return self._uploaded(self.layout.depth)
-
-    @functools.cached_property
-    def num_nodes(self) -> torch.Tensor:
-        return self._uploaded(self.layout.num_nodes)
-
-    @functools.cached_property
-    def paths(self) -> torch.Tensor:
-        return self._uploaded(self.layout.paths)
-
-    @functools.cached_property
-    def path_len(self) -> torch.Tensor:
-        return self._uploaded(self.layout.path_len)
+    # The layout's arrays no step reads on the device (tests do): uploaded on first use.
+    parents = _uploaded_on_first_use("parents")
+    depth = _uploaded_on_first_use("depth")
+    num_nodes = _uploaded_on_first_use("num_nodes")
+    paths = _uploaded_on_first_use("paths")
+    path_len = _uploaded_on_first_use("path_len")
+    # Uploaded with the tree (TreeLayout.tree sets it); the walk and the feedback read it often.
+    valid = _uploaded_on_first_use("valid")
 
     @property
     def B(self) -> int:
@@ -100,11 +96,6 @@ class TokenTree:
     @property
     def N(self) -> int:
         return self.tokens.shape[1]
-
-    @functools.cached_property
-    def valid(self) -> torch.Tensor:
-        """[B, N] bool, real nodes (uploaded with the tree by TreeLayout.tree)."""
-        return self._uploaded(self.layout.valid)
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:

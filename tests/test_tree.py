@@ -186,10 +186,11 @@ def test_ancestor_bits_use_all_64_bits():
 
 
 def test_tree_from_flat_equals_build_tree():
-    """vLLM's flat layout (per request the draft, then the suffixes; requests back to back) gives
-    the tree build_tree lays out from the draft and the suffixes, field for field: empty drafts,
-    empty and short suffixes, one suffix, no suffix, rows of different widths."""
-    from vllm_ouroboros.tree import tree_from_flat
+    """vLLM's flat layout (per request the draft, then the suffixes; requests back to back), read
+    through TreeLayout.tree(flat=...) as the target step does, gives the tree build_tree lays out
+    from the draft and the suffixes, field for field: empty drafts, empty and short suffixes, one
+    suffix, no suffix, rows of different widths."""
+    from vllm_ouroboros.tree import TreeLayout
 
     rng = random.Random(7)
     for D, K, L in [(4, 3, 3), (6, 1, 4), (3, 0, 2), (1, 2, 1), (8, 3, 4)]:
@@ -201,7 +202,7 @@ def test_tree_from_flat_equals_build_tree():
         rows = [draft[b][:n[b]] + [t for k in range(K) for t in sfx[b][k][:sl[b][k]]] for b in range(B)]
         flat = T([t for r in rows for t in r] + [-5])  # -5: what lies past the drafts is never read
         want = build_tree(T(draft).view(B, D), T(n), T(sfx).view(B, K, L), T(sl).view(B, K))
-        got = tree_from_flat(flat, np.array(n), np.array(sl).reshape(B, K), D=D, L=L)
+        got = TreeLayout(np.array(n), np.array(sl).reshape(B, K), D, L).tree(flat.device, flat=flat)
         for name in ("tokens", "parents", "depth", "num_nodes", "branch_of", "draft_len", "suffix_start",
                      "suffix_len", "paths", "path_len", "ancestor_mask"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (D, K, L, name)

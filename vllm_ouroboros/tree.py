@@ -126,8 +126,9 @@ def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Ten
       suffixes:   [B, K, L] int64, suffix k's first suffix_len[b, k] tokens are real.
       suffix_len: [B, K] int64 in 0..L (0 = invalid suffix; a bool validity mask times L works).
     Lengths outside their range are clamped. The layout is computed on the host (TreeLayout):
-    lengths on a GPU are read back first (one sync); the engine's step builds its trees with
-    tree_from_flat from lengths the host already has. The tree is on draft's device.
+    lengths on a GPU are read back first (one sync); the engine's step builds its trees from
+    vLLM's flat drafts and lengths the host already has (TreeLayout.tree(flat=...), the step's
+    plan). The tree is on draft's device.
     """
     B, D = draft.shape
     K, L = suffixes.shape[1], suffixes.shape[2]
@@ -141,20 +142,6 @@ def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Ten
     drf_tok = np.take_along_axis(drf, np.minimum(lay.col, drf.shape[1] - 1), 1)
     tokens = np.where(lay.is_draft, drf_tok, np.where(lay.is_suf, suf_tok, 0)).astype(np.int64)
     return lay.tree(draft.device, tokens=tokens)
-
-
-def tree_from_flat(flat: torch.Tensor, draft_len: np.ndarray, suffix_len: np.ndarray,
-                   D: int, L: int) -> TokenTree:
-    """The trees of vLLM's flat layout: per request the draft, then suffix 0, suffix 1, ...,
-    the requests one after another.
-
-    Shape: flat [T] int64 on the device, T = sum of draft_len[b] + sum_k suffix_len[b, k] (what
-    vLLM scheduled: SpecDecodeMetadata.draft_token_ids); draft_len [B] and suffix_len [B, K]
-    host arrays; D >= max(draft_len) and L >= max(suffix_len) the padded widths. Node i of
-    request b is flat token (b's start) + i (build_tree numbers the nodes in the flat layout's
-    order): the layout is host arithmetic and one upload, the tokens one gather.
-    """
-    return TreeLayout(draft_len, suffix_len, D, L).tree(flat.device, flat=flat)
 
 
 class TreeLayout:
@@ -200,7 +187,11 @@ class TreeLayout:
     def tree(self, device: torch.device | str, tokens: np.ndarray | None = None,
              flat: torch.Tensor | None = None) -> TokenTree:
         """The TokenTree on `device`, its tokens given on the host (tokens [B, N]) or read
-        from vLLM's flat drafts on the device (flat [T], tree_from_flat); one upload either way."""
+        from vLLM's flat drafts on the device; one upload either way.
+
+        flat: [T] int64, per request the draft, then suffix 0, suffix 1, ..., the requests back
+        to back (SpecDecodeMetadata.draft_token_ids), T >= sum(num_nodes); node i of request b
+        is flat token (b's start) + i (build_tree numbers nodes in this order), one gather."""
         if (tokens is None) == (flat is None):
             raise ValueError("TreeLayout.tree: give the tokens (host) or flat (device), one of them")
         if tokens is None:

@@ -60,8 +60,8 @@ def main() -> None:
             j += i + 1
     print(f"{len(prompts)} prompts, {positions} target tokens")
     print(f"draft agrees with the target at {1 - misses / positions:.3f} of positions; of its "
-          f"{misses} misses, its 2nd choice is the target's at {top2 / misses:.3f}, its 2nd or 3rd "
-          f"at {top23 / misses:.3f}")
+          f"{misses} misses, its 2nd choice is the target's at {top2 / max(misses, 1):.3f}, its 2nd or 3rd "
+          f"at {top23 / max(misses, 1):.3f}")
     print(f"rounds of gamma = {args.gamma}: {rounds}, tokens per round {accepted / rounds:.2f} "
           f"(bonus included); rounds rejecting inside the draft {rejects / rounds:.3f}; runner-up "
           f"= correction there {rej2 / max(rejects, 1):.3f} (2nd or 3rd {rej23 / max(rejects, 1):.3f}); "

@@ -185,7 +185,7 @@ def test_ancestor_bits_use_all_64_bits():
         assert word == (1 << (i + 1)) - 1
 
 
-def test_tree_from_flat_equals_build_tree():
+def test_flat_layout_tree_equals_build_tree():
     """vLLM's flat layout (per request the draft, then the suffixes; requests back to back), read
     through TreeLayout.tree(flat=...) as the target step does, gives the tree build_tree lays out
     from the draft and the suffixes, field for field: empty drafts, empty and short suffixes, one

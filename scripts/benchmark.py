@@ -166,6 +166,7 @@ def run_method(name, spec, workloads, plan, max_tokens, target, max_num_seqs, pr
                 s = diff(snap, s0)
                 row["draft_forwards"] = s["draft_forwards"]
                 row["backoff_steps"] = s["backoff_steps"]
+                row["shortened_steps"] = s.get("shortened_steps", 0)  # drafts the back-off cut
                 for k in ("target_forwards", "suffix_accepted", "suffix_skipped"):
                     row[k] = s[k]
                 row["ouroboros_tokens_per_target_forward"] = (
@@ -341,30 +342,40 @@ def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     E = base["ouroboros_tokens_per_target_forward"] if base else 4.0
     F = base["draft_forwards"] / max(base["spec"]["num_drafts"], 1) if base else float(cfg.gamma)
     # The engine's own time per step, as that run's proposer measured it (0 where unknown).
-    c = (base.get("settings") or {}).get("step_overhead_ms", 0.0) / 1000 if base else 0.0
+    # In ms, as the curves are.
+    c = (base.get("settings") or {}).get("step_overhead_ms", 0.0) if base else 0.0
     s = cfg.spec_tokens()
     # Suffix tokens accepted per step where the suffix went at every step (the K = 1 row).
     k1 = next((x for x in rows if x["method"] == "ouroboros-k1"), None)
     a = k1["suffix_accepted"] / max(k1["target_forwards"], 1) if k1 else 0.5 * cfg.phrase_len
     lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
              "| curves | drafting mode (modeled ms per output token: chain / guesses / phrases, %d-token "
-             "phrase forward) | largest batch whose requests all speculate "
-             "(E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) | one request sends its suffix (%d tokens, "
-             "a=%.2f accepted per step) |" % (la, E, F, s, 1000 * c, cfg.phrase_len, a), "|---|---|---|---|"]
-    for name, tc, dc in (("measured (this machine)", mk(t_curve), mk(d_curve)),
-                         ("flat (memory-bound)", flat(t_curve), flat(d_curve))):
+             "phrase forward) | largest batch whose requests all speculate, whole drafts / drafts cut "
+             "to the tokens shown (E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) | one request sends its "
+             "suffix (%d tokens, a=%.2f accepted per step) |" % (la, E, F, s, c, cfg.phrase_len, a),
+             "|---|---|---|---|"]
+    # Rounds as each class runs them: the host loop here (a draft cut below gamma is a chain),
+    # fixed-shape graph rounds on a GPU (a cut saves target tokens only).
+    for name, tc, dc, chain_below in (("measured (this machine)", mk(t_curve), mk(d_curve), cfg.gamma),
+                                      ("flat (memory-bound)", flat(t_curve), flat(d_curve), None)):
         costs = cost_model.drafting_mode_costs(dc, tc, cfg.window_size, cfg.num_guesses, cfg.phrase_len,
                                                1 + cfg.gamma + cfg.phrase_len)
         mode = cost_model.choose_drafting_mode(costs)
         n_d = mode.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len)
-        b_max = max([b for b in range(1, 257) if cost_model.rows_to_speculate(
-            tc, dc, s, np.full(b, E), np.full(b, F), n_d, c).all()], default=0)
+        A = cost_model.geometric_survival(E, s)
+        plans = {b: cost_model.speculation_plan(tc, dc, np.repeat(A, b, 0), np.ones((b, s)), np.full(b, F),
+                                                n_d, c, chain_below, cost_model.draft_row_tokens(0, 0, cfg.phrase_len))
+                 for b in range(1, 257)}
+        whole = max([b for b, p in plans.items() if p.rows.all() and p.max_tokens == s], default=0)
+        cut = [(b, p.max_tokens) for b, p in plans.items() if p.rows.all() and p.max_tokens < s]
+        b_max = f"{whole if whole < 256 else '>= 256'} / " + (
+            f"{max(b for b, _ in cut)} ({min(t for _, t in cut)}-{max(t for _, t in cut)} tokens)" if cut else "-")
         n = 1 + cfg.gamma  # the step's target tokens without the suffix
         sfx = cost_model.rows_sending_suffixes(tc, n, np.array([cfg.phrase_len]), E - a, np.array([a]),
                                                F * dc(n_d) + c)[0]
         per_token = " / ".join(f"{1000 * costs[m.name]:.0f}" for m in cost_model.MODES)
         lines.append(f"| {name} | {mode.name} ({per_token}) | "
-                     f"{b_max if b_max < 256 else '>= 256'} | {'yes' if sfx else 'no'} |")
+                     f"{b_max} | {'yes' if sfx else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -251,6 +251,31 @@ def test_ragged_batch_forwards_follow_the_slowest_row(draft_path, greedy, device
         contexts = [simulate_target(c, d, rng, greedy, V) for c, d in zip(contexts, drafts)]
 
 
+def test_a_cut_round_drafts_a_chain_of_the_same_tokens(draft_path, greedy, device):
+    """max_tokens below gamma (the back-off's shorter draft under load): that many forwards, one
+    token each, no window and no guesses, and the draft model's greedy continuation still; a
+    whole round after it drafts as before, window and pool included."""
+    rng = np.random.default_rng(16)
+    rt, pool = make_runtime(draft_path, device, num_slots=3)
+    V = rt.model.vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (5, 40, 12)]
+    for c in contexts:  # a right phrase the cut round must not take
+        pool.insert(torch.tensor([c[-1]]), torch.tensor([greedy(c, L)]), torch.tensor([-1]))
+    lens = np.array([len(c) for c in contexts], np.int64)
+    for cut in (1, 3):
+        tab, rows = table(contexts, [2, 0, 1])
+        before = pool.num_phrases()
+        out = rt.run_round(np.arange(3), tab, rows, lens, max_tokens=cut)
+        assert out.forwards == cut and (out.row_forwards == cut).all()
+        assert (out.draft_lens == cut).all() and (out.guess_tokens == 0).all()
+        assert pool.num_phrases() == before  # no window, so nothing inserted
+        for b in range(3):
+            assert out.drafts[b, :cut].tolist() == greedy(contexts[b], cut)
+    out, drafts = draft_round(rt, [0, 1, 2], contexts, rng)  # whole again
+    check_round(out, drafts, contexts, greedy, rt, [0, 1, 2])
+    assert out.guess_tokens.sum() > 0
+
+
 def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, device):
     rng = np.random.default_rng(14)
     rt, _ = make_runtime(draft_path, device, num_slots=2)

@@ -286,3 +286,24 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
     per_f = s["settings"]["round_forwards"]
     assert sorted(per_f) == [1, 2, 3, 4], per_f
     assert sum(v["rounds"] for v in per_f.values()) <= s["rounds"], (per_f, s["rounds"])
+
+
+def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
+    """The auto back-off on a compute-bound device (the curves this CPU measured for the real
+    pair, as configured): with many requests decoding it sends short chain drafts instead of
+    none (shortened steps counted), with one the whole draft; the output is unchanged."""
+    base, _, _ = runs
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]),
+            "draft_cost_ms": {"1": 105, "16": 114, "32": 233, "64": 372, "128": 742},
+            "target_cost_ms": {"1": 243, "2": 279, "16": 307, "32": 528, "64": 920, "128": 1667}}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                             (("one", ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})),))
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"request {i} ({scenario['params'][i]}) differs"
+    assert ours["one"] == base["one"]
+    main, one = snaps["main"], snaps["one"]
+    print({k: (main[k], one[k]) for k in ("shortened_steps", "backoff_steps", "draft_rounds",
+                                          "sentence_draft_tokens", "accepted_tokens")})
+    assert main["shortened_steps"] > 0 and main["accepted_tokens"] > 0, main
+    # Alone, the request drafted whole drafts (no step of it was cut).
+    assert one["shortened_steps"] == main["shortened_steps"] and one["draft_rounds"] > main["draft_rounds"]

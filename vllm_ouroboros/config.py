@@ -57,7 +57,8 @@ class OuroborosConfig:
     use_guesses: bool | None = None
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's
-    # acceptance (cost_model.rows_to_speculate).
+    # acceptance, with drafts cut short where load makes the target's tokens dear
+    # (cost_model.speculation_plan).
     max_speculative_batch: int | None = None
     # Candidate suffixes sent to the target: None = per step and request, where their measured
     # acceptance pays for their target tokens on this device (cost_model.rows_sending_suffixes);

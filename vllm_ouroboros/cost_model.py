@@ -16,16 +16,26 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
   (results/README.md, "Drafting modes"). A flat curve picks "phrases" (fewest draft forwards,
   most tokens per target forward); a compute-bound one weighs the wider forwards against that.
 
-  a step with B decoding requests speculates (s tokens each) for the m requests, best first,
-  that maximise the modeled rate
-      (B + sum_{i <= m} (E_i - 1)) / (t_target(B + m s) + c + F t_draft(m n_d))
-  (m = 0 is plain decoding, B / (t_target(B) + c)), or for all of them where their extra target
-  tokens are almost free, t_target(B + m s) + c <= FLAT * (t_target(B) + c). E_i: tokens per
-  target forward of request i, F: draft forwards per step (mean of the m), both measured online
-  per request (optimistic priors for a new request); n_d tokens per draft row per forward; c the
-  engine's own time per step beyond the target forward (scheduling, sampling, output
-  processing), measured online too: every step pays it, so it makes speculation's longer step
-  relatively cheaper (26-40 ms at 1-4 requests on this CPU, beside a ~320 ms one-token forward).
+  a step with B decoding requests speculates for the m requests, best first, with drafts of at
+  most s tokens each, (m, s) chosen to maximise the modeled rate
+      (B + sum_{i <= m} (E_i(s) - 1)) / (t_target(B + sum_{i <= m} T_i(s)) + c + F(s) t_draft(m n_d))
+  (m = 0 is plain decoding, B / (t_target(B) + c)). There is no shortcut for a flat target
+  curve: the draft's forwards are paid there too, so a request whose drafts are rarely
+  accepted stops speculating on a GPU as well (until a probe finds it accepting again).
+  E_i(s) = 1 + sum_{k <= s} P_i(accepted >= k) and T_i(s) = sum_{k <= s} P_i(sent >= k), from
+  per-request survival estimates measured online (optimistic priors for a new request): a
+  draft cut to its first s tokens is accepted as far as the whole draft would have been, up to
+  s, so one measurement at full length gives every shorter length. F(s): draft forwards per
+  step (mean of the m) over n_d(s) tokens per row each: a whole round's (measured online) for
+  s >= gamma; below gamma, where the round can stop early (the host loop), a chain draft of s
+  forwards over 2 tokens per row (window and guesses off: the same greedy tokens, a narrower
+  forward, which is what pays when the forward carries many rows); c the engine's own time per step
+  beyond the target forward (scheduling, sampling, output processing), measured online too:
+  every step pays it, so it makes speculation's longer step relatively cheaper (26-40 ms at 1-4
+  requests on this CPU, beside a ~320 ms one-token forward). A shorter draft is the lever under
+  load on a compute-bound device: each row's target tokens cost time there, and the first
+  tokens of a draft are the likeliest to be accepted (vLLM's draft_model at k = 3 gained 1.18x
+  at 4 requests on this CPU where whole 12-token drafts could not pay).
 
   of the drafting rows, those whose candidate suffixes (s_r tokens, expected to add a_r accepted
   tokens) go to the target are the ones, best gain per token first, that maximise
@@ -53,7 +63,6 @@ from vllm_ouroboros.cuda_graph import capture_graph
 
 logger = logging.getLogger(LOGGER_NAME)
 
-FLAT = 1.25
 # Suffixes whose tokens add at most this factor to the step go whatever their measured gain:
 # on a flat curve they cost nothing and keep feeding candidate refinement.
 SUFFIX_FREE = 1.02
@@ -285,32 +294,66 @@ class StepOverhead:
         self._pending = (batch_key, tokens, now)
 
 
-def rows_to_speculate(target: CostCurve, draft: CostCurve, spec_tokens: float,
-                      tokens_per_forward: np.ndarray, draft_forwards: np.ndarray,
-                      draft_row_tokens: float, step_overhead: float = 0.0) -> np.ndarray:
-    """Which of a step's B decoding requests should speculate (module docstring).
+def geometric_survival(tokens_per_forward, max_tokens: int) -> np.ndarray:
+    """P(accepted >= k), k = 1..max_tokens, of drafts whose tokens are each accepted with one
+    probability a (given the ones before), a chosen so that a full draft gives
+    `tokens_per_forward` (E: accepted + 1) tokens per target forward. Shape: [B] -> [B, S].
+    The back-off's prior (a new request, a probe) and a way to state a test's E."""
+    E = np.atleast_1d(np.asarray(tokens_per_forward, float))
+    k = np.arange(1, max_tokens + 1)
+    target = np.clip(E - 1, 0.0, max_tokens)
+    lo, hi = np.zeros_like(target), np.ones_like(target)
+    for _ in range(60):  # bisection on a: sum_k a^k grows with a
+        mid = (lo + hi) / 2
+        low = (mid[:, None] ** k).sum(1) < target
+        lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
+    return ((lo + hi) / 2)[:, None] ** k
 
-    tokens_per_forward (E_i >= 1) and draft_forwards (F_i) are [B] per-request estimates;
-    step_overhead (c, seconds) is the engine's time per step beyond the target forward.
-    Returns a bool mask [B]: the m requests with the largest E that maximise the modeled
-    tokens per second (ties go to fewer), or all of them where their extra target tokens are
-    almost free.
+
+@dataclass(frozen=True)
+class SpeculationPlan:
+    """A step's back-off decision: which requests draft ([B] bool) and the most tokens each
+    sends to the target (the full length S where the cut does not bind)."""
+
+    rows: np.ndarray
+    max_tokens: int
+
+
+def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, sent: np.ndarray,
+                     draft_forwards: np.ndarray, draft_row_tokens: float, step_overhead: float = 0.0,
+                     chain_below: int | None = None, chain_row_tokens: float = 2) -> SpeculationPlan:
+    """Which of a step's B decoding requests speculate, and how long their drafts may be
+    (module docstring).
+
+    accepted [B, S]: P_i(accepted >= k) and sent [B, S]: P_i(sent >= k), k = 1..S, for drafts of
+    the full length S (num_speculative_tokens); draft_forwards [B] (F_i): draft forwards per
+    step of a whole round, each over draft_row_tokens tokens per row. chain_below: a draft cut
+    below this many tokens (the round's gamma) is drafted one token per forward, F = s forwards
+    over chain_row_tokens tokens per row (the host loop without window or guesses: the same
+    greedy tokens, a narrower forward); None where rounds have fixed shapes (device rounds): a
+    cut draft then costs a whole round and saves target tokens only. step_overhead (c,
+    seconds): the engine's time per step beyond the target forward.
+    Ties go to fewer requests and to longer drafts.
     """
-    E = np.asarray(tokens_per_forward, float)
+    A, T = np.asarray(accepted, float), np.asarray(sent, float)
     F = np.asarray(draft_forwards, float)
-    B = len(E)
-    out = np.zeros(B, bool)
+    B, S = A.shape
     if B == 0:
-        return out
-    cand = np.argsort(-E, kind="stable")
-    m = np.arange(B + 1)
-    t_plain = target(B) + step_overhead
-    if target(B + B * spec_tokens) + step_overhead <= FLAT * t_plain:
-        out[:] = True
-        return out
-    gain = B + np.concatenate([[0.0], np.cumsum(E[cand] - 1)])
-    mean_f = np.concatenate([[0.0], np.cumsum(F[cand]) / m[1:]])
-    t = target.at(B + m * spec_tokens) + step_overhead + np.where(m > 0, mean_f * draft.at(np.maximum(m, 1) * draft_row_tokens), 0)
-    best = int(np.argmax(gain / t))
-    out[cand[:best]] = True
-    return out
+        return SpeculationPlan(np.zeros(0, bool), S)
+    gain, tokens = np.cumsum(A, 1), np.cumsum(T, 1)  # [B, S]: E_i(s) - 1, T_i(s) at s = 1..S
+    s = np.arange(1, S + 1)
+    chain = np.zeros(S, bool) if chain_below is None else s < chain_below
+    f = np.where(chain[None, :], s[None, :].astype(float), F[:, None])  # [B, S]
+    n_d = np.where(chain, chain_row_tokens, draft_row_tokens)  # [S]
+    order = np.argsort(-gain, axis=0, kind="stable")  # [B, S]: per s, rows best first
+    pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.take_along_axis(x, order, 0), 0)])  # noqa: E731
+    m = np.arange(B + 1)[:, None]
+    t = (target.at(B + pick(tokens)) + step_overhead
+         + np.where(m > 0, pick(f) / np.maximum(m, 1) * draft.at(np.maximum(m, 1) * n_d), 0))
+    rate = (B + pick(gain)) / t  # [B + 1, S]: the best m requests at s tokens
+    best_m = rate.argmax(0)  # fewest requests on ties
+    best_rate = rate[best_m, np.arange(S)]
+    j = S - 1 - int(np.argmax(best_rate[::-1]))  # the longest draft on ties
+    rows = np.zeros(B, bool)
+    rows[order[:best_m[j], j]] = True
+    return SpeculationPlan(rows, int(s[j]) if best_m[j] else S)

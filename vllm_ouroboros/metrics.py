@@ -18,6 +18,9 @@ Definitions (per request, summed for the aggregate):
   inspiration_inserts, refinement_inserts: phrases written from verification output
   backoff_steps        steps in which the request decoded without a draft because speculation
                        would not pay for it on this device at that batch size (cost_model.py)
+  shortened_steps      steps in which the request's draft was cut short by the back-off: at that
+                       batch size a shorter draft per request paid better than whole ones
+                       (cost_model.speculation_plan)
   cache_full_steps     steps in which the request decoded without a draft because the draft's
                        KV cache could not grow to hold it (device memory; runtime.DraftCacheFull)
   suffix_skipped       steps in which the request's draft went to the target without its
@@ -42,7 +45,7 @@ import numpy as np
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
-    "inspiration_inserts", "refinement_inserts", "backoff_steps", "cache_full_steps", "suffix_skipped",
+    "inspiration_inserts", "refinement_inserts", "backoff_steps", "shortened_steps", "cache_full_steps", "suffix_skipped",
     "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
@@ -135,8 +138,9 @@ class RoundTrace:
     VLLM_OUROBOROS_TRACE names a file (appended to; one writer process: the drafting rank).
 
     Fields: req (vLLM's request id), draft (sentence-draft tokens drafted), sent (of those, sent
-    after the token cap), forwards (draft forwards the row took part in), stop ("rule" / "cap"
-    with adaptive length, else "gamma"), accepted (tokens the target accepted, suffix included),
+    after the token cap), cut (the most tokens the back-off let the row send: its shorter draft
+    under load), forwards (draft forwards the row took part in), stop ("rule" / "cap" with
+    adaptive length, else "gamma"), accepted (tokens the target accepted, suffix included),
     accepted_draft (of the sent draft)."""
 
     def __init__(self, path: str | None):
@@ -147,14 +151,15 @@ class RoundTrace:
     def on(self) -> bool:
         return self._file is not None
 
-    def drafted(self, slots, req_ids, draft_lens, sent, forwards, stopped_by_rule) -> None:
-        """Per drafting row (host arrays [R]); stopped_by_rule None in fixed mode."""
+    def drafted(self, slots, req_ids, draft_lens, sent, forwards, stopped_by_rule, cut: int) -> None:
+        """Per drafting row (host arrays [R]); stopped_by_rule None in fixed mode; cut: the
+        step's most tokens per row (the back-off's plan)."""
         if self._file is None:
             return
         for i, s in enumerate(slots.tolist()):
             stop = "gamma" if stopped_by_rule is None else ("rule" if stopped_by_rule[i] else "cap")
             self._pending[s] = {"req": req_ids[i], "draft": int(draft_lens[i]), "sent": int(sent[i]),
-                                "forwards": int(forwards[i]), "stop": stop}
+                                "cut": int(cut), "forwards": int(forwards[i]), "stop": stop}
 
     def verified(self, slots, accepted) -> None:
         """What the target accepted for each slot's last round (host arrays [B])."""

@@ -29,6 +29,7 @@ COUNTERS = {
     "prefill_forwards": "Draft prefill forwards summed over requests",
     "rounds": "Drafting rounds (propose calls that drafted)",
     "backoff_steps": "Request-steps decoded without a draft: speculation would not pay (load or low acceptance)",
+    "shortened_steps": "Request-steps whose draft the back-off cut short: load made the target's tokens dear",
     "cache_full_steps": "Request-steps decoded without a draft: the draft KV cache could not grow (device memory)",
     "suffix_skipped": "Request-steps whose draft went without its candidate suffixes: they would not pay",
     "target_forwards": "Target verification steps that carried an ouroboros draft, per request",

@@ -38,7 +38,7 @@ from vllm_ouroboros.round_length import RoundLength
 logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
-# Back-off per request (cost_model.rows_to_speculate): running means move by ESTIMATE_RATE of
+# Back-off per request (cost_model.speculation_plan): running means move by ESTIMATE_RATE of
 # each new measurement; a request left without a draft is retried with the optimistic prior
 # after PROBE_GAP steps, the gap doubling after each probe that did not bring it back (up to
 # MAX_PROBE_GAP), so a stretch of poor acceptance costs little and a recovery is seen soon.
@@ -120,10 +120,12 @@ class OuroborosProposer:
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
-        # Back-off (cost_model.rows_to_speculate): both cost curves, measured at load, and per
-        # request running means of what a step gives (tokens per target forward) and costs
-        # (draft forwards). Optimistic priors, so that a request starts by speculating and
-        # measures; one hard request does not stop the others.
+        # Back-off (cost_model.speculation_plan): both cost curves, measured at load, and per
+        # request running means of what a step gives (P(accepted >= k) and P(sent >= k) for
+        # k = 1..S, whose sums are the tokens per target forward and the target tokens of a
+        # draft cut to s tokens) and costs (draft forwards at full length). Optimistic priors,
+        # so that a request starts by speculating and measures; one hard request does not stop
+        # the others.
         self.cost: cost_model.CostCurve | None = None  # the draft's
         self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
         # Forwards per device / graph round, chosen online (round_length.py); None: host loop,
@@ -132,7 +134,11 @@ class OuroborosProposer:
         self._round_forwards = 0  # F of the round whose drafts the next on_verified reads
         self.target_cost: cost_model.CostCurve | None = None
         self._prior_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
-        self._tokens_per_fwd = np.full(self.max_slots, self._prior_tokens_per_fwd)
+        S = self.num_spec_tokens
+        self._prior_accepted = cost_model.geometric_survival(self._prior_tokens_per_fwd, S)[0]
+        self._accepted = np.tile(self._prior_accepted, (self.max_slots, 1))
+        self._sent = np.ones((self.max_slots, S))
+        self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
@@ -340,7 +346,9 @@ class OuroborosProposer:
                 self._last_main[s] = self._ctx_seen[s] = 0
         for r, slot in changes.assigned:
             self.stats.start(slot, r)
-            self._tokens_per_fwd[slot] = self._prior_tokens_per_fwd
+            self._accepted[slot] = self._prior_accepted
+            self._sent[slot] = 1.0
+            self._last_cut[slot] = self.num_spec_tokens
             self._draft_forwards[slot] = self.cfg.gamma
             self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
@@ -399,12 +407,22 @@ class OuroborosProposer:
             plen, slen = n[:, None], np.zeros((B, 1), np.int64)
         sel = np.nonzero(ok)[0]
         s = slots[sel]
+        # A draft cut to c tokens by the back-off says how far the full draft would have been
+        # accepted up to c only: the estimates of its first c positions learn from it.
+        cut = self._last_cut[s]
+        whole = cut >= self.num_spec_tokens
         if self._round_length is not None and self._round_forwards:
-            self._round_length.observe(self._round_forwards, float(num_acc[sel].mean()) + 1)
+            if whole.all():  # a cut round's tokens would understate its F
+                self._round_length.observe(self._round_forwards, float(num_acc[sel].mean()) + 1)
             self._round_forwards = 0
-        self._tokens_per_fwd[s] += ESTIMATE_RATE * (num_acc[sel] + 1 - self._tokens_per_fwd[s])
-        self._base_tokens[s] += ESTIMATE_RATE * (
-            np.minimum(num_acc[sel], n[sel]) + 1 - self._base_tokens[s])
+        k = np.arange(1, self.num_spec_tokens + 1)[None, :]
+        seen = k <= cut[:, None]
+        sent_now = n[sel] + slen[sel].sum(1)
+        for est, hit in ((self._accepted, k <= num_acc[sel, None]), (self._sent, k <= sent_now[:, None])):
+            est[s] += np.where(seen, ESTIMATE_RATE * (hit - est[s]), 0.0)
+        sw = s[whole]
+        self._base_tokens[sw] += ESTIMATE_RATE * (
+            np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
         sent = slen[sel].sum(1) > 0
         if sent.any():  # suffix tokens accepted in a step that sent them (0 if the draft failed)
             gain = np.maximum(num_acc[sel] - n[sel], 0)[sent]
@@ -525,10 +543,12 @@ class OuroborosProposer:
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
-        spec = self._speculate(slots)
+        plan = self._speculate(slots)
+        spec = plan.rows
         if not spec.all():
             self._no_draft(slots[~spec], "backoff_steps")
             rows, slots = rows[spec], slots[spec]
+        cut = plan.max_tokens  # the back-off's shorter draft under load (S: not cut)
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now
             self._cache_retry_wait -= 1
@@ -544,7 +564,7 @@ class OuroborosProposer:
         t_draft = time.perf_counter()
         forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(rows)))
         try:
-            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards)
+            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
         except DraftCacheFull as e:  # nothing changed
             fit = self._rows_that_fit(req_ids, slots, lens_ctx)
             if not fit.all():  # the rows that fit draft, the others wait
@@ -562,7 +582,7 @@ class OuroborosProposer:
                 if len(rows) == 0:
                     self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
                     return proposals
-            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards)
+            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
         else:  # the cache held every row: after a full spell, try growing again soon
             self._cache_retry_gap = PROBE_GAP
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
@@ -571,7 +591,7 @@ class OuroborosProposer:
         # path is on, else the best one), within the token cap, in flat order. Near
         # max_model_len a row gets only what the scheduler can place: the root sits at position
         # len - 1, so the proposal ends by max_model_len - 1.
-        cap = np.clip(self.max_model_len - 1 - lens_ctx, 0, self.num_spec_tokens)
+        cap = np.clip(self.max_model_len - 1 - lens_ctx, 0, cut)
         L = self.cfg.phrase_len
         R = len(rows)
         n_main = np.minimum(out.draft_lens, cap)
@@ -604,9 +624,16 @@ class OuroborosProposer:
         self._last_suffix[slots, :K] = sfx
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
-        # What the back-off weighs: a device round's rows all pay its F forwards.
-        paid = out.row_forwards if self.runtime.device_round is None else np.full_like(out.row_forwards, out.forwards)
-        self._draft_forwards[slots] += ESTIMATE_RATE * (paid - self._draft_forwards[slots])
+        # What the back-off weighs: a device round's rows all pay its F forwards. A host round
+        # cut below gamma drafted a chain (speculation_plan's F(s) = s): not a whole round's F.
+        if self.runtime.device_round is not None:
+            paid = np.full_like(out.row_forwards, out.forwards)
+            self._draft_forwards[slots] += ESTIMATE_RATE * (paid - self._draft_forwards[slots])
+        elif cut >= self.runtime.s.draft_room:
+            self._draft_forwards[slots] += ESTIMATE_RATE * (out.row_forwards - self._draft_forwards[slots])
+        self._last_cut[slots] = cut
+        if cut < self.num_spec_tokens:
+            self.stats.add(slots, shortened_steps=np.ones_like(slots))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
@@ -618,7 +645,7 @@ class OuroborosProposer:
             self.stats.add(slots, stops_rule=out.stopped_by_rule, stops_cap=~out.stopped_by_rule)
         if self._trace.on:
             self._trace.drafted(slots, [req_ids[i] for i in rows], out.draft_lens, n_main,
-                                out.row_forwards, out.stopped_by_rule)
+                                out.row_forwards, out.stopped_by_rule, cut)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
@@ -662,38 +689,43 @@ class OuroborosProposer:
         self._last_suffix_len[slots] = 0
         self.stats.add(slots, **{counter: np.ones_like(slots)})
 
-    def _speculate(self, slots: np.ndarray) -> np.ndarray:
-        """Which of this step's decoding requests (by slot, [B]) get a draft, as a bool mask [B]:
-        all of them up to max_speculative_batch when it is set, else those for which the cost
-        model says speculation pays at this batch size (cost_model.rows_to_speculate), from
-        their own estimates. A request left out is a probe candidate every few steps (gap
-        doubling, module constants): its estimates are then replaced by the optimistic prior
+    def _speculate(self, slots: np.ndarray) -> cost_model.SpeculationPlan:
+        """Which of this step's decoding requests (by slot, [B]) get a draft (plan.rows, a bool
+        mask [B]) and the most tokens each may send (plan.max_tokens): all of them, whole, up to
+        max_speculative_batch when it is set, else those for which the cost model says
+        speculation pays at this batch size, with a shorter draft where load makes the target's
+        tokens dear (cost_model.speculation_plan), from their own estimates. A request left out
+        is a probe candidate every few steps (gap doubling, module constants): its estimates are then replaced by the optimistic prior
         for the decision, so it is retried wherever a request that accepts well would pay
         (not under heavy load), and the probe's verification refreshes them."""
-        B = len(slots)
+        B, S = len(slots), self.num_spec_tokens
         if self.cfg.max_speculative_batch is not None:
-            return np.full(B, B <= self.cfg.max_speculative_batch)
+            return cost_model.SpeculationPlan(np.full(B, B <= self.cfg.max_speculative_batch), S)
         if self.cost is None or self.target_cost is None:
-            return np.ones(B, bool)
+            return cost_model.SpeculationPlan(np.ones(B, bool), S)
         rt = self.runtime
-        E, F = self._tokens_per_fwd[slots], self._draft_forwards[slots]
+        A, T, F = self._accepted[slots], self._sent[slots], self._draft_forwards[slots]
         n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
-        curves = (self.target_cost, self.cost, self.num_spec_tokens)
-        c = self._overhead.value
-        spec = cost_model.rows_to_speculate(*curves, E, F, n_d, c)
+        room = rt.s.draft_room if rt.device_round is None else None  # only the host loop drafts a chain
+        decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
+            self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, room,
+            cost_model.draft_row_tokens(0, 0, rt.L))
+        plan = decide(A)
+        spec = plan.rows
         due = ~spec & (self._probe_wait[slots] <= 0)
         if due.any():
-            probe = cost_model.rows_to_speculate(
-                *curves, np.where(due, np.maximum(E, self._prior_tokens_per_fwd), E), F, n_d, c)
-            probing = probe & due
-            s = slots[probing]
-            self._probe_gap[s] = np.minimum(2 * self._probe_gap[s], MAX_PROBE_GAP)
-            self._probe_wait[s] = self._probe_gap[s]
-            spec = spec | probing
+            probe = decide(np.where(due[:, None], np.maximum(A, self._prior_accepted), A))
+            probing = probe.rows & due
+            if probing.any():
+                s = slots[probing]
+                self._probe_gap[s] = np.minimum(2 * self._probe_gap[s], MAX_PROBE_GAP)
+                self._probe_wait[s] = self._probe_gap[s]
+                spec = spec | probing
+                plan = cost_model.SpeculationPlan(spec, probe.max_tokens)
         on, off = slots[spec & ~due], slots[~spec]
         self._probe_gap[on] = self._probe_wait[on] = PROBE_GAP
         self._probe_wait[off] -= 1
-        return spec
+        return plan
 
     def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
                        batch: int, draft_seconds: float) -> np.ndarray:

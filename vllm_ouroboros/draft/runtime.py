@@ -167,11 +167,13 @@ class DraftRuntime:
         loop's first forward carries at most this + 1 uncached tokens."""
         return self.s.draft_room + 2 * self.s.beta + 2
 
-    def layout(self, U: int, G: int):
-        """The lookahead layout for U uncached columns and G guesses (built once per pair)."""
-        layout = self._layouts.get((U, G))
+    def layout(self, U: int, G: int, W: int | None = None):
+        """The lookahead layout for U uncached columns, G guesses and W window columns (the
+        round's, by default; built once per triple)."""
+        W = self.W if W is None else W
+        layout = self._layouts.get((U, G, W))
         if layout is None:
-            layout = self._layouts[(U, G)] = build_layout(U, self.W, self.L, G, self.device)
+            layout = self._layouts[(U, G, W)] = build_layout(U, W, self.L, G, self.device)
         return layout
 
     def _room(self, lens) -> np.ndarray:
@@ -223,7 +225,8 @@ class DraftRuntime:
 
     # ---- round -------------------------------------------------------------------------------
     def run_round(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
-                  lens: np.ndarray, forwards: int | None = None) -> RoundOutput:
+                  lens: np.ndarray, forwards: int | None = None,
+                  max_tokens: int | None = None) -> RoundOutput:
         """Draft for B requests.
 
         Shape:
@@ -232,6 +235,11 @@ class DraftRuntime:
                      request b's context (prompt + output so far), lens[b] tokens long.
         forwards: device / graph rounds only: the round's number of forwards F (None:
                   settings.round_forwards; round_length.py chooses it in the proposer).
+        max_tokens: the most draft tokens the caller will send (the back-off's shorter draft
+                  under load, cost_model.speculation_plan). Below gamma (max_draft_length in
+                  adaptive mode) the host loop drafts that many tokens as a chain: no window,
+                  no guesses (the same greedy tokens through a narrower forward); fixed-shape
+                  rounds draft as usual.
         """
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
@@ -247,6 +255,11 @@ class DraftRuntime:
 
         adaptive = self.head is not None
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
+        # A cut draft is a prefix of the whole round's: the same greedy tokens, fewer forwards.
+        room = self.s.draft_room if max_tokens is None else max(min(self.s.draft_room, max_tokens), 1)
+        limit = min(max_draft, room)
+        chain = room < self.s.draft_room
+        W, G = (0, 0) if chain else (self.W, self.G)
         drafts = np.zeros((B, max_draft), np.int64)
         dlen = np.zeros(B, np.int64)
         row_forwards = np.zeros(B, np.int64)
@@ -258,14 +271,14 @@ class DraftRuntime:
         forwards = 0
         while forwards < self.s.max_draft_forwards:
             if adaptive:
-                act = np.nonzero(~by_rule & (dlen < max_draft))[0]
+                act = np.nonzero(~by_rule & (dlen < limit))[0]
             else:
-                act = np.nonzero(dlen < self.s.gamma)[0]
+                act = np.nonzero(dlen < room)[0]
             if len(act) == 0:
                 break
             new, num, rule = self._lookahead_forward(slots[act], token_ids, rows[act], lens[act],
                                                      drafts[act], dlen[act],
-                                                     prod[act] if adaptive else None)
+                                                     prod[act] if adaptive else None, W, G)
             if adaptive:
                 # Cut the phrase where the rule fires; the cap cuts it too (then the cap stopped it).
                 rule_take, fired, prod[act] = rule
@@ -377,8 +390,10 @@ class DraftRuntime:
         d_last = drafts[np.arange(len(dlen)), np.maximum(dlen - 1, 0)]
         return np.where(dlen > 0, d_last, ctx_last)
 
-    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen, prod=None):
+    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen, prod=None, W=None, G=None):
         """One draft forward for A rows; returns (new tokens [A, L+1], counts [A], rule) on the host.
+
+        W, G: window columns and guesses of this forward (None: the round's; 0, 0: a chain step).
 
         prod: [A] float32 prod(P(accept)) of each row's draft so far, adaptive mode only; then
         rule = (take [A], fired [A], prod after [A]) from stop_rule over this forward's tokens,
@@ -397,14 +412,16 @@ class DraftRuntime:
 
         dev = self.device
         slots_t, u_t, kv_t, unc_t = to_device(dev, slots, u, kv, unc)
+        W = self.W if W is None else W
+        max_guesses = self.G if G is None else G
         parts = [unc_t]
-        window = self.window[slots_t][:, :, : self.W] if self.W else None
-        if self.W:
+        window = self.window[slots_t][:, :, :W] if W else None
+        if W:
             parts.append(window.reshape(A, -1))
         G = 0
-        if self.G:
+        if max_guesses:
             key = unc[np.arange(A), u - 1]
-            guesses, gvalid = self.pool.lookup(*to_device(dev, key), slots_t, self.G)
+            guesses, gvalid = self.pool.lookup(*to_device(dev, key), slots_t, max_guesses)
             # Lookup ranks valid phrases first: feed only as many guess columns as some row
             # can fill. A sync, but a compute-bound device pays for every empty column.
             G = int(gvalid.sum(dim=1).max())
@@ -413,7 +430,7 @@ class DraftRuntime:
         if G == 0:
             guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
             gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
-        layout = self.layout(U, G)
+        layout = self.layout(U, G, W)
         input_ids = torch.cat(parts, dim=1)
         mask, positions = row_inputs(layout, u_t, kv_t)
         hidden = self.model.forward(input_ids, positions, slots_t, kv_t, mask, max_cache_len=int(kv.max()))
@@ -424,13 +441,13 @@ class DraftRuntime:
         out[rows_a, u_t - 1] = self.model.greedy_tokens(hidden[rows_a, u_t - 1])
         if layout.Q > U:
             out[:, U:] = self.model.greedy_tokens(hidden[:, U:])
-        res = read_output(layout, out, u_t, window if self.W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
+        res = read_output(layout, out, u_t, window if W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
                           guesses, gvalid)
         self._commit(slots, unc, u)
-        if self.W:
-            self.window[slots_t, :, : self.W] = res.next_window
+        if W:
+            self.window[slots_t, :, :W] = res.next_window
             self.pool.insert(res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L),
-                             slots_t.repeat_interleave(self.W))
+                             slots_t.repeat_interleave(W))
         rule = None
         if prod is not None:
             p = self.head(self._token_hidden(hidden, res, u_t, layout, guesses, gvalid))

@@ -275,7 +275,11 @@ def _proposer(cap=None, slots=16):
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost = CPU, CPU_TARGET
-    p.runtime = SimpleNamespace(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None)
+    # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
+    p.runtime = SimpleNamespace(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
+                                kv_len=np.full(slots, 100), prefill_threshold=16)
+    p.max_model_len = 1024
+    p._len_limit = np.full(slots, 1024)
     p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
     p._prior_accepted = cost_model.geometric_survival(7.0, 12)[0]
     p._accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
@@ -288,6 +292,11 @@ def _proposer(cap=None, slots=16):
     return p
 
 
+def _spec(p, batch: int, lens: int = 100):
+    """The proposer's plan for slots 0..batch-1, contexts of `lens` tokens."""
+    return p._speculate(np.arange(batch), np.full(batch, lens))
+
+
 def _set_tokens_per_fwd(p, E, slots=slice(None)):
     """The proposer's acceptance estimates of these slots, as a geometric survival giving E."""
     E = np.broadcast_to(np.asarray(E, float), p._accepted[slots].shape[:1])
@@ -298,29 +307,51 @@ def test_fixed_cap_and_auto_backoff_decisions():
     from vllm_ouroboros.proposer import MAX_PROBE_GAP, PROBE_GAP
 
     p = _proposer(cap=4)
-    assert [p._speculate(np.arange(b)).rows.all() for b in (1, 4, 5, 16)] == [True, True, False, False]
-    assert p._speculate(np.arange(4)).max_tokens == 12  # a fixed cap never cuts drafts
+    assert [_spec(p, b).rows.all() for b in (1, 4, 5, 16)] == [True, True, False, False]
+    assert _spec(p, 4).max_tokens == 12  # a fixed cap never cuts drafts
     p = _proposer()
-    assert p._speculate(np.arange(1)).rows.all()
+    assert _spec(p, 1).rows.all()
     # Load alone: no probe steps however long the batch stays large (a request that accepted
     # as well as the prior would not pay at 16 either).
-    assert not any(p._speculate(np.arange(16)).rows.any() for _ in range(3 * MAX_PROBE_GAP))
+    assert not any(_spec(p, 16).rows.any() for _ in range(3 * MAX_PROBE_GAP))
     # Acceptance too low even for one request: probes after PROBE_GAP steps, the gap doubling
     # while the probes find acceptance still low.
     p = _proposer()
     _set_tokens_per_fwd(p, 1.2)
-    decisions = [bool(p._speculate(np.arange(1)).rows[0]) for _ in range(8 * MAX_PROBE_GAP)]
+    decisions = [bool(_spec(p, 1).rows[0]) for _ in range(8 * MAX_PROBE_GAP)]
     probes = np.nonzero(decisions)[0]
     gaps = np.diff(np.concatenate([[-1], probes])) - 1
     assert list(gaps[:4]) == [PROBE_GAP, 2 * PROBE_GAP, 4 * PROBE_GAP, 8 * PROBE_GAP]
     assert gaps.max() == MAX_PROBE_GAP
     # A probe that finds good acceptance brings the request back at once, and resets the gap.
     _set_tokens_per_fwd(p, 5.0)
-    assert p._speculate(np.arange(1)).rows.all() and p._probe_gap[0] == PROBE_GAP
+    assert _spec(p, 1).rows.all() and p._probe_gap[0] == PROBE_GAP
     # One poor request does not stop another (per-request estimates).
     p = _proposer()
     _set_tokens_per_fwd(p, (1.2, 9.0), slice(0, 2))
-    assert list(p._speculate(np.arange(2)).rows) == [False, True]
+    assert list(_spec(p, 2).rows) == [False, True]
+
+
+def test_a_draft_cache_that_must_catch_up_is_weighed_against_the_tokens_left():
+    """A request whose draft cache lacks a long stretch (a new prompt, tokens decoded while
+    backed off) pays its prefill before drafting: worth it with many tokens left, not a few
+    tokens before its end (the tail of a batch)."""
+    p = _proposer()
+    p.cost, p.target_cost = BENCH_DRAFT, BENCH_TARGET
+    p._accepted[:] = cost_model.geometric_survival(np.full(16, 4.0), 12)
+    p._len_limit[:] = 400
+    p.runtime.kv_len[:] = 0  # nothing cached: 200-token contexts to prefill
+    many_left = _spec(p, 2, lens=200)
+    p._len_limit[:] = 205
+    few_left = _spec(p, 2, lens=200)
+    assert many_left.rows.all() and not few_left.rows.any(), (many_left, few_left)
+    p.runtime.kv_len[:] = 200  # cached: the same few tokens left are worth a draft
+    assert _spec(p, 2, lens=200).rows.all()
+    # Where the plan weighs it: the catch-up's seconds per step, spread over the steps left.
+    p._len_limit[:] = 400
+    p.runtime.kv_len[:] = np.array([0, 190] + [200] * 14)
+    cost = p._catch_up(np.arange(3), np.full(3, 200), p._accepted[:3])
+    assert cost[0] == pytest.approx(BENCH_DRAFT(200) * 4.0 / 200) and cost[1] == cost[2] == 0.0
 
 
 def test_drafting_mode_priors_are_the_measured_rows():
@@ -406,3 +437,32 @@ def test_call_timer_falls_back_to_eager_when_the_capture_fails(monkeypatch, capl
     log.clear()
     run()
     assert len(calls) == n + 1 and log == ["sync", "sync"]
+
+
+def test_length_limit_read_from_the_runners_request_state():
+    """patches/model_runner._length_limit: prompt + max_tokens of a request the runner holds,
+    None where max_tokens is unset or the request is unknown; the proposer caps it at
+    max_model_len when a request gets its slot."""
+    from types import SimpleNamespace
+
+    from vllm_ouroboros.patches.model_runner import _length_limit
+    from vllm_ouroboros.request_slots import RequestSlots
+
+    state = lambda max_tokens: SimpleNamespace(  # noqa: E731
+        num_prompt_tokens=30, sampling_params=SimpleNamespace(max_tokens=max_tokens))
+    runner = SimpleNamespace(requests={"a": state(48), "b": state(None)})
+    assert [_length_limit(runner, r) for r in ("a", "b", "c")] == [78, None, None]
+    p = _proposer()
+    p.max_slots, p.max_model_len = 16, 64
+    p._slot_of = RequestSlots(16)
+    p.runtime = None
+    p._last_suffix_len, p._last_main, p._ctx_seen = np.zeros((16, 1)), np.zeros(16), np.zeros(16)
+    p._last_cut, p._sent = np.zeros(16, np.int64), np.ones((16, 12))
+    p._suffix_gain_all = 2.0
+    p.set_batch(["a", "b"], lambda r: _length_limit(runner, r))
+    p._sync_requests(("a", "b"))
+    assert [p._len_limit[p._slot_of[r]] for r in ("a", "b")] == [64, 64]  # 78 capped; unknown
+    runner.requests["d"] = state(10)
+    p.set_batch(["d"], lambda r: _length_limit(runner, r))
+    p._sync_requests(("a", "b", "d"))
+    assert p._len_limit[p._slot_of["d"]] == 40

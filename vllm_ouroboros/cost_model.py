@@ -321,7 +321,8 @@ class SpeculationPlan:
 
 def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, sent: np.ndarray,
                      draft_forwards: np.ndarray, draft_row_tokens: float, step_overhead: float = 0.0,
-                     chain_below: int | None = None, chain_row_tokens: float = 2) -> SpeculationPlan:
+                     chain_below: int | None = None, chain_row_tokens: float = 2,
+                     catch_up: np.ndarray | None = None) -> SpeculationPlan:
     """Which of a step's B decoding requests speculate, and how long their drafts may be
     (module docstring).
 
@@ -332,7 +333,9 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     over chain_row_tokens tokens per row (the host loop without window or guesses: the same
     greedy tokens, a narrower forward); None where rounds have fixed shapes (device rounds): a
     cut draft then costs a whole round and saves target tokens only. step_overhead (c,
-    seconds): the engine's time per step beyond the target forward.
+    seconds): the engine's time per step beyond the target forward. catch_up [B] (seconds):
+    what drafting for request i adds this step before its round (the draft cache's prefill of
+    a stretch it lacks, spread over the request's remaining steps by the caller).
     Ties go to fewer requests and to longer drafts.
     """
     A, T = np.asarray(accepted, float), np.asarray(sent, float)
@@ -344,11 +347,12 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     s = np.arange(1, S + 1)
     chain = np.zeros(S, bool) if chain_below is None else s < chain_below
     f = np.where(chain[None, :], s[None, :].astype(float), F[:, None])  # [B, S]
+    extra = np.zeros((B, S)) if catch_up is None else np.repeat(np.asarray(catch_up, float)[:, None], S, 1)
     n_d = np.where(chain, chain_row_tokens, draft_row_tokens)  # [S]
     order = np.argsort(-gain, axis=0, kind="stable")  # [B, S]: per s, rows best first
     pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.take_along_axis(x, order, 0), 0)])  # noqa: E731
     m = np.arange(B + 1)[:, None]
-    t = (target.at(B + pick(tokens)) + step_overhead
+    t = (target.at(B + pick(tokens)) + step_overhead + pick(extra)
          + np.where(m > 0, pick(f) / np.maximum(m, 1) * draft.at(np.maximum(m, 1) * n_d), 0))
     rate = (B + pick(gain)) / t  # [B + 1, S]: the best m requests at s tokens
     best_m = rate.argmax(0)  # fewest requests on ties

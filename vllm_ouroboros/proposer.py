@@ -139,6 +139,10 @@ class OuroborosProposer:
         self._accepted = np.tile(self._prior_accepted, (self.max_slots, 1))
         self._sent = np.ones((self.max_slots, S))
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
+        # The most tokens each request's context can reach (prompt + max_tokens, else
+        # max_model_len): what a draft cache that must catch up is weighed against.
+        self._len_limit = np.full(self.max_slots, self.max_model_len, np.int64)
+        self._length_limit_of = None  # req_id -> limit or None (set_batch, from the runner)
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
@@ -349,6 +353,8 @@ class OuroborosProposer:
             self._accepted[slot] = self._prior_accepted
             self._sent[slot] = 1.0
             self._last_cut[slot] = self.num_spec_tokens
+            limit = None if self._length_limit_of is None else self._length_limit_of(r)
+            self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
             self._draft_forwards[slot] = self.cfg.gamma
             self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
@@ -370,9 +376,12 @@ class OuroborosProposer:
         """Whether the next proposals carry all K suffixes (else only the best one)."""
         return self._tree_available and self._tree_ok_structured and self._tree_ok_sampling
 
-    def set_batch(self, req_ids: list[str]) -> None:
-        """The batch order of this step (propose() receives rows in this order)."""
+    def set_batch(self, req_ids: list[str], length_limit=None) -> None:
+        """The batch order of this step (propose() receives rows in this order). length_limit:
+        req_id -> the most tokens its context can reach (prompt + max_tokens) or None, read
+        once per request when it gets a slot."""
         self._req_ids = list(req_ids)
+        self._length_limit_of = length_limit
 
     def layouts(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """What was proposed to each request: draft length [B] and suffix lengths [B, K]."""
@@ -543,7 +552,7 @@ class OuroborosProposer:
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
-        plan = self._speculate(slots)
+        plan = self._speculate(slots, np.asarray(num_tokens_no_spec[rows], np.int64))
         spec = plan.rows
         if not spec.all():
             self._no_draft(slots[~spec], "backoff_steps")
@@ -689,12 +698,13 @@ class OuroborosProposer:
         self._last_suffix_len[slots] = 0
         self.stats.add(slots, **{counter: np.ones_like(slots)})
 
-    def _speculate(self, slots: np.ndarray) -> cost_model.SpeculationPlan:
+    def _speculate(self, slots: np.ndarray, lens: np.ndarray) -> cost_model.SpeculationPlan:
         """Which of this step's decoding requests (by slot, [B]) get a draft (plan.rows, a bool
         mask [B]) and the most tokens each may send (plan.max_tokens): all of them, whole, up to
         max_speculative_batch when it is set, else those for which the cost model says
         speculation pays at this batch size, with a shorter draft where load makes the target's
-        tokens dear (cost_model.speculation_plan), from their own estimates. A request left out
+        tokens dear (cost_model.speculation_plan), from their own estimates; lens [B]: context
+        lengths (tokens), for the draft cache's catch-up (_catch_up). A request left out
         is a probe candidate every few steps (gap doubling, module constants): its estimates are then replaced by the optimistic prior
         for the decision, so it is retried wherever a request that accepts well would pay
         (not under heavy load), and the probe's verification refreshes them."""
@@ -709,7 +719,7 @@ class OuroborosProposer:
         room = rt.s.draft_room if rt.device_round is None else None  # only the host loop drafts a chain
         decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, room,
-            cost_model.draft_row_tokens(0, 0, rt.L))
+            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc))
         plan = decide(A)
         spec = plan.rows
         due = ~spec & (self._probe_wait[slots] <= 0)
@@ -726,6 +736,23 @@ class OuroborosProposer:
         self._probe_gap[on] = self._probe_wait[on] = PROBE_GAP
         self._probe_wait[off] -= 1
         return plan
+
+    def _catch_up(self, slots: np.ndarray, lens: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+        """Seconds per step [B] of the draft catching up before it can draft for each request:
+        a stretch its cache lacks that is longer than a round's first forward takes (a new
+        prompt, tokens decoded while backed off) is prefilled, t_draft(u) once; that pays only
+        over the steps the request has left, so it is spread over them: t_draft(u) E / r, r
+        the tokens left before its length limit, E its tokens per step (at most the whole
+        cost). Without this the back-off drafted for requests a few tokens from their end at
+        the tail of a batch, each prefilling its whole context first."""
+        rt = self.runtime
+        cached = np.zeros_like(slots)
+        known = slots < len(rt.kv_len)  # a slot past them has drafted nothing yet
+        cached[known] = rt.kv_len[slots[known]]
+        u = lens - cached
+        left = np.maximum(self._len_limit[slots] - lens, 1)
+        share = np.minimum((1 + accepted.sum(1)) / left, 1.0)
+        return np.where(u > rt.prefill_threshold, self.cost.at(np.maximum(u, 1)) * share, 0.0)
 
     def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
                        batch: int, draft_seconds: float) -> np.ndarray:

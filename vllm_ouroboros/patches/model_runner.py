@@ -8,6 +8,9 @@
 `_update_states` (patched): the requests vLLM finished or aborted go to the proposer, which
     releases their draft slots; one that is only absent from a step (preempted, or left out by
     the token budget) keeps its slot and draft cache (request_slots.py).
+`_sample` also hands the proposer each request's length limit (prompt + max_tokens, from the
+    runner's request state): the back-off weighs a draft cache that must catch up on a long
+    stretch against the tokens the request has left.
 `_input_fits_in_drafter` (patched): vLLM skips the drafter for the WHOLE batch once any request
     is within num_speculative_tokens of max_model_len, and then schedules that many placeholder
     drafts (not real tokens) for every request, which the proposer never made. Ours drafts per
@@ -54,7 +57,7 @@ def _sample(original):
         drafter = _drafter(self)
         if drafter is None:
             return original(self, logits, spec_decode_metadata)
-        drafter.set_batch(self.input_batch.req_ids)
+        drafter.set_batch(self.input_batch.req_ids, lambda req_id: _length_limit(self, req_id))
         step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
         if step is None or spec_decode_metadata is None or logits is None:
             return original(self, logits, spec_decode_metadata)
@@ -65,6 +68,17 @@ def _sample(original):
         return out
 
     return sample
+
+
+def _length_limit(runner, req_id: str) -> int | None:
+    """The most tokens this request's context can reach (prompt + max_tokens); None where
+    unknown. The back-off reads it once per request, when it first drafts for it."""
+    state = getattr(runner, "requests", {}).get(req_id)
+    params = getattr(state, "sampling_params", None)
+    prompt = getattr(state, "num_prompt_tokens", None)
+    if params is None or params.max_tokens is None or prompt is None:
+        return None
+    return prompt + params.max_tokens
 
 
 def _input_fits_in_drafter(original):
@@ -96,6 +110,11 @@ def apply() -> None:
     from vllm.v1.sample.logits_processor import builtin
 
     require(rejection_sampler, "apply_sampling_constraints")
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    fields = set(getattr(CachedRequestState, "__dataclass_fields__", ()))
+    if not {"sampling_params", "prompt_token_ids"} <= fields:
+        require(CachedRequestState, "sampling_params", "prompt_token_ids")
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
     patch_method(GPUModelRunner, "_update_states", _update_states)
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)

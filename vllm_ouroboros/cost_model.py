@@ -347,7 +347,7 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     s = np.arange(1, S + 1)
     chain = np.zeros(S, bool) if chain_below is None else s < chain_below
     f = np.where(chain[None, :], s[None, :].astype(float), F[:, None])  # [B, S]
-    extra = np.zeros((B, S)) if catch_up is None else np.repeat(np.asarray(catch_up, float)[:, None], S, 1)
+    extra = np.broadcast_to(0.0 if catch_up is None else np.asarray(catch_up, float)[:, None], (B, S))
     n_d = np.where(chain, chain_row_tokens, draft_row_tokens)  # [S]
     order = np.argsort(-gain, axis=0, kind="stable")  # [B, S]: per s, rows best first
     pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.take_along_axis(x, order, 0), 0)])  # noqa: E731

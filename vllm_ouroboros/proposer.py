@@ -552,13 +552,13 @@ class OuroborosProposer:
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
-        plan = self._speculate(slots, np.asarray(num_tokens_no_spec[rows], np.int64))
+        lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
+        plan = self._speculate(slots, lens_ctx)
         spec = plan.rows
         if not spec.all():
             self._no_draft(slots[~spec], "backoff_steps")
-            rows, slots = rows[spec], slots[spec]
+            rows, slots, lens_ctx = rows[spec], slots[spec], lens_ctx[spec]
         cut = plan.max_tokens  # the back-off's shorter draft under load (S: not cut)
-        lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now
             self._cache_retry_wait -= 1
             fit = self._rows_that_fit(req_ids, slots, lens_ctx)

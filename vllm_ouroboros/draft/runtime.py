@@ -257,7 +257,6 @@ class DraftRuntime:
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
         # A cut draft is a prefix of the whole round's: the same greedy tokens, fewer forwards.
         room = self.s.draft_room if max_tokens is None else max(min(self.s.draft_room, max_tokens), 1)
-        limit = min(max_draft, room)
         chain = room < self.s.draft_room
         W, G = (0, 0) if chain else (self.W, self.G)
         drafts = np.zeros((B, max_draft), np.int64)
@@ -270,10 +269,7 @@ class DraftRuntime:
         by_rule = np.zeros(B, bool)
         forwards = 0
         while forwards < self.s.max_draft_forwards:
-            if adaptive:
-                act = np.nonzero(~by_rule & (dlen < limit))[0]
-            else:
-                act = np.nonzero(dlen < room)[0]
+            act = np.nonzero(~by_rule & (dlen < room))[0]  # by_rule stays False in fixed mode
             if len(act) == 0:
                 break
             new, num, rule = self._lookahead_forward(slots[act], token_ids, rows[act], lens[act],
@@ -390,10 +386,12 @@ class DraftRuntime:
         d_last = drafts[np.arange(len(dlen)), np.maximum(dlen - 1, 0)]
         return np.where(dlen > 0, d_last, ctx_last)
 
-    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen, prod=None, W=None, G=None):
+    def _lookahead_forward(self, slots, token_ids, rows, lens, drafts, dlen, prod=None, W=None,
+                           max_guesses=None):
         """One draft forward for A rows; returns (new tokens [A, L+1], counts [A], rule) on the host.
 
-        W, G: window columns and guesses of this forward (None: the round's; 0, 0: a chain step).
+        W, max_guesses: window columns and guesses of this forward (None: the round's; 0, 0: a
+        chain step).
 
         prod: [A] float32 prod(P(accept)) of each row's draft so far, adaptive mode only; then
         rule = (take [A], fired [A], prod after [A]) from stop_rule over this forward's tokens,
@@ -413,7 +411,7 @@ class DraftRuntime:
         dev = self.device
         slots_t, u_t, kv_t, unc_t = to_device(dev, slots, u, kv, unc)
         W = self.W if W is None else W
-        max_guesses = self.G if G is None else G
+        max_guesses = self.G if max_guesses is None else max_guesses
         parts = [unc_t]
         window = self.window[slots_t][:, :, :W] if W else None
         if W:

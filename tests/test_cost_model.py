@@ -175,17 +175,29 @@ def test_step_overhead_samples_only_unchanged_decoding_batches():
     assert none.value == 0.0 and none.samples == 0
 
 
+# An eager prefill forward on a launch-bound GPU: flat, ~10x a graph replay (issue 15).
+EAGER_PREFILL = CostCurve((1, 256, 1024), (0.025, 0.025, 0.04))
+
+
 def test_speculation_plan_maximises_the_modeled_rate():
-    """Against the rate computed by hand: no request added or removed, and no other draft
-    length for the chosen requests, does better."""
+    """Against the rate computed by hand, the draft cache's catch-up included (the chosen rows'
+    stretches prefilled in one padded forward or one forward each, whichever costs less, each
+    row bearing its share). Without catch-up:
+    no request added or removed, and no other draft length for the chosen requests, does
+    better. With it the plan searches two row orders (best gain first; ready rows first, then
+    those that must catch up): no prefix of either, at any draft length, does better."""
     rng = np.random.default_rng(0)
     S, F, n_d, chain_below = 12, 4.3, 18, 4
-    for _ in range(200):
+    for trial in range(300):
         B = int(rng.integers(1, 12))
         A = np.sort(rng.uniform(0, 1, (B, S)), axis=1)[:, ::-1]  # survival: non-increasing
         T = np.sort(rng.uniform(0.5, 1, (B, S)), axis=1)[:, ::-1]
+        u = np.where(rng.uniform(size=B) < 0.5, rng.integers(20, 600, B), 0)
+        share = rng.uniform(0.01, 0.5, B)
+        prefill = (None, EAGER_PREFILL)[trial % 2]
+        catch_up = cost_model.CatchUp(u, share) if trial % 3 else None
         plan = cost_model.speculation_plan(BENCH_TARGET, BENCH_DRAFT, A, T, np.full(B, F), n_d,
-                                           0.03, chain_below)
+                                           0.03, chain_below, catch_up=catch_up, prefill=prefill)
 
         def rate(mask, s):
             m = int(mask.sum())
@@ -193,14 +205,46 @@ def test_speculation_plan_maximises_the_modeled_rate():
                 return B / (BENCH_TARGET(B) + 0.03)
             f, w = (s, 2) if s < chain_below else (F, n_d)
             t = BENCH_TARGET(B + T[mask, :s].sum()) + 0.03 + f * BENCH_DRAFT(m * w)
+            need = mask & (u > 0)
+            if catch_up is not None and need.any():
+                curve = prefill or BENCH_DRAFT
+                together = curve(need.sum() * u[need].max()) * (share * u)[need].sum() / u[need].sum()
+                t += min(together, sum(curve(u[i]) * share[i] for i in np.nonzero(need)[0]))
             return (B + A[mask, :s].sum()) / t
         best = rate(plan.rows, plan.max_tokens)
-        for i in range(B):
-            flip = plan.rows.copy()
-            flip[i] = not flip[i]
-            assert best >= rate(flip, plan.max_tokens) - 1e-9
+        if catch_up is None:
+            for s in range(1, S + 1):
+                assert best >= rate(plan.rows, s) - 1e-9
+            for i in range(B):
+                flip = plan.rows.copy()
+                flip[i] = not flip[i]
+                assert best >= rate(flip, plan.max_tokens) - 1e-9
+            continue
+        gain = A.cumsum(1)
         for s in range(1, S + 1):
-            assert best >= rate(plan.rows, s) - 1e-9
+            for order in (np.argsort(-gain[:, s - 1], kind="stable"),
+                          np.lexsort((-gain[:, s - 1], u > 0))):
+                for m in range(B + 1):
+                    mask = np.zeros(B, bool)
+                    mask[order[:m]] = True
+                    assert best >= rate(mask, s) - 1e-9
+
+
+def test_requests_ready_to_draft_are_not_held_back_by_new_ones():
+    """A new request ranks first by its optimistic prior, but its prompt must be prefilled
+    first: the requests whose draft caches are current still draft where they pay, without
+    it (the gain order alone offered them only behind the prefill)."""
+    S = 12
+    A = cost_model.geometric_survival(np.array([7.0, 4.0, 4.0]), S)
+    catch_up = cost_model.CatchUp(np.array([600, 0, 0]), np.array([0.5, 0.0, 0.0]))
+    plan = cost_model.speculation_plan(BENCH_TARGET, BENCH_DRAFT, A, np.ones((3, S)), np.full(3, 4.3),
+                                       2, 0.03, 4, catch_up=catch_up)
+    assert list(plan.rows) == [False, True, True]
+    # The new request waits for its own sake: alone, its prefill does not pay either.
+    alone = cost_model.speculation_plan(BENCH_TARGET, BENCH_DRAFT, A[:1], np.ones((1, S)),
+                                        np.full(1, 4.3), 2, 0.03, 4,
+                                        catch_up=cost_model.CatchUp(np.array([600]), np.array([0.5])))
+    assert not alone.rows.any()
 
 
 def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread, device):
@@ -274,7 +318,7 @@ def _proposer(cap=None, slots=16):
 
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
-    p.cost, p.target_cost = CPU, CPU_TARGET
+    p.cost, p.target_cost, p.prefill_cost = CPU, CPU_TARGET, None
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
     p.runtime = SimpleNamespace(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
                                 kv_len=np.full(slots, 100), prefill_threshold=16)
@@ -347,11 +391,36 @@ def test_a_draft_cache_that_must_catch_up_is_weighed_against_the_tokens_left():
     assert many_left.rows.all() and not few_left.rows.any(), (many_left, few_left)
     p.runtime.kv_len[:] = 200  # cached: the same few tokens left are worth a draft
     assert _spec(p, 2, lens=200).rows.all()
-    # Where the plan weighs it: the catch-up's seconds per step, spread over the steps left.
+    # Where the plan weighs it: the stretches to prefill (10 tokens go in the round's first
+    # forward), and the part of it each step bears, spread over the steps left.
     p._len_limit[:] = 400
     p.runtime.kv_len[:] = np.array([0, 190] + [200] * 14)
-    cost = p._catch_up(np.arange(3), np.full(3, 200), p._accepted[:3])
-    assert cost[0] == pytest.approx(BENCH_DRAFT(200) * 4.0 / 200) and cost[1] == cost[2] == 0.0
+    catch_up = p._catch_up(np.arange(3), np.full(3, 200), p._accepted[:3])
+    assert list(catch_up.tokens) == [200, 0, 0]
+    assert catch_up.share[0] == pytest.approx(4.0 / 200)
+
+
+def test_requests_that_catch_up_together_share_one_prefill():
+    """New requests whose prompts the draft prefills in one batched forward: on a GPU, where
+    that forward is eager and flat (launch-bound), eight of them cost what one does, so the
+    back-off starts drafting for all eight; charged one prefill each (as before CatchUp) the
+    same step would draft for none."""
+    S, B = 12, 8
+    # Graph-replayed GPU forwards (issue 15's H100 figures, rounded).
+    target, draft = CostCurve((1, 64), (0.0037, 0.0040)), CostCurve((1, 64), (0.0024, 0.0026))
+    A = cost_model.geometric_survival(np.full(B, 4.0), S)
+    u, share = np.full(B, 300), np.full(B, 0.04)
+    plan = lambda catch_up, prefill: cost_model.speculation_plan(  # noqa: E731
+        target, draft, A, np.ones((B, S)), np.full(B, 4.0), 34, 0.002, catch_up=catch_up,
+        prefill=prefill)
+    together = plan(cost_model.CatchUp(u, share), EAGER_PREFILL)
+    assert together.rows.all() and together.max_tokens == S
+    # One prefill per request, as a sum over rows: the same step without batching's saving.
+    apart = EAGER_PREFILL(300) * share  # [B] seconds per step
+    t_apart = target(B + S * B) + 0.002 + 4.0 * draft(B * 34) + apart.sum()
+    assert (B + A.sum()) / t_apart < B / (target(B) + 0.002)
+    # Near their end (a larger share of the prefill per step) they wait, batched or not.
+    assert not plan(cost_model.CatchUp(u, np.full(B, 0.5)), EAGER_PREFILL).rows.any()
 
 
 def test_drafting_mode_priors_are_the_measured_rows():
@@ -440,18 +509,28 @@ def test_call_timer_falls_back_to_eager_when_the_capture_fails(monkeypatch, capl
 
 
 def test_length_limit_read_from_the_runners_request_state():
-    """patches/model_runner._length_limit: prompt + max_tokens of a request the runner holds,
+    """patches/model_runner._length_limit: prompt + max_tokens of a request the runner holds
+    (vLLM's own CachedRequestState: a renamed field fails here, not silently in the back-off),
     None where max_tokens is unset or the request is unknown; the proposer caps it at
     max_model_len when a request gets its slot."""
     from types import SimpleNamespace
 
+    pytest.importorskip("vllm", reason="the runner's request state is vLLM's class")
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
     from vllm_ouroboros.patches.model_runner import _length_limit
     from vllm_ouroboros.request_slots import RequestSlots
 
-    state = lambda max_tokens: SimpleNamespace(  # noqa: E731
-        num_prompt_tokens=30, sampling_params=SimpleNamespace(max_tokens=max_tokens))
-    runner = SimpleNamespace(requests={"a": state(48), "b": state(None)})
-    assert [_length_limit(runner, r) for r in ("a", "b", "c")] == [78, None, None]
+    def state(max_tokens, prompt=30, embeds=False):
+        return CachedRequestState(
+            req_id="r", prompt_token_ids=None if embeds else list(range(prompt)), mm_features=[],
+            sampling_params=SamplingParams(max_tokens=max_tokens), generator=None, block_ids=([],),
+            num_computed_tokens=0, output_token_ids=[],
+            prompt_embeds=torch.zeros(prompt, 8) if embeds else None)
+
+    runner = SimpleNamespace(requests={"a": state(48), "b": state(None), "e": state(5, 7, embeds=True)})
+    assert [_length_limit(runner, r) for r in ("a", "b", "c", "e")] == [78, None, None, 12]
     p = _proposer()
     p.max_slots, p.max_model_len = 16, 64
     p._slot_of = RequestSlots(16)
@@ -466,3 +545,27 @@ def test_length_limit_read_from_the_runners_request_state():
     p.set_batch(["d"], lambda r: _length_limit(runner, r))
     p._sync_requests(("a", "b", "d"))
     assert p._len_limit[p._slot_of["d"]] == 40
+
+
+def test_prefill_groups_pay_least_for_padding():
+    """cost_model.prefill_groups: exact against every split into contiguous groups of the rows
+    sorted by length (brute force over the 2^(R-1) cuts); one forward on a flat curve, every
+    row but equal ones apart where a token costs far more than a forward's fixed cost."""
+    import itertools
+
+    rng = np.random.default_rng(1)
+    for curve in (BENCH_DRAFT, CPU, EAGER_PREFILL):
+        for _ in range(40):
+            counts = rng.integers(1, 400, int(rng.integers(1, 8)))
+            groups = cost_model.prefill_groups(counts, curve)
+            assert sorted(np.concatenate(groups).tolist()) == list(range(len(counts)))
+            paid = sum(curve(len(g) * counts[g].max()) for g in groups)
+            c = np.sort(counts)
+            best = min(sum(curve((b - a) * c[b - 1]) for a, b in zip((0,) + cuts, cuts + (len(c),)))
+                       for k in range(len(c)) for cuts in itertools.combinations(range(1, len(c)), k))
+            assert paid == pytest.approx(best)
+    assert [g.tolist() for g in cost_model.prefill_groups([300, 20, 300], None)] == [[0, 1, 2]]
+    assert len(cost_model.prefill_groups([300, 20, 150, 300], EAGER_PREFILL)) == 1
+    linear = CostCurve((1, 2), (0.001, 0.002))  # no fixed cost: padding is all there is
+    assert sorted(g.tolist() for g in cost_model.prefill_groups([300, 20, 150, 300], linear)) == [
+        [0, 3], [1], [2]]

@@ -461,3 +461,31 @@ def test_pages_of_requests_out_of_the_batch_go_to_the_requests_in_it(draft_path,
     out, drafts = draft_round(rt, [1, 2], [ctx["b"], ctx["c"]], rng)
     check_round(out, drafts, [ctx["b"], ctx["c"]], greedy, rt, [1, 2])
     assert out.row_prefills[0] >= 1
+
+
+def test_prefill_grouped_by_cost_drafts_the_same(draft_path, greedy, device):
+    """New prompts of very different lengths: with a prefill curve where padding costs more
+    than a forward (cost_model.prefill_groups splits them) the draft caches and drafts are
+    those of one padded forward per pass, the draft model's greedy continuation; a flat curve
+    keeps one forward. Chunks of 64 tokens: the long prompt takes several passes."""
+    from vllm_ouroboros.cost_model import CostCurve
+
+    rng = np.random.default_rng(31)
+    V = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device).vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (300, 30, 150, 40)]
+    slots = [0, 1, 2, 3]
+    runs = {}
+    for name, curve in (("one", None), ("flat", CostCurve((1, 512), (1.0, 1.0))),
+                        ("linear", CostCurve((1, 2), (0.001, 0.002)))):
+        rt, _ = make_runtime(draft_path, device, num_slots=4, prefill_chunk=64)
+        rt.prefill_cost = curve
+        out, drafts = draft_round(rt, slots, contexts, np.random.default_rng(0))
+        check_round(out, drafts, contexts, greedy, rt, slots)
+        runs[name] = out, drafts, rt.cached[:4].copy(), rt.kv_len[:4].copy()
+    for name in ("flat", "linear"):
+        assert runs[name][1] == runs["one"][1]
+        assert (runs[name][2] == runs["one"][2]).all() and (runs[name][3] == runs["one"][3]).all()
+    one, flat, linear = (runs[n][0] for n in ("one", "flat", "linear"))
+    assert flat.prefill_forwards == one.prefill_forwards == 5  # ceil(299 / 64) passes
+    assert linear.prefill_forwards > one.prefill_forwards
+    assert (linear.row_prefills == one.row_prefills).all()

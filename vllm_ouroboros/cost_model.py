@@ -32,10 +32,13 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
   forward, which is what pays when the forward carries many rows); c the engine's own time per step
   beyond the target forward (scheduling, sampling, output processing), measured online too:
   every step pays it, so it makes speculation's longer step relatively cheaper (26-40 ms at 1-4
-  requests on this CPU, beside a ~320 ms one-token forward). A shorter draft is the lever under
-  load on a compute-bound device: each row's target tokens cost time there, and the first
-  tokens of a draft are the likeliest to be accepted (vLLM's draft_model at k = 3 gained 1.18x
-  at 4 requests on this CPU where whole 12-token drafts could not pay).
+  requests on this CPU, beside a ~320 ms one-token forward); a request whose draft cache lacks
+  a long stretch (a new prompt, tokens decoded while backed off) adds its share of one batched
+  prefill of the chosen rows' stretches (CatchUp), spread over the steps it has left. A
+  shorter draft is the lever under load on a compute-bound device: each row's target tokens
+  cost time there, and the first tokens of a draft are the likeliest to be accepted (vLLM's
+  draft_model at k = 3 gained 1.18x at 4 requests on this CPU where whole 12-token drafts
+  could not pay).
 
   of the drafting rows, those whose candidate suffixes (s_r tokens, expected to add a_r accepted
   tokens) go to the target are the ones, best gain per token first, that maximise
@@ -311,6 +314,60 @@ def geometric_survival(tokens_per_forward, max_tokens: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class CatchUp:
+    """What the draft cache lacks before it can draft for each of a step's B requests.
+
+    tokens [B]: the uncached stretch prefilled before the round (0: none, or short enough for
+    the round's first forward); share [B]: the part of that prefill charged to this step (the
+    caller spreads it over the steps the request has left). The rows chosen are prefilled
+    together (DraftRuntime._prefill: one padded forward per chunk), so a set of rows costs
+    t_prefill(rows x longest stretch) once, each row bearing it in proportion to its tokens."""
+
+    tokens: np.ndarray
+    share: np.ndarray
+
+    def seconds(self, prefill: CostCurve, pick, sort) -> np.ndarray:
+        """[B + 1, S] seconds per step of the first m rows' catch-up (m = 0..B) in the plan's
+        row order: `pick` sums a per-row quantity over those rows, `sort` orders it. The
+        runtime groups the rows' forwards to pay least (prefill_groups); modeled here as the
+        cheaper of its two ends, one padded forward or one forward per row (exact where the
+        curve is flat or the stretches equal, and never below what the grouping pays)."""
+        u, share = np.asarray(self.tokens, float), np.asarray(self.share, float)
+        rows = pick(u > 0)
+        longest = np.maximum.accumulate(sort(u), 0)
+        longest = np.concatenate([np.zeros_like(longest[:1]), longest])
+        together = prefill.at(np.maximum(rows * longest, 1)) * pick(share * u) / np.maximum(pick(u), 1)
+        apart = pick(np.where(u > 0, prefill.at(np.maximum(u, 1)), 0.0) * share)
+        return np.where(rows > 0, np.minimum(together, apart), 0.0)
+
+
+def prefill_groups(counts: np.ndarray, prefill: CostCurve | None) -> list[np.ndarray]:
+    """The rows of each forward of one prefill pass: counts [R] (tokens each row prefills) ->
+    lists of row indices. A forward pads its rows to the longest, so rows of very different
+    lengths cost less apart where a token costs more than a forward's fixed cost (a CPU);
+    on a flat curve (a launch-bound GPU) one forward is cheapest. Chosen exactly: rows sorted
+    by count, groups contiguous in that order, the sum of t(rows x longest) minimal (O(R^2)).
+    prefill None: one forward."""
+    counts = np.asarray(counts, np.int64)
+    R = len(counts)
+    if prefill is None or R <= 1:
+        return [np.arange(R)]
+    order = np.argsort(counts, kind="stable")
+    c = counts[order].astype(float)
+    best, cut = np.zeros(R + 1), np.zeros(R + 1, np.int64)
+    for j in range(1, R + 1):  # best[j]: the first j rows; the last group is rows i..j-1
+        i = np.arange(j)
+        cost = best[:j] + prefill.at((j - i) * c[j - 1])
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
+    groups, j = [], R
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+@dataclass(frozen=True)
 class SpeculationPlan:
     """A step's back-off decision: which requests draft ([B] bool) and the most tokens each
     sends to the target (the full length S where the cut does not bind)."""
@@ -322,7 +379,7 @@ class SpeculationPlan:
 def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, sent: np.ndarray,
                      draft_forwards: np.ndarray, draft_row_tokens: float, step_overhead: float = 0.0,
                      chain_below: int | None = None, chain_row_tokens: float = 2,
-                     catch_up: np.ndarray | None = None) -> SpeculationPlan:
+                     catch_up: CatchUp | None = None, prefill: CostCurve | None = None) -> SpeculationPlan:
     """Which of a step's B decoding requests speculate, and how long their drafts may be
     (module docstring).
 
@@ -333,9 +390,9 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     over chain_row_tokens tokens per row (the host loop without window or guesses: the same
     greedy tokens, a narrower forward); None where rounds have fixed shapes (device rounds): a
     cut draft then costs a whole round and saves target tokens only. step_overhead (c,
-    seconds): the engine's time per step beyond the target forward. catch_up [B] (seconds):
-    what drafting for request i adds this step before its round (the draft cache's prefill of
-    a stretch it lacks, spread over the request's remaining steps by the caller).
+    seconds): the engine's time per step beyond the target forward. catch_up: the stretches
+    the draft cache lacks per request, prefilled before the round (CatchUp); the requests
+    chosen share one batched prefill, timed by the `prefill` curve (default: draft's).
     Ties go to fewer requests and to longer drafts.
     """
     A, T = np.asarray(accepted, float), np.asarray(sent, float)
@@ -347,14 +404,30 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     s = np.arange(1, S + 1)
     chain = np.zeros(S, bool) if chain_below is None else s < chain_below
     f = np.where(chain[None, :], s[None, :].astype(float), F[:, None])  # [B, S]
-    extra = np.broadcast_to(0.0 if catch_up is None else np.asarray(catch_up, float)[:, None], (B, S))
     n_d = np.where(chain, chain_row_tokens, draft_row_tokens)  # [S]
-    order = np.argsort(-gain, axis=0, kind="stable")  # [B, S]: per s, rows best first
-    pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.take_along_axis(x, order, 0), 0)])  # noqa: E731
     m = np.arange(B + 1)[:, None]
-    t = (target.at(B + pick(tokens)) + step_overhead + pick(extra)
-         + np.where(m > 0, pick(f) / np.maximum(m, 1) * draft.at(np.maximum(m, 1) * n_d), 0))
-    rate = (B + pick(gain)) / t  # [B + 1, S]: the best m requests at s tokens
+    orders = [np.argsort(-gain, axis=0, kind="stable")]  # [B, S]: per s, rows best first
+    if catch_up is not None and (np.asarray(catch_up.tokens) > 0).any():
+        # Rows ready to draft first: the optimistic prior ranks a new request (whose prompt the
+        # draft must prefill) above measured ones, so the gain order alone would weigh every
+        # cached request only behind the prefills.
+        late = (np.asarray(catch_up.tokens) > 0)[:, None]
+        orders.append(np.lexsort((-gain, np.broadcast_to(late, (B, S))), axis=0))
+    best = None
+    for order in orders:
+        def sort(x):  # a per-row quantity ([B], or [B, S] by draft length) in each s's row order
+            x = np.asarray(x, float)
+            return np.take_along_axis(np.broadcast_to(x[:, None] if x.ndim == 1 else x, (B, S)), order, 0)
+
+        pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(sort(x), 0)])  # noqa: E731
+        t = (target.at(B + pick(tokens)) + step_overhead
+             + np.where(m > 0, pick(f) / np.maximum(m, 1) * draft.at(np.maximum(m, 1) * n_d), 0))
+        if catch_up is not None:
+            t = t + catch_up.seconds(draft if prefill is None else prefill, pick, sort)
+        rate = (B + pick(gain)) / t  # [B + 1, S]: the first m requests at s tokens
+        if best is None or rate.max() > best[0].max() + 1e-12:
+            best = rate, order
+    rate, order = best
     best_m = rate.argmax(0)  # fewest requests on ties
     best_rate = rate[best_m, np.arange(S)]
     j = S - 1 - int(np.argmax(best_rate[::-1]))  # the longest draft on ties

@@ -127,6 +127,9 @@ class OuroborosProposer:
         # so that a request starts by speculating and measures; one hard request does not stop
         # the others.
         self.cost: cost_model.CostCurve | None = None  # the draft's
+        # The draft's prefill forward: eager on every device (the graph round replays drafting
+        # forwards only), so on a GPU launch-bound at ~10x a replay; else `cost` itself.
+        self.prefill_cost: cost_model.CostCurve | None = None
         self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
         # Forwards per device / graph round, chosen online (round_length.py); None: host loop,
         # or no target curve to weigh them against.
@@ -211,6 +214,10 @@ class OuroborosProposer:
         else:  # timed as the round will run it: replayed from CUDA graphs in graph mode
             self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
                                                        graphs=draft_round == "graph")
+        self.prefill_cost = self.cost
+        if draft_round == "graph" and cfg.draft_cost_ms is None:
+            self.prefill_cost = cost_model.measure_draft_curve(model, min(init_len, 256))
+            logger.info("ouroboros: the draft's eager prefill forward t(n): %s ms", _ms(self.prefill_cost))
         if cfg.target_cost_ms is not None:
             self.target_cost = cost_model.curve_from_ms(cost_points(cfg.target_cost_ms))
             self._overhead = cost_model.StepOverhead(self.target_cost)
@@ -269,6 +276,7 @@ class OuroborosProposer:
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
                                     self.device, head=head)
+        self.runtime.prefill_cost = self.prefill_cost
         if settings.draft_round == "graph":
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
             t0 = time.perf_counter()
@@ -719,7 +727,7 @@ class OuroborosProposer:
         room = rt.s.draft_room if rt.device_round is None else None  # only the host loop drafts a chain
         decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, room,
-            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc))
+            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc), self.prefill_cost)
         plan = decide(A)
         spec = plan.rows
         due = ~spec & (self._probe_wait[slots] <= 0)
@@ -737,14 +745,14 @@ class OuroborosProposer:
         self._probe_wait[off] -= 1
         return plan
 
-    def _catch_up(self, slots: np.ndarray, lens: np.ndarray, accepted: np.ndarray) -> np.ndarray:
-        """Seconds per step [B] of the draft catching up before it can draft for each request:
-        a stretch its cache lacks that is longer than a round's first forward takes (a new
-        prompt, tokens decoded while backed off) is prefilled, t_draft(u) once; that pays only
-        over the steps the request has left, so it is spread over them: t_draft(u) E / r, r
-        the tokens left before its length limit, E its tokens per step (at most the whole
-        cost). Without this the back-off drafted for requests a few tokens from their end at
-        the tail of a batch, each prefilling its whole context first."""
+    def _catch_up(self, slots: np.ndarray, lens: np.ndarray, accepted: np.ndarray) -> cost_model.CatchUp:
+        """What the draft must catch up on before it can draft for each request (by slot,
+        [B]; context lengths lens [B]): a stretch its cache lacks that is longer than a round's
+        first forward takes (a new prompt, tokens decoded while backed off) is prefilled once;
+        that pays only over the steps the request has left, so each step is charged the share
+        E / r of it, r the tokens left before its length limit, E its tokens per step (at most
+        the whole). Without this the back-off drafted for requests a few tokens from their end
+        at the tail of a batch, each prefilling its whole context first."""
         rt = self.runtime
         cached = np.zeros_like(slots)
         known = slots < len(rt.kv_len)  # a slot past them has drafted nothing yet
@@ -752,7 +760,7 @@ class OuroborosProposer:
         u = lens - cached
         left = np.maximum(self._len_limit[slots] - lens, 1)
         share = np.minimum((1 + accepted.sum(1)) / left, 1.0)
-        return np.where(u > rt.prefill_threshold, self.cost.at(np.maximum(u, 1)) * share, 0.0)
+        return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share)
 
     def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
                        batch: int, draft_seconds: float) -> np.ndarray:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ouroboros.cost_model import CostCurve, prefill_groups
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
@@ -117,6 +118,9 @@ class DraftRuntime:
         self.W = settings.window_size if settings.use_lookahead else 0
         self.G = settings.num_guesses if settings.use_guesses else 0
         self._layouts: dict[tuple[int, int], object] = {}
+        # The draft's prefill forward t(n) (the proposer's, measured at load): prefill passes
+        # group rows to pay least for padding; None: one forward per pass.
+        self.prefill_cost: CostCurve | None = None
         # Bumped whenever the window is reallocated (graphs hold pointers; see `generation`).
         self._window_generation = 0
         # Cache columns a round needs past a row's context: its largest uncached stretch, the
@@ -344,28 +348,35 @@ class DraftRuntime:
         self.kv_len[slots] += counts
 
     def _prefill(self, slots, token_ids, rows, lens, row_prefills) -> int:
-        """Causal forwards over long uncached stretches, so the drafting loop stays narrow."""
+        """Causal forwards over long uncached stretches, so the drafting loop stays narrow;
+        each pass's rows grouped into forwards by cost_model.prefill_groups (prefill_cost)."""
         threshold = self.prefill_threshold
         forwards = 0
         while True:
             todo = np.nonzero(lens - 1 - self.kv_len[slots] > threshold)[0]
             if len(todo) == 0:
                 return forwards
-            s, r = slots[todo], rows[todo]
-            count = np.minimum(lens[todo] - 1 - self.kv_len[s], self.s.prefill_chunk)
-            Q = int(count.max())
-            idx = self.kv_len[s, None] + np.arange(Q)[None, :]
-            toks = token_ids[r[:, None], np.minimum(idx, lens[todo, None] - 1)].astype(np.int64)
-            cnt, kv, toks_t, s_t = to_device(self.device, count, self.kv_len[s], toks, s)
-            col = torch.arange(Q, device=self.device)
-            real = col[None, :] < cnt[:, None]
-            causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
-            mask = (causal[None] & real[:, None, :]) | (torch.eye(Q, dtype=torch.bool, device=self.device)[None] & ~real[:, :, None])
-            self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, mask,
-                               max_cache_len=int(self.kv_len[s].max()))
-            self._commit(s, toks, count)
-            row_prefills[todo] += 1
-            forwards += 1
+            count = np.minimum(lens[todo] - 1 - self.kv_len[slots[todo]], self.s.prefill_chunk)
+            for group in prefill_groups(count, self.prefill_cost):
+                self._prefill_forward(slots[todo[group]], token_ids, rows[todo[group]],
+                                      lens[todo[group]], count[group])
+                row_prefills[todo[group]] += 1
+                forwards += 1
+
+    def _prefill_forward(self, s, token_ids, r, lens, count) -> None:
+        """One causal forward over the next `count` [R] uncached tokens of slots s [R] (rows r
+        of token_ids, context lengths lens), padded to the longest."""
+        Q = int(count.max())
+        idx = self.kv_len[s, None] + np.arange(Q)[None, :]
+        toks = token_ids[r[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
+        cnt, kv, toks_t, s_t = to_device(self.device, count, self.kv_len[s], toks, s)
+        col = torch.arange(Q, device=self.device)
+        real = col[None, :] < cnt[:, None]
+        causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
+        mask = (causal[None] & real[:, None, :]) | (torch.eye(Q, dtype=torch.bool, device=self.device)[None] & ~real[:, :, None])
+        self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, mask,
+                           max_cache_len=int(self.kv_len[s].max()))
+        self._commit(s, toks, count)
 
     def _init_windows(self, slots, token_ids, rows, lens) -> None:
         if self.W == 0:

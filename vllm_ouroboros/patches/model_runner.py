@@ -21,6 +21,8 @@ not Ouroboros take vLLM's own path untouched.
 
 from __future__ import annotations
 
+import functools
+
 from vllm_ouroboros.patches._util import patch_method, require
 
 
@@ -57,7 +59,11 @@ def _sample(original):
         drafter = _drafter(self)
         if drafter is None:
             return original(self, logits, spec_decode_metadata)
-        drafter.set_batch(self.input_batch.req_ids, lambda req_id: _length_limit(self, req_id))
+        limit = self.__dict__.get("_ouroboros_length_limit")
+        if limit is None:  # one bound callable per runner, not a closure per step
+            require(self, "requests")  # an instance attribute: checked on the first step
+            limit = self._ouroboros_length_limit = functools.partial(_length_limit, self)
+        drafter.set_batch(self.input_batch.req_ids, limit)
         step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
         if step is None or spec_decode_metadata is None or logits is None:
             return original(self, logits, spec_decode_metadata)
@@ -72,13 +78,18 @@ def _sample(original):
 
 def _length_limit(runner, req_id: str) -> int | None:
     """The most tokens this request's context can reach (prompt + max_tokens); None where
-    unknown. The back-off reads it once per request, when it first drafts for it."""
-    state = getattr(runner, "requests", {}).get(req_id)
-    params = getattr(state, "sampling_params", None)
-    prompt = getattr(state, "num_prompt_tokens", None)
-    if params is None or params.max_tokens is None or prompt is None:
+    unknown. The back-off reads it once per request, when it first drafts for it. The prompt's
+    length comes from CachedRequestState's fields (token ids, else embeddings), which apply()
+    checks, not from an attribute its __post_init__ sets, which no check could see renamed."""
+    state = runner.requests.get(req_id)
+    params = None if state is None else state.sampling_params
+    if params is None or params.max_tokens is None:
         return None
-    return prompt + params.max_tokens
+    if state.prompt_token_ids is not None:
+        return len(state.prompt_token_ids) + params.max_tokens
+    if state.prompt_embeds is not None:
+        return int(state.prompt_embeds.shape[0]) + params.max_tokens
+    return None
 
 
 def _input_fits_in_drafter(original):
@@ -113,8 +124,8 @@ def apply() -> None:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     fields = set(getattr(CachedRequestState, "__dataclass_fields__", ()))
-    if not {"sampling_params", "prompt_token_ids"} <= fields:
-        require(CachedRequestState, "sampling_params", "prompt_token_ids")
+    if not {"sampling_params", "prompt_token_ids", "prompt_embeds"} <= fields:
+        require(CachedRequestState, "sampling_params", "prompt_token_ids", "prompt_embeds")
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
     patch_method(GPUModelRunner, "_update_states", _update_states)
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)

@@ -194,8 +194,10 @@ def test_speculation_plan_maximises_the_modeled_rate():
         T = np.sort(rng.uniform(0.5, 1, (B, S)), axis=1)[:, ::-1]
         u = np.where(rng.uniform(size=B) < 0.5, rng.integers(20, 600, B), 0)
         share = rng.uniform(0.01, 0.5, B)
+        by_s = np.sort(rng.uniform(0.01, 0.5, (B, S)), axis=1)  # per draft length, rising
         prefill = (None, EAGER_PREFILL)[trial % 2]
-        catch_up = cost_model.CatchUp(u, share) if trial % 3 else None
+        scale = float(rng.uniform(0.5, 2.0))
+        catch_up = (None, cost_model.CatchUp(u, share), cost_model.CatchUp(u, by_s, scale))[trial % 3]
         plan = cost_model.speculation_plan(BENCH_TARGET, BENCH_DRAFT, A, T, np.full(B, F), n_d,
                                            0.03, chain_below, catch_up=catch_up, prefill=prefill)
 
@@ -208,8 +210,9 @@ def test_speculation_plan_maximises_the_modeled_rate():
             need = mask & (u > 0)
             if catch_up is not None and need.any():
                 curve = prefill or BENCH_DRAFT
-                together = curve(need.sum() * u[need].max()) * (share * u)[need].sum() / u[need].sum()
-                t += min(together, sum(curve(u[i]) * share[i] for i in np.nonzero(need)[0]))
+                sh = share if catch_up.share.ndim == 1 else by_s[:, s - 1]
+                together = curve(need.sum() * u[need].max()) * (sh * u)[need].sum() / u[need].sum()
+                t += catch_up.scale * min(together, sum(curve(u[i]) * sh[i] for i in np.nonzero(need)[0]))
             return (B + A[mask, :s].sum()) / t
         best = rate(plan.rows, plan.max_tokens)
         if catch_up is None:
@@ -318,7 +321,7 @@ def _proposer(cap=None, slots=16):
 
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
-    p.cost, p.target_cost, p.prefill_cost = CPU, CPU_TARGET, None
+    p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
     p.runtime = SimpleNamespace(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
                                 kv_len=np.full(slots, 100), prefill_threshold=16)
@@ -397,7 +400,36 @@ def test_a_draft_cache_that_must_catch_up_is_weighed_against_the_tokens_left():
     p.runtime.kv_len[:] = np.array([0, 190] + [200] * 14)
     catch_up = p._catch_up(np.arange(3), np.full(3, 200), p._accepted[:3])
     assert list(catch_up.tokens) == [200, 0, 0]
-    assert catch_up.share[0] == pytest.approx(4.0 / 200)
+    # By draft length: a one-token draft gives 1 + P(accepted >= 1) tokens per step, so the
+    # request takes more steps to its end and each bears less of the prefill.
+    assert catch_up.share[0, -1] == pytest.approx(4.0 / 200)
+    assert catch_up.share[0, 0] == pytest.approx((1 + p._accepted[0, 0]) / 200)
+
+
+def test_catch_up_cost_calibrated_by_measured_prefills():
+    """_calibrate_prefill: the ratio of a round's measured prefill seconds to the curve's
+    figure for its padded sizes moves the catch-up's scale (a running mean), which scales
+    the plan's catch-up seconds; rounds without a prefill leave it."""
+    from types import SimpleNamespace
+
+    p = _proposer()
+    p.prefill_cost = BENCH_DRAFT
+    sizes = (400, 90)
+    modeled = BENCH_DRAFT(400) + BENCH_DRAFT(90)
+    for _ in range(30):
+        p._calibrate_prefill(SimpleNamespace(prefill_sizes=sizes, prefill_seconds=0.6 * modeled))
+    assert p._prefill_scale == pytest.approx(0.6, rel=1e-3)
+    p._calibrate_prefill(SimpleNamespace(prefill_sizes=(), prefill_seconds=0.0))
+    assert p._prefill_scale == pytest.approx(0.6, rel=1e-3)
+    assert p._catch_up(np.arange(2), np.full(2, 200), p._accepted[:2]).scale == p._prefill_scale
+    S = 12
+    one = lambda scale: cost_model.CatchUp(np.array([300]), np.full((1, S), 0.1), scale)  # noqa: E731
+    pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.broadcast_to(  # noqa: E731
+        np.asarray(x, float)[:, None] if np.ndim(x) == 1 else x, (1, S)), 0)])
+    sort = lambda x: np.broadcast_to(np.asarray(x, float)[:, None], (1, S))  # noqa: E731
+    assert one(0.6).seconds(BENCH_DRAFT, pick, sort)[1] == pytest.approx(
+        0.6 * one(1.0).seconds(BENCH_DRAFT, pick, sort)[1])
+    assert one(1.0).seconds(BENCH_DRAFT, pick, sort)[1, 0] == pytest.approx(BENCH_DRAFT(300) * 0.1)
 
 
 def test_requests_that_catch_up_together_share_one_prefill():

@@ -489,3 +489,12 @@ def test_prefill_grouped_by_cost_drafts_the_same(draft_path, greedy, device):
     assert flat.prefill_forwards == one.prefill_forwards == 5  # ceil(299 / 64) passes
     assert linear.prefill_forwards > one.prefill_forwards
     assert (linear.row_prefills == one.row_prefills).all()
+    # What the back-off calibrates with: every prefill forward's padded size, and their time.
+    assert len(one.prefill_sizes) == one.prefill_forwards and one.prefill_sizes[0] == 4 * 64
+    assert len(linear.prefill_sizes) == linear.prefill_forwards
+    assert sum(linear.prefill_sizes) < sum(one.prefill_sizes)  # less padding
+    assert one.prefill_seconds > 0 and linear.prefill_seconds > 0
+    # A round with nothing to prefill reports none.
+    rt, _ = make_runtime(draft_path, device, num_slots=1)
+    out, _ = draft_round(rt, [0], [contexts[1][:10]], np.random.default_rng(0))
+    assert out.prefill_forwards == 0 and out.prefill_sizes == () and out.prefill_seconds == 0.0

@@ -318,13 +318,14 @@ class CatchUp:
     """What the draft cache lacks before it can draft for each of a step's B requests.
 
     tokens [B]: the uncached stretch prefilled before the round (0: none, or short enough for
-    the round's first forward); share [B]: the part of that prefill charged to this step (the
-    caller spreads it over the steps the request has left). The rows chosen are prefilled
+    the round's first forward); share: the part of that prefill charged to this step (the
+    caller spreads it over the steps the request has left at each draft length). The rows chosen are prefilled
     together (DraftRuntime._prefill: one padded forward per chunk), so a set of rows costs
     t_prefill(rows x longest stretch) once, each row bearing it in proportion to its tokens."""
 
     tokens: np.ndarray
-    share: np.ndarray
+    share: np.ndarray  # [B], or [B, S] by the draft length s = 1..S (tokens per step depend on it)
+    scale: float = 1.0  # measured / modeled seconds of recent prefills (the curve's error at large n)
 
     def seconds(self, prefill: CostCurve, pick, sort) -> np.ndarray:
         """[B + 1, S] seconds per step of the first m rows' catch-up (m = 0..B) in the plan's
@@ -332,13 +333,15 @@ class CatchUp:
         runtime groups the rows' forwards to pay least (prefill_groups); modeled here as the
         cheaper of its two ends, one padded forward or one forward per row (exact where the
         curve is flat or the stretches equal, and never below what the grouping pays)."""
-        u, share = np.asarray(self.tokens, float), np.asarray(self.share, float)
+        u = np.asarray(self.tokens, float)
+        share = np.asarray(self.share, float)
+        share = share[:, None] if share.ndim == 1 else share
         rows = pick(u > 0)
         longest = np.maximum.accumulate(sort(u), 0)
         longest = np.concatenate([np.zeros_like(longest[:1]), longest])
-        together = prefill.at(np.maximum(rows * longest, 1)) * pick(share * u) / np.maximum(pick(u), 1)
-        apart = pick(np.where(u > 0, prefill.at(np.maximum(u, 1)), 0.0) * share)
-        return np.where(rows > 0, np.minimum(together, apart), 0.0)
+        together = prefill.at(np.maximum(rows * longest, 1)) * pick(share * u[:, None]) / np.maximum(pick(u), 1)
+        apart = pick(np.where(u > 0, prefill.at(np.maximum(u, 1)), 0.0)[:, None] * share)
+        return np.where(rows > 0, self.scale * np.minimum(together, apart), 0.0)
 
 
 def prefill_groups(counts: np.ndarray, prefill: CostCurve | None) -> list[np.ndarray]:

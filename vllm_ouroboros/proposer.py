@@ -130,6 +130,7 @@ class OuroborosProposer:
         # The draft's prefill forward: eager on every device (the graph round replays drafting
         # forwards only), so on a GPU launch-bound at ~10x a replay; else `cost` itself.
         self.prefill_cost: cost_model.CostCurve | None = None
+        self._prefill_scale = 1.0  # measured / modeled prefill seconds (_calibrate_prefill)
         self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
         # Forwards per device / graph round, chosen online (round_length.py); None: host loop,
         # or no target curve to weigh them against.
@@ -603,6 +604,7 @@ class OuroborosProposer:
         else:  # the cache held every row: after a full spell, try growing again soon
             self._cache_retry_gap = PROBE_GAP
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
+        self._calibrate_prefill(out)
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
         # path is on, else the best one), within the token cap, in flat order. Near
@@ -750,8 +752,9 @@ class OuroborosProposer:
         [B]; context lengths lens [B]): a stretch its cache lacks that is longer than a round's
         first forward takes (a new prompt, tokens decoded while backed off) is prefilled once;
         that pays only over the steps the request has left, so each step is charged the share
-        E / r of it, r the tokens left before its length limit, E its tokens per step (at most
-        the whole). Without this the back-off drafted for requests a few tokens from their end
+        E(s) / r of it, r the tokens left before its length limit, E(s) its tokens per step
+        with drafts of s tokens (at most the whole), scaled by what recent prefills measured
+        against the curve (_calibrate_prefill). Without this the back-off drafted for requests a few tokens from their end
         at the tail of a batch, each prefilling its whole context first."""
         rt = self.runtime
         cached = np.zeros_like(slots)
@@ -759,8 +762,19 @@ class OuroborosProposer:
         cached[known] = rt.kv_len[slots[known]]
         u = lens - cached
         left = np.maximum(self._len_limit[slots] - lens, 1)
-        share = np.minimum((1 + accepted.sum(1)) / left, 1.0)
-        return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share)
+        share = np.minimum((1 + np.cumsum(accepted, 1)) / left[:, None], 1.0)  # [B, S]: by draft length
+        return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share, self._prefill_scale)
+
+    def _calibrate_prefill(self, out) -> None:
+        """The catch-up's cost from the prefills that ran: a running ratio of their measured
+        seconds to what the prefill curve says for their padded sizes. The curve is measured
+        up to a few dozen tokens on a CPU and extrapolated linearly past them, where it
+        overstated a 16-prompt prefill by ~40% (scripts/draft_prefill_cost.py)."""
+        if not out.prefill_sizes or self.prefill_cost is None:
+            return
+        modeled = float(self.prefill_cost.at(np.asarray(out.prefill_sizes)).sum())
+        ratio = float(np.clip(out.prefill_seconds / max(modeled, 1e-9), 0.1, 10.0))
+        self._prefill_scale += ESTIMATE_RATE * (ratio - self._prefill_scale)
 
     def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
                        batch: int, draft_seconds: float) -> np.ndarray:

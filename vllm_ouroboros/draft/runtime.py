@@ -23,7 +23,8 @@ The contexts arrive as host arrays (vLLM keeps token ids on the host). No vLLM i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -93,6 +94,42 @@ class RoundOutput:
     # Adaptive length: [B] bool, the row's draft was stopped by the acceptance rule (else by
     # max_draft_length or max_draft_forwards); None in fixed mode.
     stopped_by_rule: np.ndarray | None = None
+    # The prefill forwards' padded sizes (rows x longest, tokens) and their seconds in all
+    # (0.0 where none ran): what the back-off calibrates its catch-up cost with.
+    prefill_sizes: tuple[int, ...] = ()
+    prefill_seconds: float = 0.0
+
+
+class _PrefillClock:
+    """Seconds of a round's prefill forwards without a host sync of their own: perf_counter on
+    the CPU (its forwards return when done), CUDA events elsewhere, read once the round's
+    device->host copy has synchronised (`seconds`, after the round)."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._start = self._end = None
+
+    def start(self) -> None:
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._start is None:
+            return 0.0
+        if not self._cuda:
+            return self._end - self._start
+        self._end.synchronize()  # done already (the round's copy came after it): no wait
+        return self._start.elapsed_time(self._end) / 1000
 
 
 class DraftRuntime:
@@ -245,13 +282,19 @@ class DraftRuntime:
                   no guesses (the same greedy tokens through a narrower forward); fixed-shape
                   rounds draft as usual.
         """
+        clock, sizes = _PrefillClock(self.device), []
+        out = self._round(slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes)
+        # The round's outputs came back to the host: the prefill's CUDA events are done.
+        return replace(out, prefill_sizes=tuple(sizes), prefill_seconds=clock.seconds()) if sizes else out
+
+    def _round(self, slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes) -> RoundOutput:
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
         self._reserve(slots, lens)  # may raise DraftCacheFull: first, so that nothing changed
         self._grow(int(slots.max()) + 1)
         self._rollback(slots, token_ids, rows, lens)
         row_prefills = np.zeros(B, np.int64)
-        prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills)
+        prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills, clock, sizes)
         self._init_windows(slots, token_ids, rows, lens)
         if self.device_round is not None:
             return self._draft_on_device(slots, token_ids, rows, lens, prefill_forwards, row_prefills,
@@ -347,19 +390,25 @@ class DraftRuntime:
         self.cached[np.repeat(slots, tokens.shape[1])[ok.ravel()], cols[ok]] = tokens[ok]
         self.kv_len[slots] += counts
 
-    def _prefill(self, slots, token_ids, rows, lens, row_prefills) -> int:
+    def _prefill(self, slots, token_ids, rows, lens, row_prefills, clock, sizes) -> int:
         """Causal forwards over long uncached stretches, so the drafting loop stays narrow;
-        each pass's rows grouped into forwards by cost_model.prefill_groups (prefill_cost)."""
+        each pass's rows grouped into forwards by cost_model.prefill_groups (prefill_cost).
+        Timed by `clock` where any runs; `sizes` gets each forward's padded tokens."""
         threshold = self.prefill_threshold
         forwards = 0
         while True:
             todo = np.nonzero(lens - 1 - self.kv_len[slots] > threshold)[0]
             if len(todo) == 0:
+                if forwards:
+                    clock.stop()
                 return forwards
+            if not forwards:
+                clock.start()
             count = np.minimum(lens[todo] - 1 - self.kv_len[slots[todo]], self.s.prefill_chunk)
             for group in prefill_groups(count, self.prefill_cost):
                 self._prefill_forward(slots[todo[group]], token_ids, rows[todo[group]],
                                       lens[todo[group]], count[group])
+                sizes.append(len(group) * int(count[group].max()))
                 row_prefills[todo[group]] += 1
                 forwards += 1
 

@@ -6,7 +6,9 @@ it at load; alternating, on the CPU host loop (vLLM's oneDNN products where avai
     source scripts/env.sh && python scripts/draft_prefill_cost.py [--batch 4 16] [--reps 5]
 
 Each figure: the median of --reps prefills after one warm-up of each way; the caches and
-tokens written are the same both ways (tests/test_draft_runtime.py checks it).
+tokens written are the same both ways (tests/test_draft_runtime.py checks it). Beside each, what
+the curve says for its forwards' padded sizes: the error the back-off's catch-up calibration
+(proposer._calibrate_prefill) corrects at run time.
 """
 
 from __future__ import annotations
@@ -35,21 +37,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from generate import humaneval_prompts
+    from train_acceptance_head import load_model
     from vllm_ouroboros import cost_model
-    from vllm_ouroboros.draft.model import DraftModel
-    from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
+    from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, _PrefillClock
     from vllm_ouroboros.pool import PhrasePool
 
     torch.set_num_threads(os.cpu_count() or 1)
-    m = DraftModel.from_pretrained(str(args.draft), dtype=torch.float32, device="cpu")
-    try:
-        from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
-
-        factory = onednn_gemm_factory(dtype=m.dtype)
-        if factory is not None:
-            m.use_gemm(factory)
-    except ImportError:  # no vLLM: F.linear
-        pass
+    m = load_model(str(args.draft))  # the proposer's CPU products (oneDNN where vLLM has it)
     tok = AutoTokenizer.from_pretrained(str(args.draft))
     B = max(args.batch)
     prompts = [tok(p).input_ids for p in humaneval_prompts(B)]
@@ -71,15 +65,16 @@ def main() -> None:
                 rt.reset_slot(int(s))
             rt._reserve(slots, lens)
             rt.prefill_cost = grouping
+            clock, sizes = _PrefillClock(rt.device), []
             t0 = time.perf_counter()
-            forwards = rt._prefill(slots, tab, rows, lens, np.zeros(b, np.int64))
-            return time.perf_counter() - t0, forwards
+            forwards = rt._prefill(slots, tab, rows, lens, np.zeros(b, np.int64), clock, sizes)
+            return time.perf_counter() - t0, forwards, sizes
 
         times = {"one padded forward per pass": [], "grouped (prefill_groups)": []}
-        forwards = {}
+        forwards, sizes = {}, {}
         for rep in range(args.reps + 1):
             for name, grouping in zip(times, (None, curve)):
-                t, forwards[name] = prefill(grouping)
+                t, forwards[name], sizes[name] = prefill(grouping)
                 if rep:
                     times[name].append(t)
         pad = b * int(lens.max()) - int(lens.sum())
@@ -87,7 +82,9 @@ def main() -> None:
               f"in one forward):")
         med = {k: float(np.median(v)) for k, v in times.items()}
         for name in times:
-            print(f"  {name:<28} {1000 * med[name]:8.0f} ms, {forwards[name]} forwards")
+            modeled = float(curve.at(np.asarray(sizes[name])).sum())
+            print(f"  {name:<28} {1000 * med[name]:8.0f} ms, {forwards[name]} forwards; the curve "
+                  f"says {1000 * modeled:.0f} ms (measured / modeled {med[name] / modeled:.2f})")
         first, second = med.values()
         print(f"  grouped / one: {second / first:.2f}x")
 

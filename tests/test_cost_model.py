@@ -182,7 +182,7 @@ EAGER_PREFILL = CostCurve((1, 256, 1024), (0.025, 0.025, 0.04))
 def test_speculation_plan_maximises_the_modeled_rate():
     """Against the rate computed by hand, the draft cache's catch-up included (the chosen rows'
     stretches prefilled in one padded forward or one forward each, whichever costs less, each
-    row bearing its share). Without catch-up:
+    row bearing its share), and the draft's cost scaled by what whole and chain rounds measured. Without catch-up:
     no request added or removed, and no other draft length for the chosen requests, does
     better. With it the plan searches two row orders (best gain first; ready rows first, then
     those that must catch up): no prefix of either, at any draft length, does better."""
@@ -198,15 +198,17 @@ def test_speculation_plan_maximises_the_modeled_rate():
         prefill = (None, EAGER_PREFILL)[trial % 2]
         scale = float(rng.uniform(0.5, 2.0))
         catch_up = (None, cost_model.CatchUp(u, share), cost_model.CatchUp(u, by_s, scale))[trial % 3]
+        k = (1.0, 1.0) if trial % 4 == 0 else tuple(rng.uniform(0.6, 1.6, 2))
         plan = cost_model.speculation_plan(BENCH_TARGET, BENCH_DRAFT, A, T, np.full(B, F), n_d,
-                                           0.03, chain_below, catch_up=catch_up, prefill=prefill)
+                                           0.03, chain_below, catch_up=catch_up, prefill=prefill,
+                                           draft_scale=k)
 
         def rate(mask, s):
             m = int(mask.sum())
             if m == 0:
                 return B / (BENCH_TARGET(B) + 0.03)
-            f, w = (s, 2) if s < chain_below else (F, n_d)
-            t = BENCH_TARGET(B + T[mask, :s].sum()) + 0.03 + f * BENCH_DRAFT(m * w)
+            f, w, k_d = (s, 2, k[1]) if s < chain_below else (F, n_d, k[0])
+            t = BENCH_TARGET(B + T[mask, :s].sum()) + 0.03 + f * k_d * BENCH_DRAFT(m * w)
             need = mask & (u > 0)
             if catch_up is not None and need.any():
                 curve = prefill or BENCH_DRAFT
@@ -336,6 +338,7 @@ def _proposer(cap=None, slots=16):
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
+    p._draft_scale = np.ones(2)
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
     p.runtime = SimpleNamespace(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
                                 kv_len=np.full(slots, 100), prefill_threshold=16)
@@ -418,6 +421,30 @@ def test_a_draft_cache_that_must_catch_up_is_weighed_against_the_tokens_left():
     # request takes more steps to its end and each bears less of the prefill.
     assert catch_up.share[0, -1] == pytest.approx(4.0 / 200)
     assert catch_up.share[0, 0] == pytest.approx((1 + p._accepted[0, 0]) / 200)
+
+
+def test_draft_cost_calibrated_by_measured_rounds():
+    """_calibrate_draft: whole rounds and chain-drafted cuts keep their own running ratio of
+    measured seconds (prefill left out) to the plan's model of them; the plan uses them, so a
+    chain that costs more than its curve is cut to less often."""
+    from types import SimpleNamespace
+
+    p = _proposer()
+    p.runtime.s.draft_room = 4  # gamma
+    n_whole = cost_model.draft_row_tokens(p.runtime.W, p.runtime.G, p.runtime.L)
+    rows = np.array([4, 3])  # the host loop: each row's forwards, the round's is their max
+    whole = SimpleNamespace(forwards=4, row_forwards=rows, prefill_seconds=0.5)
+    chain = SimpleNamespace(forwards=3, row_forwards=np.array([3, 3]), prefill_seconds=0.0)
+    for _ in range(40):
+        p._calibrate_draft(whole, 12, 0.5 + 0.9 * 3.5 * CPU(2 * n_whole))
+        p._calibrate_draft(chain, 3, 1.2 * 3 * CPU(2 * 2))
+    assert p._draft_scale == pytest.approx([0.9, 1.2], rel=1e-3)
+    # One request (E = 3.5 of 12, 4 forwards a whole round): a 1.2x chain and a 0.9x whole
+    # round make the whole draft the faster where equal costs would cut it to 2 tokens.
+    A = cost_model.geometric_survival(np.array([3.5]), 12)
+    plan = lambda k: cost_model.speculation_plan(  # noqa: E731
+        BENCH_TARGET, BENCH_DRAFT, A, np.ones((1, 12)), np.array([4.0]), 18, 0.03, 4, draft_scale=k)
+    assert plan((1.0, 1.0)).max_tokens < 4 and plan((0.9, 1.2)).max_tokens >= 4
 
 
 def test_catch_up_cost_calibrated_by_measured_prefills():

@@ -386,7 +386,8 @@ class SpeculationPlan:
 def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, sent: np.ndarray,
                      draft_forwards: np.ndarray, draft_row_tokens: float, step_overhead: float = 0.0,
                      chain_below: int | None = None, chain_row_tokens: float = 2,
-                     catch_up: CatchUp | None = None, prefill: CostCurve | None = None) -> SpeculationPlan:
+                     catch_up: CatchUp | None = None, prefill: CostCurve | None = None,
+                     draft_scale: tuple[float, float] = (1.0, 1.0)) -> SpeculationPlan:
     """Which of a step's B decoding requests speculate, and how long their drafts may be
     (module docstring).
 
@@ -400,6 +401,8 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     seconds): the engine's time per step beyond the target forward. catch_up: the stretches
     the draft cache lacks per request, prefilled before the round (CatchUp); the requests
     chosen share one batched prefill, timed by the `prefill` curve (default: draft's).
+    draft_scale (whole, chain): measured / modeled seconds of recent whole and chain rounds
+    (what a round costs beyond its forwards' curve: host work, pool lookups, trimmed widths).
     Ties go to fewer requests and to longer drafts.
     """
     A, T = np.asarray(accepted, float), np.asarray(sent, float)
@@ -412,6 +415,7 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     chain = np.zeros(S, bool) if chain_below is None else s < chain_below
     f = np.where(chain[None, :], s[None, :].astype(float), F[:, None])  # [B, S]
     n_d = np.where(chain, chain_row_tokens, draft_row_tokens)  # [S]
+    k_d = np.where(chain, draft_scale[1], draft_scale[0])  # [S]
     m = np.arange(B + 1)[:, None]
     orders = [np.argsort(-gain, axis=0, kind="stable")]  # [B, S]: per s, rows best first
     if catch_up is not None and (np.asarray(catch_up.tokens) > 0).any():
@@ -428,7 +432,7 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
 
         pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(sort(x), 0)])  # noqa: E731
         t = (target.at(B + pick(tokens)) + step_overhead
-             + np.where(m > 0, pick(f) / np.maximum(m, 1) * draft.at(np.maximum(m, 1) * n_d), 0))
+             + np.where(m > 0, pick(f) / np.maximum(m, 1) * k_d * draft.at(np.maximum(m, 1) * n_d), 0))
         if catch_up is not None:
             t = t + catch_up.seconds(draft if prefill is None else prefill, pick, sort)
         rate = (B + pick(gain)) / t  # [B + 1, S]: the first m requests at s tokens

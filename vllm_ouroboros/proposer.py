@@ -131,6 +131,7 @@ class OuroborosProposer:
         # forwards only), so on a GPU launch-bound at ~10x a replay; else `cost` itself.
         self.prefill_cost: cost_model.CostCurve | None = None
         self._prefill_scale = 1.0  # measured / modeled prefill seconds (_calibrate_prefill)
+        self._draft_scale = np.ones(2)  # measured / modeled round seconds: whole, chain (_calibrate_draft)
         self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
         # Forwards per device / graph round, chosen online (round_length.py); None: host loop,
         # or no target curve to weigh them against.
@@ -605,6 +606,7 @@ class OuroborosProposer:
             self._cache_retry_gap = PROBE_GAP
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
         self._calibrate_prefill(out)
+        self._calibrate_draft(out, cut, t_draft)
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
         # path is on, else the best one), within the token cap, in flat order. Near
@@ -729,7 +731,8 @@ class OuroborosProposer:
         room = rt.s.draft_room if rt.device_round is None else None  # only the host loop drafts a chain
         decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, room,
-            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc), self.prefill_cost)
+            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc), self.prefill_cost,
+            tuple(self._draft_scale))
         plan = decide(A)
         spec = plan.rows
         due = ~spec & (self._probe_wait[slots] <= 0)
@@ -764,6 +767,25 @@ class OuroborosProposer:
         left = np.maximum(self._len_limit[slots] - lens, 1)
         share = np.minimum((1 + np.cumsum(accepted, 1)) / left[:, None], 1.0)  # [B, S]: by draft length
         return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share, self._prefill_scale)
+
+    def _calibrate_draft(self, out, cut: int, seconds: float) -> None:
+        """The back-off's draft cost from the rounds that ran: a running ratio, for whole rounds
+        and for chain-drafted cuts apart, of a round's wall seconds (its prefill left out) to
+        what the plan modeled for it, its rows' mean forwards x t_draft(rows x row tokens).
+        A round costs more than its forwards' curve (the host's work per forward, the pool's
+        suffix lookup) and less where the host loop trims guess columns and finished rows;
+        on this CPU a 3-token chain cost ~1.2x its curve and a whole round ~0.9x, which made
+        the plan cut one request's drafts where whole ones were faster."""
+        if self.cost is None or out.forwards == 0:
+            return
+        rt = self.runtime
+        chain = rt.device_round is None and cut < rt.s.draft_room
+        n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+        R = len(out.row_forwards)
+        forwards = out.forwards if rt.device_round is not None else float(out.row_forwards.mean())
+        modeled = forwards * self.cost(R * n_d)
+        ratio = float(np.clip((seconds - out.prefill_seconds) / max(modeled, 1e-9), 0.25, 4.0))
+        self._draft_scale[int(chain)] += ESTIMATE_RATE * (ratio - self._draft_scale[int(chain)])
 
     def _calibrate_prefill(self, out) -> None:
         """The catch-up's cost from the prefills that ran: a running ratio of their measured

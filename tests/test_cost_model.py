@@ -642,3 +642,32 @@ def test_prefill_groups_pay_least_for_padding():
     linear = CostCurve((1, 2), (0.001, 0.002))  # no fixed cost: padding is all there is
     assert sorted(g.tolist() for g in cost_model.prefill_groups([300, 20, 150, 300], linear)) == [
         [0, 3], [1], [2]]
+
+
+def test_positions_past_a_cut_drift_back_to_the_prior():
+    """_observe_lengths: a draft cut to c tokens updates P(accepted >= k) and P(sent >= k) at
+    k <= c only; past c the acceptance estimate drifts toward the optimistic prior, so after
+    a stretch of cut drafts the plan tries a whole one again (and measures it)."""
+    from vllm_ouroboros.proposer import ESTIMATE_RATE, UNSEEN_DRIFT
+
+    p = _proposer()
+    S = p.num_spec_tokens
+    _set_tokens_per_fwd(p, 1.5, slice(0, 1))  # a poor stretch: long drafts look hopeless
+    p._sent[0] = 1.0
+    before = p._accepted[0].copy()
+    p._observe_lengths(np.array([0]), np.array([3]), np.array([3]), np.array([3]))
+    after = p._accepted[0]
+    assert after[:3] == pytest.approx(before[:3] + ESTIMATE_RATE * (1 - before[:3]))
+    assert after[3:] == pytest.approx(before[3:] + UNSEEN_DRIFT * (p._prior_accepted[3:] - before[3:]))
+    assert p._sent[0, :3] == pytest.approx(1.0) and p._sent[0, 3:] == pytest.approx(1.0)
+    # Drafts cut to 3, each accepted whole: the plan comes back to a whole draft.
+    plan = lambda: p._speculate(np.array([0]), np.array([100]))  # noqa: E731
+    assert plan().max_tokens < S
+    steps = 0
+    while plan().max_tokens < S:
+        p._observe_lengths(np.array([0]), np.array([plan().max_tokens]), np.array([3]), np.array([3]))
+        steps += 1
+        assert steps < 60
+    # A whole draft measures every position.
+    p._observe_lengths(np.array([0]), np.array([S]), np.array([2]), np.array([S]))
+    assert p._accepted[0, 2] < p._prior_accepted[2]

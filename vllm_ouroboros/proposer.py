@@ -43,6 +43,9 @@ POOL_SAVE_INTERVAL = 10.0  # seconds
 # after PROBE_GAP steps, the gap doubling after each probe that did not bring it back (up to
 # MAX_PROBE_GAP), so a stretch of poor acceptance costs little and a recovery is seen soon.
 ESTIMATE_RATE = 0.3
+# Per step, how far an unmeasured position's P(accepted >= k) (past a cut draft) moves back
+# toward the prior: a cut request retries longer drafts after ~10-20 steps.
+UNSEEN_DRIFT = 0.05
 PROBE_GAP = 4
 MAX_PROBE_GAP = 32
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
@@ -434,11 +437,7 @@ class OuroborosProposer:
             if whole.all():  # a cut round's tokens would understate its F
                 self._round_length.observe(self._round_forwards, float(num_acc[sel].mean()) + 1)
             self._round_forwards = 0
-        k = np.arange(1, self.num_spec_tokens + 1)[None, :]
-        seen = k <= cut[:, None]
-        sent_now = n[sel] + slen[sel].sum(1)
-        for est, hit in ((self._accepted, k <= num_acc[sel, None]), (self._sent, k <= sent_now[:, None])):
-            est[s] += np.where(seen, ESTIMATE_RATE * (hit - est[s]), 0.0)
+        self._observe_lengths(s, cut, num_acc[sel], n[sel] + slen[sel].sum(1))
         sw = s[whole]
         self._base_tokens[sw] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
@@ -449,6 +448,22 @@ class OuroborosProposer:
             self._suffix_gain_all += ESTIMATE_RATE * (float(gain.mean()) - self._suffix_gain_all)
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+
+    def _observe_lengths(self, slots: np.ndarray, cut: np.ndarray, accepted: np.ndarray,
+                         sent: np.ndarray) -> None:
+        """One verification's lengths into the back-off's survival estimates (by slot, [B]):
+        the tokens the target accepted and those sent, of drafts cut to `cut` tokens. A cut
+        draft says how far the whole draft would have been accepted up to the cut only, so
+        positions k <= cut learn from it. Positions past the cut go unmeasured: left as they
+        were, one poor stretch would keep a request's drafts short for good, so they drift
+        back toward the optimistic prior and a longer draft is tried again now and then (the
+        probe's idea, per position)."""
+        k = np.arange(1, self.num_spec_tokens + 1)[None, :]
+        seen = k <= cut[:, None]
+        for est, hit in ((self._accepted, k <= accepted[:, None]), (self._sent, k <= sent[:, None])):
+            est[slots] += np.where(seen, ESTIMATE_RATE * (hit - est[slots]), 0.0)
+        A = self._accepted[slots]
+        self._accepted[slots] = np.where(seen, A, A + UNSEEN_DRIFT * (self._prior_accepted - A))
 
     def _learn(self, slots, n, num_nodes, paths, plen, slen, tokens, tn, num_acc, sfx_idx) -> None:
         """Pool updates and counters from one verification, through one chain per suffix:

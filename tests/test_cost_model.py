@@ -261,20 +261,6 @@ def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread, device)
     assert all(b >= a > 0 for a, b in zip(c.seconds, c.seconds[1:]))
 
 
-def test_a_disturbed_point_takes_the_later_points_time():
-    """Interference only slows a forward: a point measured slower than a later one (its every
-    repetition disturbed) is bounded by the later one, not carried forward into it."""
-    true = {1: 0.20, 2: 0.21, 4: 0.22, 8: 0.24, 16: 0.29, 32: 0.50, 64: 0.95}
-    disturbed = {2: 0.26}  # every repetition of n = 2
-
-    def timer_at(n):
-        return lambda: disturbed.get(n, true[n])
-
-    c = cost_model.measure_curve(timer_at, 64, reps=2)
-    assert c.n == (1, 2, 4, 8, 16, 32, 64)
-    assert c.seconds == (0.20, 0.22, 0.22, 0.24, 0.29, 0.50, 0.95)
-
-
 def test_curve_measurement_stops_where_agree_says():
     """Under tensor parallelism every rank times the target's collectives together, so the
     points measured follow agree() (the first rank's decision), not this process's timings."""

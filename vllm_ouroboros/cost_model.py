@@ -113,12 +113,8 @@ def measure_curve(timer_at: Callable[[int], Callable[[], float]], max_tokens: in
     what stands for it) and returns its seconds, synchronising the device itself. Each point is
     the fastest of `reps` after one warm-up: the least disturbed (at engine start other
     processes compete for the cores, and one slow repetition once made a server stop
-    speculating). Interference only slows a forward, so each point is an upper bound of the
-    undisturbed time, and t(n) <= t(m) for n < m: a point measured slower than a later one
-    was disturbed throughout its repetitions and takes the later one's time (the suffix
-    minimum: the tightest non-decreasing curve under those bounds; carrying the earlier
-    point forward instead once raised t(4) and t(8) to a disturbed t(2), 255 ms against
-    ~200 measured in the steps that followed). agree(go) returns the decision to measure the next point: where
+    speculating). A later point measured faster than an earlier one is noise: the curve is
+    kept non-decreasing. agree(go) returns the decision to measure the next point: where
     several processes time a collective together they must stop at the same point, so one of
     them decides (patches/distributed.TensorParallel.agree)."""
     points, times, n = [], [], 1
@@ -128,8 +124,8 @@ def measure_curve(timer_at: Callable[[int], Callable[[], float]], max_tokens: in
         points.append(n)
         times.append(min(ts[1:]))
         n *= 2
-    for i in range(len(times) - 2, -1, -1):
-        times[i] = min(times[i], times[i + 1])
+    for i in range(1, len(times)):
+        times[i] = max(times[i], times[i - 1])
     return CostCurve(tuple(points), tuple(times))
 
 

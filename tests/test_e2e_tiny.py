@@ -305,5 +305,10 @@ def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
     print({k: (main[k], one[k]) for k in ("shortened_steps", "backoff_steps", "draft_rounds",
                                           "sentence_draft_tokens", "accepted_tokens")})
     assert main["shortened_steps"] > 0 and main["accepted_tokens"] > 0, main
+    # The back-off's calibrations ran: chain-drafted cuts and prefills were measured against
+    # their model (whole rounds too, the one-request run).
+    ratios = main["settings"]["round_cost_ratio"]
+    assert ratios["chain"] != 1.0 and main["settings"]["prefill_cost_ratio"] != 1.0, main["settings"]
+    assert one["settings"]["round_cost_ratio"]["whole"] != 1.0, one["settings"]
     # Alone, the request drafted whole drafts (no step of it was cut).
     assert one["shortened_steps"] == main["shortened_steps"] and one["draft_rounds"] > main["draft_rounds"]

@@ -319,9 +319,9 @@ class CatchUp:
 
     tokens [B]: the uncached stretch prefilled before the round (0: none, or short enough for
     the round's first forward); share: the part of that prefill charged to this step (the
-    caller spreads it over the steps the request has left at each draft length). The rows chosen are prefilled
-    together (DraftRuntime._prefill: one padded forward per chunk), so a set of rows costs
-    t_prefill(rows x longest stretch) once, each row bearing it in proportion to its tokens."""
+    caller spreads it over the steps the request has left, at each draft length). The rows
+    chosen are prefilled together (DraftRuntime._prefill, its forwards grouped by
+    prefill_groups), each row bearing the cost in proportion to its tokens."""
 
     tokens: np.ndarray
     share: np.ndarray  # [B], or [B, S] by the draft length s = 1..S (tokens per step depend on it)

@@ -861,5 +861,9 @@ class OuroborosProposer:
                                else self._round_length.stats(),
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
+                               # measured / modeled seconds: the back-off's calibrations
+                               "prefill_cost_ratio": float(self._prefill_scale),
+                               "round_cost_ratio": {"whole": float(self._draft_scale[0]),
+                                                    "chain": float(self._draft_scale[1])},
                                "suffix_gain_mean": float(self._suffix_gain_all)}
         return out

@@ -100,7 +100,7 @@ class RoundOutput:
     prefill_seconds: float = 0.0
 
 
-class _PrefillClock:
+class PrefillClock:
     """Seconds of a round's prefill forwards without a host sync of their own: perf_counter on
     the CPU (its forwards return when done), CUDA events elsewhere, read once the round's
     device->host copy has synchronised (`seconds`, after the round)."""
@@ -282,7 +282,7 @@ class DraftRuntime:
                   no guesses (the same greedy tokens through a narrower forward); fixed-shape
                   rounds draft as usual.
         """
-        clock, sizes = _PrefillClock(self.device), []
+        clock, sizes = PrefillClock(self.device), []
         out = self._round(slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes)
         # The round's outputs came back to the host: the prefill's CUDA events are done.
         return replace(out, prefill_sizes=tuple(sizes), prefill_seconds=clock.seconds()) if sizes else out

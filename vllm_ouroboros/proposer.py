@@ -772,8 +772,9 @@ class OuroborosProposer:
         that pays only over the steps the request has left, so each step is charged the share
         E(s) / r of it, r the tokens left before its length limit, E(s) its tokens per step
         with drafts of s tokens (at most the whole), scaled by what recent prefills measured
-        against the curve (_calibrate_prefill). Without this the back-off drafted for requests a few tokens from their end
-        at the tail of a batch, each prefilling its whole context first."""
+        against the curve (_calibrate_prefill). Without this the back-off drafted for requests
+        a few tokens from their end at the tail of a batch, each prefilling its whole context
+        first."""
         rt = self.runtime
         cached = np.zeros_like(slots)
         known = slots < len(rt.kv_len)  # a slot past them has drafted nothing yet
@@ -789,8 +790,9 @@ class OuroborosProposer:
         what the plan modeled for it, its rows' mean forwards x t_draft(rows x row tokens).
         A round costs more than its forwards' curve (the host's work per forward, the pool's
         suffix lookup) and less where the host loop trims guess columns and finished rows;
-        on this CPU a 3-token chain cost ~1.2x its curve and a whole round ~0.9x, which made
-        the plan cut one request's drafts where whole ones were faster."""
+        whole and chain rounds differ in both, so each keeps its own ratio (4 requests x 48
+        tokens on this CPU: whole 0.74, 3-token chains 0.91 falling to 0.74,
+        scripts/step_trace.py)."""
         if self.cost is None or out.forwards == 0:
             return
         rt = self.runtime
@@ -806,7 +808,7 @@ class OuroborosProposer:
         """The catch-up's cost from the prefills that ran: a running ratio of their measured
         seconds to what the prefill curve says for their padded sizes. The curve is measured
         up to a few dozen tokens on a CPU and extrapolated linearly past them, where it
-        overstated a 16-prompt prefill by ~40% (scripts/draft_prefill_cost.py)."""
+        overstated 4- and 16-prompt prefills by 30-45% (scripts/draft_prefill_cost.py)."""
         if not out.prefill_sizes or self.prefill_cost is None:
             return
         modeled = float(self.prefill_cost.at(np.asarray(out.prefill_sizes)).sum())

@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from vllm_ouroboros import LOGGER_NAME, cost_model
 from vllm_ouroboros.cost_model import CostCurve
 from vllm_ouroboros.draft.model import DraftModel
+from vllm_ouroboros.draft.runtime import DraftRuntime
 
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0,) * 8)
 # This repository's CPU machine, the real pair (results/benchmark.md: 0.5B draft, 1.5B target).
@@ -175,6 +177,47 @@ def test_step_overhead_samples_only_unchanged_decoding_batches():
     assert none.value == 0.0 and none.samples == 0
 
 
+def test_step_overhead_subtracts_the_measured_forward():
+    """Where the step's forward was timed, the overhead is the interval less that time, not
+    less the curve's figure (which may be off by the host's drift or the contexts' attention)."""
+    curve = CostCurve((1, 16), (0.3, 0.8))
+    o = cost_model.StepOverhead(curve)
+    t = 0.0
+    for _ in range(60):
+        o.end(("a",), 16, t)
+        t += 1.2 + 0.1  # the forward really took 1.2 s, 1.5x the curve's 0.8
+        o.start(("a",), t, forward_seconds=1.2)
+    assert o.value == pytest.approx(0.1, abs=1e-3)
+
+
+def test_target_curve_follows_the_measured_forwards():
+    """CurveCalibration: each measured forward moves the ratio at the curve point nearest its
+    tokens; points no forward reached take the ratio over all forwards; the curve stays
+    non-decreasing; forwards far past the last point (long prefills) are left out."""
+    base = CostCurve((1, 2, 4, 8, 16), (0.2, 0.25, 0.3, 0.4, 0.6))
+    cal = cost_model.CurveCalibration(base)
+    assert cal.curve is base and cal.ratios() == {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}
+    for _ in range(60):  # a host now 1.6x slower at 4 tokens: the drift reaches every point
+        cal.observe(4, 1.6 * base(4))
+    assert cal.ratios() == pytest.approx({1: 1.6, 2: 1.6, 4: 1.6, 8: 1.6, 16: 1.6}, rel=1e-3)
+    assert cal.curve(4) == pytest.approx(1.6 * 0.3, rel=1e-3)
+    for _ in range(60):  # 16-token forwards at their curve's time: that point alone moves back
+        cal.observe(16, base(16))
+    r = cal.ratios()
+    assert r[4] == pytest.approx(1.6, rel=1e-3) and r[16] == pytest.approx(1.0, rel=1e-3)
+    assert r[1] == pytest.approx(1.0, rel=1e-3)  # unmeasured: the overall ratio, now recent 1.0
+    # 8 (unmeasured, overall 1.0: 0.4) sits under 4's 0.48: kept non-decreasing.
+    assert cal.curve(8) == pytest.approx(cal.curve(4)) and cal.curve(16) == pytest.approx(0.6, rel=1e-3)
+    # Nearest in log n: 12 tokens count for the 16 point (log2 12 = 3.58 > 3.5), not 4's.
+    before = cal.ratios()
+    cal.observe(12, 2 * base(12))
+    assert cal.ratios()[16] > before[16] and cal.ratios()[4] == before[4]
+    n = cal.samples
+    cal.observe(16 * cost_model.CurveCalibration.REACH + 1, 99.0)  # a long prefill
+    cal.observe(4, 0.0)  # no reading
+    assert cal.samples == n
+
+
 # An eager prefill forward on a launch-bound GPU: flat, ~10x a graph replay (issue 15).
 EAGER_PREFILL = CostCurve((1, 256, 1024), (0.025, 0.025, 0.04))
 
@@ -313,9 +356,15 @@ def test_suffix_decisions_probe_and_count():
     assert list(p._send_suffixes(np.arange(2), np.array([4, 4]), np.array([4, 4]), 2, 0.48)) == [False, True]
 
 
+class _Runtime(SimpleNamespace):
+    """A draft runtime's attributes as the proposer reads them, with its chain rule."""
+
+    chain_below = DraftRuntime.chain_below
+    drafts_chain = DraftRuntime.drafts_chain
+
+
 def _proposer(cap=None, slots=16):
     """An OuroborosProposer reduced to what its per-step decision reads."""
-    from types import SimpleNamespace
 
     from vllm_ouroboros.config import OuroborosConfig
     from vllm_ouroboros.metrics import OuroborosStats
@@ -326,8 +375,8 @@ def _proposer(cap=None, slots=16):
     p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
     p._draft_scale = np.ones(2)
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
-    p.runtime = SimpleNamespace(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
-                                kv_len=np.full(slots, 100), prefill_threshold=16)
+    p.runtime = _Runtime(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
+                         kv_len=np.full(slots, 100), prefill_threshold=16)
     p.max_model_len = 1024
     p._len_limit = np.full(slots, 1024)
     p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
@@ -413,7 +462,6 @@ def test_draft_cost_calibrated_by_measured_rounds():
     """_calibrate_draft: whole rounds and chain-drafted cuts keep their own running ratio of
     measured seconds (prefill left out) to the plan's model of them; the plan uses them, so a
     chain that costs more than its curve is cut to less often."""
-    from types import SimpleNamespace
 
     p = _proposer()
     p.runtime.s.draft_room = 4  # gamma
@@ -437,7 +485,6 @@ def test_catch_up_cost_calibrated_by_measured_prefills():
     """_calibrate_prefill: the ratio of a round's measured prefill seconds to the curve's
     figure for its padded sizes moves the catch-up's scale (a running mean), which scales
     the plan's catch-up seconds; rounds without a prefill leave it."""
-    from types import SimpleNamespace
 
     p = _proposer()
     p.prefill_cost = BENCH_DRAFT
@@ -572,7 +619,6 @@ def test_length_limit_read_from_the_runners_request_state():
     (vLLM's own CachedRequestState: a renamed field fails here, not silently in the back-off),
     None where max_tokens is unset or the request is unknown; the proposer caps it at
     max_model_len when a request gets its slot."""
-    from types import SimpleNamespace
 
     pytest.importorskip("vllm", reason="the runner's request state is vLLM's class")
     from vllm import SamplingParams

@@ -282,12 +282,15 @@ class StepOverhead:
         self.samples = 0
         self._pending: tuple[tuple, float, float] | None = None  # (batch key, tokens, time)
 
-    def start(self, batch_key: tuple | None, now: float) -> None:
-        """A proposer call begins; batch_key None: this step's batch cannot give a sample."""
+    def start(self, batch_key: tuple | None, now: float, forward_seconds: float | None = None) -> None:
+        """A proposer call begins; batch_key None: this step's batch cannot give a sample.
+        forward_seconds: the target forward's own seconds this step where it was measured
+        (device_clock.ForwardClock), else the curve's figure for its tokens stands in."""
         pending, self._pending = self._pending, None
         if pending is None or self.target is None or pending[0] != batch_key:
             return
-        sample = now - pending[2] - self.target(pending[1])
+        forward = self.target(pending[1]) if forward_seconds is None else forward_seconds
+        sample = now - pending[2] - forward
         # A sample below zero is the curve's own noise; clip, so the estimate stays >= 0.
         self.value += self.RATE * (max(sample, 0.0) - self.value)
         self.samples += 1
@@ -295,6 +298,54 @@ class StepOverhead:
     def end(self, batch_key: tuple, tokens: float, now: float) -> None:
         """A proposer call ends; the target's next step runs `tokens` tokens (all rows)."""
         self._pending = (batch_key, tokens, now)
+
+
+class CurveCalibration:
+    """A cost curve measured at load, corrected by what the forwards it stands for take since.
+
+    The target's curve is timed once, at load, on its linear layers alone (patches/target_cost.py):
+    it leaves out attention over the requests' contexts and whatever else shares the host, and
+    on this 2-core CPU two loads an hour apart read t(1) 145 and 232 ms. Each measured forward
+    (n tokens, seconds) moves a running measured / modeled ratio at the curve's point nearest n
+    (in log n); points no forward has reached take the ratio of all forwards so far (the
+    host's drift is shared; the shape is kept until measured). Forwards far past the curve's
+    last point (long prefills) say little of a decode step and are left out."""
+
+    RATE = 0.2
+    REACH = 4  # forwards of up to REACH x the last point's tokens are counted
+
+    def __init__(self, base: CostCurve):
+        self.base = base
+        self._log_n = np.log(np.asarray(base.n, float))
+        self.ratio = np.ones(len(base.n))
+        self.seen = np.zeros(len(base.n), bool)
+        self.overall = 1.0
+        self.samples = 0
+        self._curve = base
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One measured forward of `tokens` tokens that took `seconds`."""
+        if tokens < 1 or tokens > self.REACH * self.base.n[-1] or seconds <= 0:
+            return
+        r = float(np.clip(seconds / max(self.base(tokens), 1e-12), 0.25, 4.0))
+        i = int(np.abs(self._log_n - np.log(tokens)).argmin())
+        self.overall += self.RATE * (r - self.overall)
+        if not self.seen[i]:
+            self.ratio[i], self.seen[i] = self.overall, True
+        self.ratio[i] += self.RATE * (r - self.ratio[i])
+        self.samples += 1
+        scaled = np.asarray(self.base.seconds) * np.where(self.seen, self.ratio, self.overall)
+        # Non-decreasing, as measured curves are kept (measure_curve, README "Choosing settings").
+        self._curve = CostCurve(self.base.n, tuple(float(t) for t in np.maximum.accumulate(scaled)))
+
+    @property
+    def curve(self) -> CostCurve:
+        """The corrected curve (the load-time one until a forward is measured)."""
+        return self._curve
+
+    def ratios(self) -> dict[int, float]:
+        """Measured / modeled by curve point, for the snapshot (unmeasured points: the overall)."""
+        return {int(n): float(r) for n, r in zip(self.base.n, np.where(self.seen, self.ratio, self.overall))}
 
 
 def geometric_survival(tokens_per_forward, max_tokens: int) -> np.ndarray:

@@ -22,6 +22,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
 from vllm_ouroboros.config import OuroborosConfig, cost_points, resolved_draft_round, resolved_threshold
+from vllm_ouroboros.device_clock import ForwardClock
 from vllm_ouroboros.draft.acceptance_head import load_head
 from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, DraftCacheFull, pages_for
 from vllm_ouroboros.draft.model import DraftModel
@@ -141,6 +142,10 @@ class OuroborosProposer:
         self._round_length: RoundLength | None = None
         self._round_forwards = 0  # F of the round whose drafts the next on_verified reads
         self.target_cost: cost_model.CostCurve | None = None
+        # A measured target curve follows the target's forwards as they run (timed by the
+        # patched runner through target_clock); a configured one stays as configured.
+        self._target_calibration: cost_model.CurveCalibration | None = None
+        self.target_clock: ForwardClock | None = None
         self._prior_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
         S = self.num_spec_tokens
         self._prior_accepted = cost_model.geometric_survival(self._prior_tokens_per_fwd, S)[0]
@@ -239,6 +244,8 @@ class OuroborosProposer:
             logger.info("ouroboros: target forward t(n) (linear layers + LM head): %s ms",
                         _ms(self.target_cost))
             self._overhead = cost_model.StepOverhead(self.target_cost)
+            self._target_calibration = cost_model.CurveCalibration(self.target_cost)
+            self.target_clock = ForwardClock(self.device)
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
                                                cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len)
@@ -547,9 +554,15 @@ class OuroborosProposer:
         if not self._tp.leads:
             return self._follow(req_ids)
         # The time since our last call is the target's step: a sample of the engine's overhead
-        # when that step had the same requests, all decoding (cost_model.StepOverhead).
+        # when that step had the same requests, all decoding (cost_model.StepOverhead), less
+        # its forward where that was timed, which also corrects the target's curve.
+        now = time.perf_counter()
+        forward = self.target_clock.take() if self.target_clock is not None else None
+        if forward is not None:
+            self._target_calibration.observe(*forward)
+            self.target_cost = self._overhead.target = self._target_calibration.curve
         decoding = all(len(t) for t in sampled_token_ids)
-        self._overhead.start(req_ids if decoding else None, time.perf_counter())
+        self._overhead.start(req_ids if decoding else None, now, None if forward is None else forward[1])
         proposals = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
         if self._tp.size > 1:
@@ -665,7 +678,7 @@ class OuroborosProposer:
         if self.runtime.device_round is not None:
             paid = np.full_like(out.row_forwards, out.forwards)
             self._draft_forwards[slots] += ESTIMATE_RATE * (paid - self._draft_forwards[slots])
-        elif cut >= self.runtime.s.draft_room:
+        elif not self.runtime.drafts_chain(cut):
             self._draft_forwards[slots] += ESTIMATE_RATE * (out.row_forwards - self._draft_forwards[slots])
         self._last_cut[slots] = cut
         if cut < self.num_spec_tokens:
@@ -690,10 +703,10 @@ class OuroborosProposer:
         """cost(F): modeled seconds of a step whose device round for `rows` requests runs F
         forwards: the target over each row's token and a gamma-token draft with one suffix, the
         engine's own time, F draft forwards as wide as the round's fixed shapes (every window
-        and guess column)."""
+        and guess column), scaled as the plan scales whole rounds (_calibrate_draft)."""
         rt = self.runtime
         base = self.target_cost(rows * (1 + self.cfg.gamma + rt.L)) + self._overhead.value
-        t_draft = self.cost(rows * cost_model.draft_row_tokens(rt.W, rt.G, rt.L))
+        t_draft = self._draft_scale[0] * self.cost(rows * cost_model.draft_row_tokens(rt.W, rt.G, rt.L))
         return lambda F: base + F * t_draft
 
     def _rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -743,9 +756,8 @@ class OuroborosProposer:
         rt = self.runtime
         A, T, F = self._accepted[slots], self._sent[slots], self._draft_forwards[slots]
         n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
-        room = rt.s.draft_room if rt.device_round is None else None  # only the host loop drafts a chain
         decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
-            self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, room,
+            self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, rt.chain_below,
             cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc), self.prefill_cost,
             tuple(self._draft_scale))
         plan = decide(A)
@@ -796,7 +808,7 @@ class OuroborosProposer:
         if self.cost is None or out.forwards == 0:
             return
         rt = self.runtime
-        chain = rt.device_round is None and cut < rt.s.draft_room
+        chain = rt.drafts_chain(cut)
         n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
         R = len(out.row_forwards)
         forwards = out.forwards if rt.device_round is not None else float(out.row_forwards.mean())
@@ -863,6 +875,11 @@ class OuroborosProposer:
                                else self._round_length.stats(),
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
+                               # the target's forwards measured / its curve at load, by point
+                               "target_cost_ratio": None if self._target_calibration is None
+                               else self._target_calibration.ratios(),
+                               "target_forward_samples": 0 if self._target_calibration is None
+                               else self._target_calibration.samples,
                                # measured / modeled seconds: the back-off's calibrations
                                "prefill_cost_ratio": float(self._prefill_scale),
                                "round_cost_ratio": {"whole": float(self._draft_scale[0]),

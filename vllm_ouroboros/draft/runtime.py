@@ -23,13 +23,13 @@ The contexts arrive as host arrays (vLLM keeps token ids on the host). No vLLM i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from vllm_ouroboros.cost_model import CostCurve, prefill_groups
+from vllm_ouroboros.device_clock import DeviceClock
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
@@ -98,38 +98,6 @@ class RoundOutput:
     # (0.0 where none ran): what the back-off calibrates its catch-up cost with.
     prefill_sizes: tuple[int, ...] = ()
     prefill_seconds: float = 0.0
-
-
-class PrefillClock:
-    """Seconds of a round's prefill forwards without a host sync of their own: perf_counter on
-    the CPU (its forwards return when done), CUDA events elsewhere, read once the round's
-    device->host copy has synchronised (`seconds`, after the round)."""
-
-    def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
-        self._start = self._end = None
-
-    def start(self) -> None:
-        if self._cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._cuda:
-            self._end.record()
-        else:
-            self._end = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self._start is None:
-            return 0.0
-        if not self._cuda:
-            return self._end - self._start
-        self._end.synchronize()  # done already (the round's copy came after it): no wait
-        return self._start.elapsed_time(self._end) / 1000
 
 
 class DraftRuntime:
@@ -208,6 +176,18 @@ class DraftRuntime:
         loop's first forward carries at most this + 1 uncached tokens."""
         return self.s.draft_room + 2 * self.s.beta + 2
 
+    @property
+    def chain_below(self) -> int | None:
+        """Drafts cut below this many tokens (the back-off's shorter draft) run as a chain,
+        one token per forward without window or guesses; None where no cut changes the round's
+        shape (fixed-shape device and graph rounds draft as usual)."""
+        return self.s.draft_room if self.device_round is None else None
+
+    def drafts_chain(self, max_tokens: int | None) -> bool:
+        """Whether a round cut to `max_tokens` draft tokens (None: not cut) drafts a chain."""
+        below = self.chain_below
+        return below is not None and max_tokens is not None and max(max_tokens, 1) < below
+
     def layout(self, U: int, G: int, W: int | None = None):
         """The lookahead layout for U uncached columns, G guesses and W window columns (the
         round's, by default; built once per triple)."""
@@ -282,7 +262,7 @@ class DraftRuntime:
                   no guesses (the same greedy tokens through a narrower forward); fixed-shape
                   rounds draft as usual.
         """
-        clock, sizes = PrefillClock(self.device), []
+        clock, sizes = DeviceClock(self.device), []
         out = self._round(slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes)
         # The round's outputs came back to the host: the prefill's CUDA events are done.
         return replace(out, prefill_sizes=tuple(sizes), prefill_seconds=clock.seconds()) if sizes else out
@@ -290,9 +270,7 @@ class DraftRuntime:
     def _round(self, slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes) -> RoundOutput:
         B = len(slots)
         L, K = self.L, self.s.num_suffixes
-        self._reserve(slots, lens)  # may raise DraftCacheFull: first, so that nothing changed
-        self._grow(int(slots.max()) + 1)
-        self._rollback(slots, token_ids, rows, lens)
+        self._prepare(slots, token_ids, rows, lens)
         row_prefills = np.zeros(B, np.int64)
         prefill_forwards = self._prefill(slots, token_ids, rows, lens, row_prefills, clock, sizes)
         self._init_windows(slots, token_ids, rows, lens)
@@ -304,7 +282,7 @@ class DraftRuntime:
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
         # A cut draft is a prefix of the whole round's: the same greedy tokens, fewer forwards.
         room = self.s.draft_room if max_tokens is None else max(min(self.s.draft_room, max_tokens), 1)
-        chain = room < self.s.draft_room
+        chain = self.drafts_chain(max_tokens)
         W, G = (0, 0) if chain else (self.W, self.G)
         drafts = np.zeros((B, max_draft), np.int64)
         dlen = np.zeros(B, np.int64)
@@ -366,7 +344,27 @@ class DraftRuntime:
                            prefill_forwards, out.row_forwards, out.guess_tokens, out.guess_hits,
                            row_prefills, out.stopped_by_rule if self.head is not None else None)
 
+    def prefill(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
+                lens: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        """A round's prefill alone: the caches of slots [B] catch up on their contexts (rows
+        `rows` of the host table token_ids, lens [B] tokens) but for the last stretch a round's
+        first forward carries, as run_round would before drafting; nothing is drafted. Returns
+        the forwards run and each one's padded size (rows x longest, tokens). For measuring the
+        prefill apart (scripts/draft_prefill_cost.py): it does not synchronise the device."""
+        self._prepare(slots, token_ids, rows, lens)
+        sizes: list[int] = []
+        forwards = self._prefill(slots, token_ids, rows, lens, np.zeros(len(slots), np.int64),
+                                 DeviceClock(self.device), sizes)
+        return forwards, tuple(sizes)
+
     # ---- steps of a round --------------------------------------------------------------------
+    def _prepare(self, slots, token_ids, rows, lens) -> None:
+        """Cache pages and slot room for the round (may raise DraftCacheFull: first, so that
+        nothing changed), then each slot's cache cut back to what still matches its context."""
+        self._reserve(slots, lens)
+        self._grow(int(slots.max()) + 1)
+        self._rollback(slots, token_ids, rows, lens)
+
     def _rollback(self, slots, token_ids, rows, lens) -> None:
         """Keep the longest cached prefix that still matches the context (and leave the last
         context token uncached: its output is the next draft token)."""

@@ -39,3 +39,15 @@ def patch_method(cls: type, name: str, make_override: Callable[[Callable], Calla
         override = staticmethod(override)
     setattr(cls, name, override)
     logger.debug("vllm-ouroboros patched %s.%s", cls.__qualname__, name)
+
+
+def require_params(fn: Callable, *names: str) -> None:
+    """Raise a clear error if a vLLM function we wrap lacks a parameter the wrapper reads (the
+    original where it is patched already)."""
+    import inspect
+
+    fn = getattr(fn, "__ouroboros_original__", None) or fn
+    params = inspect.signature(fn).parameters
+    missing = [n for n in names if n not in params]
+    if missing:
+        require(fn, *missing)  # names the function, the vLLM version and the supported ones

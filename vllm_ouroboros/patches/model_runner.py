@@ -15,6 +15,9 @@
     is within num_speculative_tokens of max_model_len, and then schedules that many placeholder
     drafts (not real tokens) for every request, which the proposer never made. Ours drafts per
     request up to what fits (proposer caps each row; the scheduler cuts at max_model_len too).
+`_model_forward` (patched): the target's forward is timed (device_clock.ForwardClock: no sync
+    of its own) with its token count, for the back-off's running correction of the target's
+    cost curve (cost_model.CurveCalibration).
 CPUModelRunner inherits from GPUModelRunner, so one patch serves both. Runners whose drafter is
 not Ouroboros take vLLM's own path untouched.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_ouroboros.patches._util import patch_method, require
+from vllm_ouroboros.patches._util import patch_method, require, require_params
 
 
 def _drafter(runner):
@@ -74,6 +77,24 @@ def _sample(original):
         return out
 
     return sample
+
+
+def _model_forward(original):
+    def model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        drafter = _drafter(self)
+        clock = None if drafter is None else drafter.target_clock
+        if clock is None:
+            return original(self, input_ids, positions, *args, **kwargs)
+        # Tokens in this forward (padded to a captured size on a GPU: what it costs); M-RoPE
+        # positions are [3, n].
+        tokens = positions.shape[-1] if positions is not None else (
+            input_ids.shape[0] if input_ids is not None else kwargs["inputs_embeds"].shape[0])
+        clock.start(int(tokens))
+        out = original(self, input_ids, positions, *args, **kwargs)
+        clock.stop()
+        return out
+
+    return model_forward
 
 
 def _length_limit(runner, req_id: str) -> int | None:
@@ -131,6 +152,8 @@ def apply() -> None:
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)
     patch_method(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+    require_params(GPUModelRunner._model_forward, "input_ids", "positions", "inputs_embeds")
+    patch_method(GPUModelRunner, "_model_forward", _model_forward)
     # A named worker method: `collective_rpc("ouroboros_snapshot")` needs no pickled callable.
     from vllm.v1.worker.worker_base import WorkerBase
 

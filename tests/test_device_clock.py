@@ -1,0 +1,99 @@
+"""Device clocks (no sync of their own) and the runner patch that times the target's forward."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_ouroboros.device_clock import DeviceClock, ForwardClock
+from vllm_ouroboros.patches import model_runner
+
+
+def _work(device):
+    x = torch.randn(256, 256, device=device)
+    for _ in range(20):
+        x = x @ x / 256
+    return x
+
+
+def test_device_clock_measures_the_work_between_start_and_stop(device):
+    clock = DeviceClock(device)
+    assert clock.seconds() == 0.0  # never started
+    assert clock.start()
+    _work(device)
+    clock.stop()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert clock.seconds() > 0 and clock.seconds(wait=False) > 0
+
+
+def test_forward_clock_gives_each_forward_once(device):
+    clock = ForwardClock(device)
+    assert clock.take() is None
+    clock.start(7)
+    _work(device)
+    assert clock.take() is None  # not stopped: no reading
+    clock.stop()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    tokens, seconds = clock.take()
+    assert tokens == 7 and seconds > 0
+    assert clock.take() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_no_reading_from_a_forward_captured_in_a_graph(device):
+    """vLLM captures its forwards at load through the same runner method: an event recorded
+    while capturing would become part of the graph, so such a forward gives no reading."""
+    if device != "cuda":
+        pytest.skip("the test device is not CUDA (OUROBOROS_TEST_DEVICE)")
+    from vllm_ouroboros.cuda_graph import capture_graph
+
+    clock = ForwardClock(device)
+    x = torch.zeros(64, device=device)
+
+    def run(_):
+        clock.start(64)
+        x.add_(1)
+        clock.stop()
+
+    graph = capture_graph(run, device)  # its warm-up ran eagerly, then the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x[0].item() == 2
+    assert clock.take() is None  # the capture's start dropped the warm-up's reading, gave none
+
+
+class _Runner:
+    """What the patched _model_forward reads of a model runner."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.calls = []
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **kwargs):
+        self.calls.append((input_ids, positions, inputs_embeds, kwargs))
+        return "hidden"
+
+
+def test_patched_forward_times_the_target_with_its_token_count(device):
+    forward = model_runner._model_forward(_Runner._model_forward)
+    drafter = SimpleNamespace(is_ouroboros=True, target_clock=ForwardClock(device))
+    runner = _Runner(drafter)
+    ids, pos = torch.zeros(5, dtype=torch.long), torch.arange(5)
+    assert forward(runner, input_ids=ids, positions=pos, intermediate_tensors=None,
+                   inputs_embeds=None, extra=1) == "hidden"
+    assert runner.calls[-1][0] is ids and runner.calls[-1][1] is pos and runner.calls[-1][3] == {"extra": 1}
+    tokens, seconds = drafter.target_clock.take()
+    assert tokens == 5 and seconds >= 0
+    # M-RoPE positions are [3, n]; embeddings instead of ids.
+    forward(runner, input_ids=None, positions=torch.zeros(3, 9, dtype=torch.long),
+            inputs_embeds=torch.zeros(9, 4))
+    assert drafter.target_clock.take()[0] == 9
+    forward(runner, input_ids=None, positions=None, inputs_embeds=torch.zeros(4, 4))
+    assert drafter.target_clock.take()[0] == 4
+    # Another drafter (or none, or a TP rank that does not draft): vLLM's forward untouched.
+    for other in (None, SimpleNamespace(is_ouroboros=False), SimpleNamespace(is_ouroboros=True, target_clock=None)):
+        r = _Runner(other)
+        assert forward(r, input_ids=ids, positions=pos) == "hidden" and len(r.calls) == 1

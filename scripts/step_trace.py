@@ -2,7 +2,8 @@
 seconds since the last one ended (the target's step and vLLM's own work), the seconds of the
 call (the back-off's plan, the draft's prefill and round), and what the back-off chose: requests
 decoding, requests drafting, the draft cut, requests whose draft cache had to catch up, tokens
-sent, the calibration ratios (prefill; whole and chain rounds). Then the same batch without
+sent, the calibration ratios (prefill; whole and chain rounds), and the target's forward before
+the call as the engine timed it (tokens, seconds) beside the curve measured at load. Then the same batch without
 speculation, and the two wall times; configs alternate --reps times (this host drifts 20-30%).
 
     source scripts/env.sh && python scripts/step_trace.py --prompts 4 --max-tokens 48 [--temperature 0.7]
@@ -30,9 +31,16 @@ from generate import humaneval_prompts, models_dir  # noqa: E402
 
 def traced(log: list[dict]):
     """Wrap the proposer's per-step call and plan so that each call appends one record."""
+    from vllm_ouroboros.device_clock import ForwardClock
     from vllm_ouroboros.proposer import OuroborosProposer
 
     propose, speculate = OuroborosProposer._propose, OuroborosProposer._speculate
+    take = ForwardClock.take
+    forward: list = [None]  # the reading propose() took before _propose
+
+    def _take(self):
+        forward[0] = take(self)
+        return forward[0]
 
     def _speculate(self, slots, lens):
         plan = speculate(self, slots, lens)
@@ -44,11 +52,15 @@ def traced(log: list[dict]):
     def _propose(self, req_ids, *a, **k):
         log.append({"start": time.perf_counter()})
         out = propose(self, req_ids, *a, **k)
+        cal, fwd = self._target_calibration, forward[0]
         log[-1].update(seconds=time.perf_counter() - log[-1]["start"], sent=sum(len(x) for x in out),
-                       prefill_scale=self._prefill_scale, draft_scale=tuple(self._draft_scale))
+                       prefill_scale=self._prefill_scale, draft_scale=tuple(self._draft_scale),
+                       forward=None if fwd is None or cal is None else (*fwd, cal.base(fwd[0])))
+        forward[0] = None
         return out
 
     OuroborosProposer._propose, OuroborosProposer._speculate = _propose, _speculate
+    ForwardClock.take = _take
 
 
 def main() -> int:
@@ -84,7 +96,10 @@ def main() -> int:
                 print(f"  +{e['start'] - prev:6.3f} s, call {e['seconds']:6.3f} s: {e['B']} decoding, "
                       f"{e['drafting']} drafting, cut {e['cut']}, catch-up {e['catch_up']}, sent "
                       f"{e['sent']}; ratios prefill {e['prefill_scale']:.2f}, whole "
-                      f"{e['draft_scale'][0]:.2f}, chain {e['draft_scale'][1]:.2f}")
+                      f"{e['draft_scale'][0]:.2f}, chain {e['draft_scale'][1]:.2f}"
+                      + ("" if e["forward"] is None else
+                         f"; target forward {e['forward'][0]} tokens {e['forward'][1]:.3f} s "
+                         f"(curve at load {e['forward'][2]:.3f})"))
                 prev = e["start"] + e["seconds"]
             del llm
             gc.collect()

@@ -301,15 +301,19 @@ class StepOverhead:
 
 
 class CurveCalibration:
-    """A cost curve measured at load, corrected by what the forwards it stands for take since.
+    """A cost curve measured at load, its points replaced by what the forwards it stands for
+    take while serving.
 
-    The target's curve is timed once, at load, on its linear layers alone (patches/target_cost.py):
-    it leaves out attention over the requests' contexts and whatever else shares the host, and
-    on this 2-core CPU two loads an hour apart read t(1) 145 and 232 ms. Each measured forward
-    (n tokens, seconds) moves a running measured / modeled ratio at the curve's point nearest n
-    (in log n); points no forward has reached take the ratio of all forwards so far (the
-    host's drift is shared; the shape is kept until measured). Forwards far past the curve's
-    last point (long prefills) say little of a decode step and are left out."""
+    The target's curve is timed once, at load, on its linear layers alone (patches/target_cost.py),
+    each point the fastest of three and the curve kept non-decreasing; the engine's own forwards
+    differ (on this CPU its 4-token forward took 0.16 s where the curve, carrying t(2) forward,
+    said 0.25 s; its 16-token one 0.285 s against 0.289). Each measured forward (n tokens,
+    seconds) moves a running measured / modeled ratio at the curve's point nearest n (in log n);
+    points no forward has reached keep their load-time time (a ratio read at one n is no
+    evidence for another: the small-n error above is the curve's shape, not a slower host). The
+    corrected curve is left as measured, not made non-decreasing: a point measured in the
+    engine is what that many tokens cost. Forwards far past the curve's last point (long
+    prefills) say little of a decode step and are left out."""
 
     RATE = 0.2
     REACH = 4  # forwards of up to REACH x the last point's tokens are counted
@@ -318,8 +322,6 @@ class CurveCalibration:
         self.base = base
         self._log_n = np.log(np.asarray(base.n, float))
         self.ratio = np.ones(len(base.n))
-        self.seen = np.zeros(len(base.n), bool)
-        self.overall = 1.0
         self.samples = 0
         self._curve = base
 
@@ -329,14 +331,9 @@ class CurveCalibration:
             return
         r = float(np.clip(seconds / max(self.base(tokens), 1e-12), 0.25, 4.0))
         i = int(np.abs(self._log_n - np.log(tokens)).argmin())
-        self.overall += self.RATE * (r - self.overall)
-        if not self.seen[i]:
-            self.ratio[i], self.seen[i] = self.overall, True
         self.ratio[i] += self.RATE * (r - self.ratio[i])
         self.samples += 1
-        scaled = np.asarray(self.base.seconds) * np.where(self.seen, self.ratio, self.overall)
-        # Non-decreasing, as measured curves are kept (measure_curve, README "Choosing settings").
-        self._curve = CostCurve(self.base.n, tuple(float(t) for t in np.maximum.accumulate(scaled)))
+        self._curve = CostCurve(self.base.n, tuple(float(t) for t in np.asarray(self.base.seconds) * self.ratio))
 
     @property
     def curve(self) -> CostCurve:
@@ -344,8 +341,8 @@ class CurveCalibration:
         return self._curve
 
     def ratios(self) -> dict[int, float]:
-        """Measured / modeled by curve point, for the snapshot (unmeasured points: the overall)."""
-        return {int(n): float(r) for n, r in zip(self.base.n, np.where(self.seen, self.ratio, self.overall))}
+        """Measured / load-time seconds by curve point (1.0 where none was measured)."""
+        return {int(n): float(r) for n, r in zip(self.base.n, self.ratio)}
 
 
 def geometric_survival(tokens_per_forward, max_tokens: int) -> np.ndarray:

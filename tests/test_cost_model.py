@@ -338,7 +338,8 @@ def test_suffix_decisions_probe_and_count():
 
     p = _proposer()
     p.target_cost = CPU_NOW_TARGET
-    p._suffix_gain[:2] = (0.1, 3.0)
+    p._suffix_yield[:2] = (0.1, 3.0)
+    p._accepted[:2] = 1.0  # drafts always accepted whole: the gain is the yield
     one = np.array([4])
     decide = lambda: p._send_suffixes(np.arange(1), one, np.array([4]), 1, 0.48)  # noqa: E731
     sent = [bool(decide()[0]) for _ in range(6 * MAX_PROBE_GAP)]
@@ -349,6 +350,40 @@ def test_suffix_decisions_probe_and_count():
     # Per request: the one whose suffixes accept well sends them beside the poor one.
     p._suffix_wait[:] = PROBE_GAP
     assert list(p._send_suffixes(np.arange(2), np.array([4, 4]), np.array([4, 4]), 2, 0.48)) == [False, True]
+
+
+def test_suffix_gain_is_its_yield_times_the_chance_the_draft_is_accepted_whole():
+    """A suffix adds tokens only in a step whose draft is accepted whole: its expected gain is
+    its yield there (a running mean over such steps alone) times P(accepted >= the draft's
+    length), so a request sends its suffix behind a short draft, likely accepted, and not
+    behind a long one; steps whose draft failed leave the yield as it was."""
+    from vllm_ouroboros.proposer import ESTIMATE_RATE
+
+    p = _proposer()
+    p.target_cost = CPU_NOW_TARGET
+    p._accepted[:2] = cost_model.geometric_survival(np.array([3.75, 3.75]), 12)
+    p._suffix_yield[:2] = 3.0
+    gain = p._suffix_gain(np.arange(2), np.array([1, 8]))
+    assert gain[0] == pytest.approx(3.0 * p._accepted[0, 0]) and gain[1] == pytest.approx(3.0 * p._accepted[1, 7])
+    assert p._suffix_gain(np.arange(1), np.array([0]))[0] == 3.0  # no draft: always reached
+    # Same yield, same suffix cost: behind a 1-token draft it pays, behind an 8-token one not.
+    sent = p._send_suffixes(np.arange(2), np.array([1, 8]), np.array([4, 4]), 2, 0.48)
+    assert list(sent) == [True, False]
+    # Learning: a step whose 4-token draft was rejected at 2 says nothing of the suffix; one
+    # accepted whole with 3 suffix tokens after it moves the yield toward 3.
+    p._suffix_yield[:], p._suffix_yield_all = 1.0, 1.0
+    p._learn = lambda *a: None
+    p._round_length, p._round_forwards = None, 0
+    p._slot_of = {"a": 0}
+    p._last_cut = np.full(16, 12, np.int64)  # whole drafts (12 = num_spec_tokens)
+    tree = SimpleNamespace(B=1, D=8, layout=SimpleNamespace(
+        n=np.array([4]), num_nodes=np.array([8]), path_len=np.array([[8]]), slen=np.array([[4]]),
+        paths=np.arange(8)[None, None, :]))
+    for accepted, expect in ((2, 1.0), (7, 1.0 + ESTIMATE_RATE * (3 - 1.0))):
+        outcome = SimpleNamespace(tree=tree, num_accepted=np.array([accepted]), suffix_index=np.array([0]),
+                                  tokens=np.zeros((1, 8), np.int64), target_next=np.zeros((1, 9), np.int64))
+        p.on_verified(["a"], outcome)
+        assert p._suffix_yield[0] == pytest.approx(expect)
 
 
 class _Runtime(SimpleNamespace):
@@ -381,7 +416,7 @@ def _proposer(cap=None, slots=16):
     p._probe_gap, p._probe_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     p._overhead = cost_model.StepOverhead(CPU_TARGET)
     p.stats = OuroborosStats(slots)
-    p._base_tokens, p._suffix_gain = np.full(slots, 7.0), np.full(slots, 2.0)
+    p._base_tokens, p._suffix_yield = np.full(slots, 7.0), np.full(slots, 2.0)
     p._suffix_gap, p._suffix_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     return p
 
@@ -637,7 +672,7 @@ def test_length_limit_read_from_the_runners_request_state():
     p.runtime = None
     p._last_suffix_len, p._last_main, p._ctx_seen = np.zeros((16, 1)), np.zeros(16), np.zeros(16)
     p._last_cut, p._sent = np.zeros(16, np.int64), np.ones((16, 12))
-    p._suffix_gain_all = 2.0
+    p._suffix_yield_all = 2.0
     p.set_batch(["a", "b"], lambda r: _length_limit(runner, r))
     p._sync_requests(("a", "b"))
     assert [p._len_limit[p._slot_of[r]] for r in ("a", "b")] == [64, 64]  # 78 capped; unknown

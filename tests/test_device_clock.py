@@ -97,3 +97,26 @@ def test_patched_forward_times_the_target_with_its_token_count(device):
     for other in (None, SimpleNamespace(is_ouroboros=False), SimpleNamespace(is_ouroboros=True, target_clock=None)):
         r = _Runner(other)
         assert forward(r, input_ids=ids, positions=pos) == "hidden" and len(r.calls) == 1
+
+
+def test_a_renamed_forward_parameter_is_refused_naming_the_supported_versions():
+    """The patch reads _model_forward's parameters by name: a vLLM that renamed one is refused
+    at apply() with the supported versions, not timed wrong; an override is checked through
+    the original it wraps."""
+    pytest.importorskip("vllm", reason="the error names the installed vLLM's version")
+    from vllm_ouroboros.patches._util import require_params
+
+    def model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                      inputs_embeds=None, **kwargs):
+        return None
+
+    require_params(model_forward, "input_ids", "positions", "inputs_embeds")
+    override = model_runner._model_forward(model_forward)
+    override.__ouroboros_original__ = model_forward
+    require_params(override, "input_ids", "positions", "inputs_embeds")
+
+    def renamed(self, input_ids=None, pos=None, **kwargs):
+        return None
+
+    with pytest.raises(RuntimeError, match=r"positions.*Supported vLLM versions"):
+        require_params(renamed, "input_ids", "positions", "inputs_embeds")

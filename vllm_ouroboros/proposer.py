@@ -163,12 +163,15 @@ class OuroborosProposer:
         self._caches_dropped = 0  # absent requests' draft-cache pages released under pressure
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
         # Suffixes on auto (cost_model.rows_sending_suffixes): per request, running means of the
-        # tokens a step gives from the draft alone (+1) and of those its suffixes add when sent;
-        # a new request starts from the mean over all requests (optimistic before any), and one
-        # whose suffixes are off sends them again as a probe (same gaps as the back-off).
+        # tokens a step gives from the draft alone (+1) and of the suffix tokens accepted in
+        # steps whose draft was accepted whole (the only steps where a suffix can add any: its
+        # yield); a step's expected gain is that yield times the chance its draft is accepted
+        # whole (the back-off's survival estimate at the draft's length). A new request starts
+        # from the mean yield over all requests (optimistic before any), and one whose suffixes
+        # are off sends them again as a probe (same gaps as the back-off).
         self._base_tokens = np.full(self.max_slots, self._prior_tokens_per_fwd)
-        self._suffix_gain_all = 0.5 * self.cfg.phrase_len
-        self._suffix_gain = np.full(self.max_slots, self._suffix_gain_all)
+        self._suffix_yield_all = 0.5 * self.cfg.phrase_len
+        self._suffix_yield = np.full(self.max_slots, self._suffix_yield_all)
         self._suffix_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._suffix_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
         # Under tensor parallelism the first rank of the group drafts and the others take its
@@ -378,7 +381,7 @@ class OuroborosProposer:
             self._draft_forwards[slot] = self.cfg.gamma
             self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
-            self._suffix_gain[slot] = self._suffix_gain_all
+            self._suffix_yield[slot] = self._suffix_yield_all
             self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
     # ---- tree verification switches (set by the runner patches) --------------------------
@@ -448,11 +451,15 @@ class OuroborosProposer:
         sw = s[whole]
         self._base_tokens[sw] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
-        sent = slen[sel].sum(1) > 0
-        if sent.any():  # suffix tokens accepted in a step that sent them (0 if the draft failed)
-            gain = np.maximum(num_acc[sel] - n[sel], 0)[sent]
-            self._suffix_gain[s[sent]] += ESTIMATE_RATE * (gain - self._suffix_gain[s[sent]])
-            self._suffix_gain_all += ESTIMATE_RATE * (float(gain.mean()) - self._suffix_gain_all)
+        # Suffix tokens accepted in a step that sent them and accepted its draft whole: a step
+        # whose draft failed says nothing of its suffixes (they were never reached), and
+        # counting it as 0 made the estimate swing with the draft's luck (rate 0.3 over values
+        # of 0 or a few tokens), which flipped the decision near its margin.
+        reached = (slen[sel].sum(1) > 0) & (num_acc[sel] >= n[sel])
+        if reached.any():
+            got = (num_acc[sel] - n[sel])[reached]
+            self._suffix_yield[s[reached]] += ESTIMATE_RATE * (got - self._suffix_yield[s[reached]])
+            self._suffix_yield_all += ESTIMATE_RATE * (float(got.mean()) - self._suffix_yield_all)
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
 
@@ -838,7 +845,7 @@ class OuroborosProposer:
             return suffix_tokens > 0
         base = self._base_tokens[slots].sum() + (batch - len(slots))
         send = cost_model.rows_sending_suffixes(
-            self.target_cost, batch + n_main.sum(), suffix_tokens, base, self._suffix_gain[slots],
+            self.target_cost, batch + n_main.sum(), suffix_tokens, base, self._suffix_gain(slots, n_main),
             draft_seconds + self._overhead.value)
         has = suffix_tokens > 0
         due = has & ~send & (self._suffix_wait[slots] <= 0)
@@ -851,6 +858,14 @@ class OuroborosProposer:
         self._suffix_wait[off] -= 1
         self.stats.add(off, suffix_skipped=np.ones_like(off))
         return send | due
+
+    def _suffix_gain(self, slots: np.ndarray, n_main: np.ndarray) -> np.ndarray:
+        """Suffix tokens each drafting row (by slot, [R]) may expect to add this step: its
+        suffixes' yield times the chance its draft of n_main [R] tokens is accepted whole
+        (P(accepted >= n_main) of the back-off's estimates; 1 without a draft)."""
+        k = np.clip(n_main, 1, self._accepted.shape[1]) - 1
+        whole = np.where(n_main > 0, self._accepted[slots, k], 1.0)
+        return whole * self._suffix_yield[slots]
 
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""
@@ -884,5 +899,5 @@ class OuroborosProposer:
                                "prefill_cost_ratio": float(self._prefill_scale),
                                "round_cost_ratio": {"whole": float(self._draft_scale[0]),
                                                     "chain": float(self._draft_scale[1])},
-                               "suffix_gain_mean": float(self._suffix_gain_all)}
+                               "suffix_yield_mean": float(self._suffix_yield_all)}
         return out

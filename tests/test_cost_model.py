@@ -177,19 +177,6 @@ def test_step_overhead_samples_only_unchanged_decoding_batches():
     assert none.value == 0.0 and none.samples == 0
 
 
-def test_step_overhead_subtracts_the_measured_forward():
-    """Where the step's forward was timed, the overhead is the interval less that time, not
-    less the curve's figure (which may be off by the host's drift or the contexts' attention)."""
-    curve = CostCurve((1, 16), (0.3, 0.8))
-    o = cost_model.StepOverhead(curve)
-    t = 0.0
-    for _ in range(60):
-        o.end(("a",), 16, t)
-        t += 1.2 + 0.1  # the forward really took 1.2 s, 1.5x the curve's 0.8
-        o.start(("a",), t, forward_seconds=1.2)
-    assert o.value == pytest.approx(0.1, abs=1e-3)
-
-
 def test_target_curve_follows_the_measured_forwards():
     """CurveCalibration: each measured forward moves the ratio at the curve point nearest its
     tokens (in log n); points no forward reached keep their load-time time; the corrected curve

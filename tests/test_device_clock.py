@@ -120,3 +120,9 @@ def test_a_renamed_forward_parameter_is_refused_naming_the_supported_versions():
 
     with pytest.raises(RuntimeError, match=r"positions.*Supported vLLM versions"):
         require_params(renamed, "input_ids", "positions", "inputs_embeds")
+
+
+def test_an_interval_not_stopped_has_no_reading(device):
+    clock = DeviceClock(device)
+    clock.start()
+    assert clock.seconds(wait=False) is None and clock.seconds() is None

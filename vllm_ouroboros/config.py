@@ -115,9 +115,7 @@ class OuroborosConfig:
     max_draft_length: int = 12
     # Cost curves t(n), {tokens per row: ms per forward} (n = 1 required), for the draft and the
     # target, used instead of timing them at load (cost_model.py): the same decisions at every
-    # start, no timing on a busy host, or another device's decisions reproduced here. A
-    # configured target curve stays as given; a measured one follows the forwards timed as they
-    # run (cost_model.CurveCalibration).
+    # start, no timing on a busy host, or another device's decisions reproduced here.
     draft_cost_ms: dict[str, float] | None = None
     target_cost_ms: dict[str, float] | None = None
 

@@ -46,9 +46,11 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
   or all of them where their tokens are free, t_target(N + sum s) + c + D <= SUFFIX_FREE
   (t_target(N) + c + D) (nothing to lose on a flat curve, and refinement learns from them). N: the step's
   target tokens without suffixes, G: tokens the step is expected to give without them, D: this
-  step's drafting time. a_r is measured online per request (suffix tokens accepted per step in
-  which it sent them; a new request starts from the mean over requests). On the real pair on this
-  CPU a suffix adds ~0.2 tokens per step for 4 target tokens (+40% of a 5-token forward).
+  step's drafting time. a_r = P_r(accepted >= n_r) y_r: a suffix adds tokens only where the
+  request's draft of n_r tokens is accepted whole (the back-off's survival estimate), and y_r,
+  its yield there, is measured online per request over the steps that sent a suffix and
+  accepted their draft whole (a new request starts from the mean over requests). On the real
+  pair on this CPU a suffix added ~0.2-0.5 tokens per step for 4 target tokens.
 """
 
 from __future__ import annotations
@@ -282,15 +284,12 @@ class StepOverhead:
         self.samples = 0
         self._pending: tuple[tuple, float, float] | None = None  # (batch key, tokens, time)
 
-    def start(self, batch_key: tuple | None, now: float, forward_seconds: float | None = None) -> None:
-        """A proposer call begins; batch_key None: this step's batch cannot give a sample.
-        forward_seconds: the target forward's own seconds this step where it was measured
-        (device_clock.ForwardClock), else the curve's figure for its tokens stands in."""
+    def start(self, batch_key: tuple | None, now: float) -> None:
+        """A proposer call begins; batch_key None: this step's batch cannot give a sample."""
         pending, self._pending = self._pending, None
         if pending is None or self.target is None or pending[0] != batch_key:
             return
-        forward = self.target(pending[1]) if forward_seconds is None else forward_seconds
-        sample = now - pending[2] - forward
+        sample = now - pending[2] - self.target(pending[1])
         # A sample below zero is the curve's own noise; clip, so the estimate stays >= 0.
         self.value += self.RATE * (max(sample, 0.0) - self.value)
         self.samples += 1
@@ -302,7 +301,8 @@ class StepOverhead:
 
 class CurveCalibration:
     """A cost curve measured at load, its points replaced by what the forwards it stands for
-    take while serving.
+    take while serving (the proposer reports it; the plan still uses the load-time curve, see
+    OuroborosProposer.propose).
 
     The target's curve is timed once, at load, on its linear layers alone (patches/target_cost.py),
     each point the fastest of three and the curve kept non-decreasing; the engine's own forwards

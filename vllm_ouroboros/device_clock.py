@@ -30,23 +30,25 @@ class DeviceClock:
                 self._start = self._end = None
                 return False
             self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
             self._start.record()
         else:
-            self._start, self._end = time.perf_counter(), None
+            self._start = time.perf_counter()
+        self._end = None
         return True
 
     def stop(self) -> None:
         if self._start is None:
             return
         if self._cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
             self._end.record()
         else:
             self._end = time.perf_counter()
 
     def seconds(self, wait: bool = True) -> float | None:
-        """The interval in seconds; 0.0 where nothing was started. wait=False: None where the
-        device has not finished it yet (a reading is dropped rather than waited for)."""
+        """The interval in seconds; 0.0 where nothing was started, None where it was not
+        stopped. wait=False: None where the device has not finished it yet (a reading is
+        dropped rather than waited for)."""
         if self._start is None:
             return 0.0
         if self._end is None:

@@ -567,8 +567,8 @@ class OuroborosProposer:
         self._overhead.start(req_ids if decoding else None, now)
         # The step's forward as the engine timed it, against the load-time curve: reported
         # (snapshot settings.target_cost_ratio), not yet acted on. Given the corrected curve
-        # the plan cut one request's drafts and skipped its suffixes, 3-6% slower at 128
-        # tokens in three runs each way (results/README.md, "Session of 2026-11-26 (sixth)"):
+        # the plan cut one request's drafts and skipped its suffixes, 3% fewer tokens/s at 128
+        # tokens (three runs against four; results/README.md, "Session of 2026-11-26 (sixth)"):
         # the model's other terms were fitted beside the load-time curve's error.
         forward = self.target_clock.take() if self.target_clock is not None else None
         if forward is not None:

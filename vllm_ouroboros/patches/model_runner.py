@@ -16,8 +16,8 @@
     drafts (not real tokens) for every request, which the proposer never made. Ours drafts per
     request up to what fits (proposer caps each row; the scheduler cuts at max_model_len too).
 `_model_forward` (patched): the target's forward is timed (device_clock.ForwardClock: no sync
-    of its own) with its token count, for the back-off's running correction of the target's
-    cost curve (cost_model.CurveCalibration).
+    of its own) with its token count; the proposer reports it against the target's cost curve
+    measured at load (cost_model.CurveCalibration; the back-off does not act on it yet).
 CPUModelRunner inherits from GPUModelRunner, so one patch serves both. Runners whose drafter is
 not Ouroboros take vLLM's own path untouched.
 """

@@ -77,6 +77,14 @@ class _Runner:
         return "hidden"
 
 
+def _taken(clock, device):
+    """The clock's reading once the device is done (in the engine the step's sampled tokens
+    have reached the host by the time the proposer takes it)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return clock.take()
+
+
 def test_patched_forward_times_the_target_with_its_token_count(device):
     forward = model_runner._model_forward(_Runner._model_forward)
     drafter = SimpleNamespace(is_ouroboros=True, target_clock=ForwardClock(device))
@@ -85,14 +93,14 @@ def test_patched_forward_times_the_target_with_its_token_count(device):
     assert forward(runner, input_ids=ids, positions=pos, intermediate_tensors=None,
                    inputs_embeds=None, extra=1) == "hidden"
     assert runner.calls[-1][0] is ids and runner.calls[-1][1] is pos and runner.calls[-1][3] == {"extra": 1}
-    tokens, seconds = drafter.target_clock.take()
+    tokens, seconds = _taken(drafter.target_clock, device)
     assert tokens == 5 and seconds >= 0
     # M-RoPE positions are [3, n]; embeddings instead of ids.
     forward(runner, input_ids=None, positions=torch.zeros(3, 9, dtype=torch.long),
             inputs_embeds=torch.zeros(9, 4))
-    assert drafter.target_clock.take()[0] == 9
+    assert _taken(drafter.target_clock, device)[0] == 9
     forward(runner, input_ids=None, positions=None, inputs_embeds=torch.zeros(4, 4))
-    assert drafter.target_clock.take()[0] == 4
+    assert _taken(drafter.target_clock, device)[0] == 4
     # Another drafter (or none, or a TP rank that does not draft): vLLM's forward untouched.
     for other in (None, SimpleNamespace(is_ouroboros=False), SimpleNamespace(is_ouroboros=True, target_clock=None)):
         r = _Runner(other)

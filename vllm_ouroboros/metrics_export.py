@@ -15,10 +15,15 @@ from __future__ import annotations
 import atexit
 import glob
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
+
+from vllm_ouroboros import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 ENV_DIR = "VLLM_OUROBOROS_METRICS_DIR"
 PREFIX = "vllm:ouroboros_"
@@ -77,12 +82,15 @@ def ensure_dir() -> str:
 
 
 class SnapshotWriter:
-    """Writes a worker's aggregate counters for the collector, rate-limited."""
+    """Writes a worker's aggregate counters for the collector, rate-limited. A write that fails
+    (the directory removed: the offline LLM's process removes it at exit while its engine may
+    still run a step; a full disk) is logged once and skipped: metrics never stop a step."""
 
     def __init__(self, path: str | None, interval: float = 0.5):
         self.file = os.path.join(path, f"snapshot-{os.getpid()}.json") if path else None
         self.interval = interval
         self._last = -float("inf")
+        self.failed_writes = 0
 
     def maybe_write(self, snapshot_fn, force: bool = False) -> None:
         if self.file is None:
@@ -91,10 +99,17 @@ class SnapshotWriter:
         if not force and now - self._last < self.interval:
             return
         self._last = now
+        snapshot = json.dumps(snapshot_fn())  # outside the try: a bad snapshot is our bug
         tmp = self.file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(snapshot_fn(), f)
-        os.replace(tmp, self.file)
+        try:
+            with open(tmp, "w") as f:
+                f.write(snapshot)
+            os.replace(tmp, self.file)
+        except OSError as e:
+            if not self.failed_writes:
+                logger.warning("vllm-ouroboros: cannot write the metrics snapshot %s (%s); /metrics "
+                               "shows the last one written, serving goes on", self.file, e)
+            self.failed_writes += 1
 
 
 def read_totals(path: str) -> dict[str, float] | None:

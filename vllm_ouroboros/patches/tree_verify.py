@@ -145,8 +145,10 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     reason = unsupported_sampling(sm, mode)
     runner.drafter.set_tree_allowed_for_sampling(reason is None)
     # The walk also verifies plain chains: one lossless sampler for every ouroboros step. (vLLM
-    # 0.32's rejection sampler on CPU draws from a sharper distribution than the target's at
-    # temperature > 0; tests/test_sampling_tree.py compares both against no speculation.)
+    # 0.32's rejection sampler on CPU drew from a sharper distribution than the target's at
+    # temperature > 0: its expand fallback left the temperatures uninitialised, which
+    # patches/cpu_sampler.py mends for the steps handed to it below; tests/test_sampling_tree.py
+    # compares both paths against no speculation.)
     if reason is None:
         greedy = processed = uniforms = None
         if not sm.all_greedy:

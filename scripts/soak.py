@@ -6,8 +6,8 @@ one after the other on loopback, compared request by request.
     source scripts/env.sh && python scripts/soak.py --requests 120 --concurrency 8 --max-tokens 64
 
 The mix (seeded, bounded in count and time): prompts from 1 token to near max_model_len, as text
-and as token ids; max_tokens 1..--max-tokens; temperature 0 and 0.7 with top_p / top_k; stop
-strings and stop token ids; n = 2; logprobs; completions and chat, streaming and not; a share of
+and as token ids; max_tokens 1..--max-tokens; temperature 0 and 0.7 with top_p / top_k; a
+frequency, presence or repetition penalty on a tenth; stop strings and stop token ids; n = 2; logprobs; completions and chat, streaming and not; a share of
 streams disconnected by the client after a few chunks (and a few non-streaming requests
 cancelled); bad input mixed in (empty prompt, prompt over max_model_len, token ids outside the
 vocabulary, max_tokens 0 and huge, malformed JSON, a speculative config in the request body, a
@@ -143,6 +143,9 @@ def make_mix(n: int, seed: int, tokenizer, model: str, max_model_len: int, max_t
             body["stop_token_ids"] = rng.sample(common, 2)
         if body["temperature"] > 0 and rng.random() < 0.2:
             body["n"] = 2  # vLLM refuses n > 1 for greedy requests (400)
+        if rng.random() < 0.1:  # vLLM's sampler verifies such batches (patches/cpu_sampler.py)
+            key = rng.choice(["frequency_penalty", "presence_penalty", "repetition_penalty"])
+            body[key] = 1.2 if key == "repetition_penalty" else 0.5
         chat = rng.random() < 0.3
         text = tokenizer.decode(prompt_ids)
         # Text is tokenized again by the server, and the chat template adds tokens: only where
@@ -302,6 +305,7 @@ def group_rss(pgid: int) -> int:
 def probe(base: str, pgid: int) -> dict:
     m = read_metrics(base)
     return {"rss_bytes": group_rss(pgid), "pool_bytes": m.get("vllm:ouroboros_pool_memory_bytes"),
+            "draft_cache_bytes": m.get("vllm:ouroboros_draft_cache_memory_bytes"),
             "pool_phrases": m.get("vllm:ouroboros_pool_phrases"),
             "preemptions": m.get("vllm:num_preemptions_total", 0.0), "metrics": m}
 
@@ -400,6 +404,8 @@ def summarize(reqs: list[Req], runs: dict[str, dict]) -> dict:
             "log_tracebacks": run["log_tracebacks"],
             "rss_mb": [run[p]["rss_bytes"] / 2**20 for p in ("start", "middle", "end")],
             "pool_bytes": [run[p]["pool_bytes"] for p in ("start", "middle", "end")],
+            "draft_cache_mb": [None if run[p]["draft_cache_bytes"] is None else run[p]["draft_cache_bytes"] / 2**20
+                               for p in ("start", "middle", "end")],
             "preemptions": run["end"]["preemptions"],
         }
     # Bad input: a 4xx on both servers (or served, where vLLM ignores the field on purpose).
@@ -464,7 +470,9 @@ def print_report(s: dict, args) -> list[str]:
         r = s["rows"][n]
         print(f"{n}: RSS MiB start/middle/end " + " / ".join(f"{v:.0f}" for v in r["rss_mb"])
               + (f"; pool bytes " + " / ".join(f"{v:.0f}" for v in r["pool_bytes"])
-                 if r["pool_bytes"][2] is not None else ""))
+                 if r["pool_bytes"][2] is not None else "")
+              + (f"; draft KV pages MiB " + " / ".join(f"{v:.0f}" for v in r["draft_cache_mb"])
+                 if r["draft_cache_mb"][2] is not None else ""))
     causes = sorted({c for n in names for c in s["rows"][n]["4xx_by_cause"]})
     if causes:
         print("\n4xx by cause" + " " * 22 + "".join(f"{n:>16}" for n in names))

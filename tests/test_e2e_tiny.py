@@ -233,8 +233,8 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     assert_greedy_requests_identical(base["mixed"], ours["mixed"], params["mixed"], "mixed, K=1")
     assert_greedy_requests_identical(base["features"], ours["features"], params["features"], "features, K=1")
     assert_greedy_requests_identical(base["features"], tree["features"], params["features"], f"features, K={K}")
-    # The features bite: each greedy request with one differs from the same prompt without it
-    # (the second penalty, 0.8, only where the text repeats), and the structured outputs hold.
+    # The features bite: the strong ones change their prompt's greedy output (the others only
+    # where the text repeats, or would have ended before min_tokens), and a choice ends short.
     feats, plain = base["features"], base["mixed"]
     differ = [i for i, p in enumerate(params["features"])
               if p["temperature"] == 0 and set(p) - {"temperature", "max_tokens", "logprobs", "prompt_logprobs"}

@@ -80,18 +80,21 @@ def scenario(tiny_models, tmp_path_factory):
 
 
 SAMPLED = 8  # the sampled request of the "mixed" and "features" batches
+TOP1 = 10  # sampled with top_k = 1: its tokens are the greedy ones, with or without speculation
 
 
 def feature_batches(prompts, probe, tok, eos) -> dict:
-    """{"mixed": (prompts, params), "features": (prompts, params)}: ten greedy requests of 32
-    tokens but one sampled (temperature 0.8, seeded), and in "features" each greedy one with a
-    sampling feature that vLLM's sampler applies (tree_verify.unsupported_sampling). probe: the
-    target's greedy tokens for each prompt (the bad words are some of its request's)."""
+    """{"mixed": (prompts, params), "features": (prompts, params)}: eleven requests of 32 tokens,
+    greedy but one sampled (temperature 0.8, seeded) and one sampled with top_k = 1, and in
+    "features" each greedy one with a sampling feature that vLLM's sampler applies
+    (tree_verify.unsupported_sampling). probe: the target's greedy tokens for each prompt (the
+    bad words are some of its request's)."""
     from vllm.sampling_params import StructuredOutputsParams
 
-    ps = prompts[2:12]
+    ps = prompts[2:13]
     mixed = [{"temperature": 0.0, "max_tokens": 32} for _ in ps]
     mixed[SAMPLED] = {"temperature": 0.8, "seed": 1, "max_tokens": 32}
+    mixed[TOP1] = {"temperature": 0.8, "top_k": 1, "max_tokens": 32}
     feats = [dict(p) for p in mixed]
     for i, extra in enumerate([
             {"repetition_penalty": 1.3},
@@ -104,7 +107,8 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
             {"structured_outputs": StructuredOutputsParams(
                 json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})},
             {},  # the sampled request
-            {"repetition_penalty": 0.8}]):
+            {"repetition_penalty": 0.8},
+            {}]):  # top_k = 1
         feats[i].update(extra)
     return {"mixed": (ps, mixed), "features": (ps, feats)}
 
@@ -200,11 +204,12 @@ def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
 
 
 def assert_greedy_requests_identical(base, ours, params, label):
-    """Every greedy request of a per-request batch: same tokens, and logprobs where asked (to
-    1e-4: the rows are the same target forward's, through another path)."""
+    """Every greedy request of a per-request batch (and one sampled with top_k = 1): same tokens,
+    and logprobs where asked (to 1e-4: the rows are the same target forward's, through another
+    path); sampled requests: a valid length."""
     assert len(base) == len(ours) == len(params)
     for i, (b, o, p) in enumerate(zip(base, ours, params)):
-        if p["temperature"] > 0:
+        if p["temperature"] > 0 and p.get("top_k") != 1:
             n = len(o["tokens"][0])
             assert 1 <= n <= p["max_tokens"], f"{label}: sampled request {i} gave {n} tokens"
             continue

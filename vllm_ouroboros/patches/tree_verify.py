@@ -173,6 +173,12 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
 
     if step.plan.has_tree:
         out = _chain_view_sample(runner, logits, spec_meta, step, sm)
+    elif not np.any(spec_meta.num_draft_tokens):
+        # No request drafted (all backed off, or fresh from prefill): a plain decoding step,
+        # sampled as without speculation. vLLM 0.32 builds its rejection sampler's metadata
+        # whenever speculation is configured, and its CPU top-k (apply_top_k_only) fails on the
+        # empty draft rows of such a step where a sampled request sets top_k.
+        out = original_sample(runner, logits, None)
     else:
         out = original_sample(runner, logits, spec_meta)
     (rows,) = to_device(logits.device, node_rows(step.tree, step.row_start))

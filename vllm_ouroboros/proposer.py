@@ -440,8 +440,15 @@ class OuroborosProposer:
         sel = np.nonzero(ok)[0]
         s = slots[sel]
         # A draft cut to c tokens by the back-off says how far the full draft would have been
-        # accepted up to c only: the estimates of its first c positions learn from it.
-        cut = self._last_cut[s]
+        # accepted up to c only: the estimates of its first c positions learn from it. So does
+        # a draft that vLLM's scheduler cut to fewer tokens than proposed (the token budget went
+        # to other requests): its tokens past the cut were never verified, and counting them as
+        # rejected would make the back-off shorten drafts for want of budget, not acceptance.
+        proposed = self._last_main[s] + self._last_suffix_len[s].sum(1)
+        scheduled = num_nodes[sel]
+        by_scheduler = scheduled < proposed
+        cut = np.where(by_scheduler, np.minimum(self._last_cut[s], scheduled), self._last_cut[s])
+        self.stats.add(s[by_scheduler], scheduler_cut_steps=np.ones(int(by_scheduler.sum()), np.int64))
         whole = cut >= self.num_spec_tokens
         if self._round_length is not None and self._round_forwards:
             if whole.all():  # a cut round's tokens would understate its F

@@ -446,6 +446,7 @@ def _proposer(cap=None, slots=16):
     p._base_tokens, p._suffix_yield = np.full(slots, 7.0), np.full(slots, 2.0)
     # What was proposed last step: whole 12-token drafts (8 + a 4-token suffix).
     p._last_main, p._last_suffix_len = np.full(slots, 8), np.full((slots, 1), 4)
+    p._readable, p._prompt_readable_of = np.ones(slots, bool), None
     p._suffix_gap, p._suffix_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
     return p
 
@@ -683,7 +684,7 @@ def test_length_limit_read_from_the_runners_request_state():
     from vllm import SamplingParams
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
-    from vllm_ouroboros.patches.model_runner import _length_limit
+    from vllm_ouroboros.patches.model_runner import _length_limit, _prompt_readable
     from vllm_ouroboros.request_slots import RequestSlots
 
     def state(max_tokens, prompt=30, embeds=False):
@@ -695,6 +696,11 @@ def test_length_limit_read_from_the_runners_request_state():
 
     runner = SimpleNamespace(requests={"a": state(48), "b": state(None), "e": state(5, 7, embeds=True)})
     assert [_length_limit(runner, r) for r in ("a", "b", "c", "e")] == [78, None, None, 12]
+    # The draft reads token ids only: not an embedded prompt, in whole or in part.
+    mixed = state(5, 4)
+    mixed.prompt_is_token_ids = [True, False, False, True]
+    runner.requests["m"] = mixed
+    assert [_prompt_readable(runner, r) for r in ("a", "c", "e", "m")] == [True, True, False, False]
     p = _proposer()
     p.max_slots, p.max_model_len = 16, 64
     p._slot_of = RequestSlots(16)

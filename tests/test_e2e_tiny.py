@@ -388,6 +388,35 @@ def test_tight_token_budget_greedy_identical(runs, scenario, tiny_models):
     assert s["scheduler_cut_steps"] > 0 and s["tree_suffix_accepted"] > 0, s
 
 
+def test_prompt_embeds_decode_without_a_draft(runs, scenario, tiny_models):
+    """Requests whose prompt comes as embeddings (prompt_embeds) beside the same prompts as
+    token ids: the draft cannot read an embedded prompt (vLLM's input batch holds another
+    request's ids in its row), so those decode without a draft, counted; the others draft.
+    Every output is the one without speculation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base, _, _ = runs
+    picked = [5, 9, 12, 15]
+    tok = AutoTokenizer.from_pretrained(scenario["target"])
+    embed = AutoModelForCausalLM.from_pretrained(scenario["target"], dtype=torch.float32).get_input_embeddings()
+    ids = [tok(scenario["prompts"][i]).input_ids for i in picked]
+    with torch.no_grad():
+        prompts = [{"prompt_embeds": embed(torch.tensor(x))} for x in ids] + \
+                  [{"prompt_token_ids": x} for x in ids]
+    params = [scenario["params"][i] for i in picked] * 2
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]),
+            "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
+    ours, snaps = run_engine(scenario["target"], prompts, params, spec, enable_prompt_embeds=True)
+    for j, i in enumerate(picked * 2):
+        assert ours["main"][j] == base["main"][i], f"prompt {i} ({'embeds' if j < 4 else 'ids'}) differs"
+    per_request = snaps["main"]["per_request"]
+    by_index = {int(r.split("-")[0]): c for r, c in per_request.items()}
+    for j in range(4):  # embeds: never drafted; ids: drafted
+        assert by_index[j]["unreadable_prompt_steps"] > 0 and by_index[j]["drafted_tokens"] == 0, by_index[j]
+        assert by_index[j + 4]["unreadable_prompt_steps"] == 0 and by_index[j + 4]["drafted_tokens"] > 0, by_index[j + 4]
+
+
 def test_device_round_greedy_identical(runs, scenario, tiny_models):
     """The fixed-shape drafting round (draft_round "device": what CUDA graphs replay on a GPU,
     run eagerly here) through the engine, with K = 3 and phrase drafting: same output as

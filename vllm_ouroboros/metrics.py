@@ -26,6 +26,8 @@ Definitions (per request, summed for the aggregate):
   suffix_skipped       steps in which the request's draft went to the target without its
                        candidate suffixes: their measured acceptance would not pay for their
                        target tokens on this device (cost_model.rows_sending_suffixes)
+  unreadable_prompt_steps steps in which the request decoded without a draft because its prompt
+                       came as embeddings (prompt_embeds), which the draft cannot read
   scheduler_cut_steps  steps in which vLLM's scheduler verified fewer of the request's proposed
                        tokens than it was sent (max_num_batched_tokens taken by other requests'
                        prefill or drafts): a tree cut to its first tokens
@@ -49,7 +51,7 @@ PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
     "inspiration_inserts", "refinement_inserts", "backoff_steps", "shortened_steps", "cache_full_steps", "suffix_skipped",
-    "scheduler_cut_steps", "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
+    "scheduler_cut_steps", "unreadable_prompt_steps", "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
 

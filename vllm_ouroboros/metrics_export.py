@@ -37,6 +37,7 @@ COUNTERS = {
     "shortened_steps": "Request-steps whose draft the back-off cut short: load made the target's tokens dear",
     "cache_full_steps": "Request-steps decoded without a draft: the draft KV cache could not grow (device memory)",
     "suffix_skipped": "Request-steps whose draft went without its candidate suffixes: they would not pay",
+    "unreadable_prompt_steps": "Request-steps decoded without a draft: the prompt came as embeddings the draft cannot read",
     "scheduler_cut_steps": "Request-steps whose draft vLLM's scheduler cut short (max_num_batched_tokens taken)",
     "target_forwards": "Target verification steps that carried an ouroboros draft, per request",
     "drafted_tokens": "Tokens sent to the target for verification (draft + suffix)",

@@ -156,6 +156,13 @@ class OuroborosProposer:
         # max_model_len): what a draft cache that must catch up is weighed against.
         self._len_limit = np.full(self.max_slots, self.max_model_len, np.int64)
         self._length_limit_of = None  # req_id -> limit or None (set_batch, from the runner)
+        # Whether the draft can read the request's prompt: not where it came as embeddings
+        # (prompt_embeds), whose token ids vLLM never had. Its rows of the input batch hold the
+        # ids of whatever request had the row before (or zeros): a draft from them is noise
+        # that the target would verify at full price.
+        self._readable = np.ones(self.max_slots, bool)
+        self._prompt_readable_of = None  # req_id -> bool (set_batch, from the runner)
+        self._told_unreadable = False
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
         self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
@@ -378,6 +385,7 @@ class OuroborosProposer:
             self._last_cut[slot] = self.num_spec_tokens
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
             self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
+            self._readable[slot] = self._prompt_readable_of is None or bool(self._prompt_readable_of(r))
             self._draft_forwards[slot] = self.cfg.gamma
             self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
@@ -399,12 +407,14 @@ class OuroborosProposer:
         """Whether the next proposals carry all K suffixes (else only the best one)."""
         return self._tree_available and self._tree_ok_structured and self._tree_ok_sampling
 
-    def set_batch(self, req_ids: list[str], length_limit=None) -> None:
+    def set_batch(self, req_ids: list[str], length_limit=None, prompt_readable=None) -> None:
         """The batch order of this step (propose() receives rows in this order). length_limit:
-        req_id -> the most tokens its context can reach (prompt + max_tokens) or None, read
-        once per request when it gets a slot."""
+        req_id -> the most tokens its context can reach (prompt + max_tokens) or None;
+        prompt_readable: req_id -> whether its prompt is token ids the draft can read (not
+        embeddings); both read once per request when it gets a slot."""
         self._req_ids = list(req_ids)
         self._length_limit_of = length_limit
+        self._prompt_readable_of = prompt_readable
 
     def layouts(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """What was proposed to each request: draft length [B] and suffix lengths [B, K]."""
@@ -610,8 +620,18 @@ class OuroborosProposer:
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         plan = self._speculate(slots, lens_ctx)
         spec = plan.rows
+        blind = spec & ~self._readable[slots]
+        if blind.any():
+            if not self._told_unreadable:
+                self._told_unreadable = True
+                logger.info("ouroboros: requests whose prompt came as embeddings (prompt_embeds) "
+                            "decode without a draft: the draft cannot read their prompt "
+                            "(counted in unreadable_prompt_steps)")
+            self._no_draft(slots[blind], "unreadable_prompt_steps")
+        if not plan.rows.all():
+            self._no_draft(slots[~plan.rows], "backoff_steps")
+        spec = spec & ~blind
         if not spec.all():
-            self._no_draft(slots[~spec], "backoff_steps")
             rows, slots, lens_ctx = rows[spec], slots[spec], lens_ctx[spec]
         cut = plan.max_tokens  # the back-off's shorter draft under load (S: not cut)
         if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now

@@ -62,11 +62,12 @@ def _sample(original):
         drafter = _drafter(self)
         if drafter is None:
             return original(self, logits, spec_decode_metadata)
-        limit = self.__dict__.get("_ouroboros_length_limit")
-        if limit is None:  # one bound callable per runner, not a closure per step
+        facts = self.__dict__.get("_ouroboros_request_facts")
+        if facts is None:  # bound callables once per runner, not closures per step
             require(self, "requests")  # an instance attribute: checked on the first step
-            limit = self._ouroboros_length_limit = functools.partial(_length_limit, self)
-        drafter.set_batch(self.input_batch.req_ids, limit)
+            facts = self._ouroboros_request_facts = (functools.partial(_length_limit, self),
+                                                     functools.partial(_prompt_readable, self))
+        drafter.set_batch(self.input_batch.req_ids, *facts)
         step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
         if step is None or spec_decode_metadata is None or logits is None:
             return original(self, logits, spec_decode_metadata)
@@ -113,6 +114,17 @@ def _length_limit(runner, req_id: str) -> int | None:
     return None
 
 
+def _prompt_readable(runner, req_id: str) -> bool:
+    """Whether every prompt position of the request is a token id: not where the prompt came
+    as embeddings, in whole (prompt_embeds) or in part (prompt_is_token_ids false somewhere)."""
+    state = runner.requests.get(req_id)
+    if state is None:
+        return True
+    if state.prompt_token_ids is None:
+        return state.prompt_embeds is None
+    return state.prompt_is_token_ids is None or all(state.prompt_is_token_ids)
+
+
 def _input_fits_in_drafter(original):
     def input_fits_in_drafter(self, common_attn_metadata):
         if _drafter(self) is not None and common_attn_metadata is not None:
@@ -145,8 +157,9 @@ def apply() -> None:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     fields = set(getattr(CachedRequestState, "__dataclass_fields__", ()))
-    if not {"sampling_params", "prompt_token_ids", "prompt_embeds"} <= fields:
-        require(CachedRequestState, "sampling_params", "prompt_token_ids", "prompt_embeds")
+    state_fields = ("sampling_params", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids")
+    if not set(state_fields) <= fields:
+        require(CachedRequestState, *state_fields)
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
     patch_method(GPUModelRunner, "_update_states", _update_states)
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)

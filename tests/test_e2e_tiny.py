@@ -106,11 +106,29 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
             {"structured_outputs": StructuredOutputsParams(choice=["def fib(n):", "The quick fox"])},
             {"structured_outputs": StructuredOutputsParams(
                 json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})},
-            {},  # the sampled request
-            {"repetition_penalty": 0.8},
+            {"min_p": 1.0},  # the sampled request: only the top token passes min_p = 1
+            # logit_bias with a penalty: vLLM's rejection sampler (the bias on the drafted rows).
+            {"repetition_penalty": 0.8, "logit_bias": BIAS, "logprobs": 2},
             {}]):  # top_k = 1
         feats[i].update(extra)
-    return {"mixed": (ps, mixed), "features": (ps, feats)}
+    # Without the features the walk cannot sample: logit_bias and min_p through the tree walk.
+    biased = [dict(p) for p in mixed]
+    for i, extra in enumerate([
+            {"logit_bias": BIAS},
+            {"logit_bias": BIAS, "logprobs": 2},
+            {"temperature": 0.8, "min_p": 1.0, "seed": 2},
+            {"temperature": 1.2, "min_p": 1.0, "top_k": 5, "seed": 3, "logit_bias": {60: 1.0}}]):
+        biased[i].update(extra)
+    return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased)}
+
+
+BIAS = {40: 3.0, 148: 2.0, 211: -100.0}  # tokens of the tiny vocabulary (384)
+
+
+def deterministic(p: dict) -> bool:
+    """A request whose tokens do not depend on the random draws: greedy, top_k = 1 or
+    min_p = 1 (only tokens as likely as the top one pass)."""
+    return p["temperature"] == 0 or p.get("top_k") == 1 or p.get("min_p") == 1.0
 
 
 def output_detail(out) -> dict:
@@ -161,7 +179,7 @@ def runs(scenario, tiny_models, pool_file):
     one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight), ("mixed", scenario["mixed"]),
-             ("features", scenario["features"]))
+             ("features", scenario["features"]), ("bias", scenario["bias"]))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
@@ -181,7 +199,7 @@ def tree_run(request, scenario, tiny_models):
             "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
             "max_speculative_batch": 8 if request.param == 2 else 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
-                             (("features", scenario["features"]),))
+                             (("features", scenario["features"]), ("bias", scenario["bias"])))
     return request.param, ours, snaps
 
 
@@ -204,12 +222,12 @@ def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
 
 
 def assert_greedy_requests_identical(base, ours, params, label):
-    """Every greedy request of a per-request batch (and one sampled with top_k = 1): same tokens,
-    and logprobs where asked (to 1e-4: the rows are the same target forward's, through another
-    path); sampled requests: a valid length."""
+    """Every deterministic request of a per-request batch (greedy, top_k = 1, min_p = 1): same
+    tokens, and logprobs where asked (to 1e-4: the rows are the same target forward's, through
+    another path); sampled requests: a valid length."""
     assert len(base) == len(ours) == len(params)
     for i, (b, o, p) in enumerate(zip(base, ours, params)):
-        if p["temperature"] > 0 and p.get("top_k") != 1:
+        if not deterministic(p):
             n = len(o["tokens"][0])
             assert 1 <= n <= p["max_tokens"], f"{label}: sampled request {i} gave {n} tokens"
             continue
@@ -234,9 +252,10 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     chain view of the tree."""
     base, ours, _ = runs
     K, tree, _ = tree_run
-    params = {name: scenario[name][1] for name in ("mixed", "features")}
+    params = {name: scenario[name][1] for name in ("mixed", "features", "bias")}
     for name, label, got in (("mixed", "mixed, K=1", ours), ("features", "features, K=1", ours),
-                             ("features", f"features, K={K}", tree)):
+                             ("features", f"features, K={K}", tree), ("bias", "bias, K=1", ours),
+                             ("bias", f"bias, K={K}", tree)):
         assert_greedy_requests_identical(base[name], got[name], params[name], label)
     # The features bite: the strong ones change their prompt's greedy output (the others only
     # where the text repeats, or would have ended before min_tokens), and a choice ends short.
@@ -248,6 +267,11 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     assert {0, 4, 6, 7} <= set(differ), differ  # penalty 1.3, allowed tokens, structured outputs
     tok_choice = feats[6]["tokens"][0]
     assert tok_choice and len(tok_choice) < 32, tok_choice
+    # logit_bias bites, through the walk and beside a penalty; min_p = 1 makes a sampled request
+    # as deterministic as a greedy one (vLLM refuses both with its own speculative methods).
+    biased = base["bias"]
+    assert biased[0]["tokens"] != plain[0]["tokens"] and biased[1]["tokens"] != plain[1]["tokens"]
+    assert biased[2]["tokens"] == plain[2]["tokens"]  # min_p = 1 at T = 0.8: the greedy tokens
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

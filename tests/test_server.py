@@ -69,15 +69,25 @@ def serve(model: Path, *extra: str, timeout: float = 240.0):
         log.close()
 
 
-def complete(base: str, model: Path, prompt: str, max_tokens: int = 48) -> dict:
+def complete(base: str, model: Path, prompt: str, max_tokens: int = 48, **extra) -> dict:
     body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0.0, "logprobs": 1}).encode()
+                       "temperature": 0.0, "logprobs": 1, **extra}).encode()
     req = urllib.request.Request(base + "/v1/completions", body,
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         choice = json.load(r)["choices"][0]
     return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
             "finish": choice["finish_reason"]}
+
+
+# vLLM refuses both with its own speculative methods (a 400); ouroboros serves them. min_p = 1
+# keeps only the top token: the sampled request is as deterministic as a greedy one.
+BIAS_MIN_P = {"logit_bias": {"40": 3.0, "148": 2.0}, "temperature": 0.8, "min_p": 1.0, "seed": 5}
+
+
+def complete_all(base: str, model: Path) -> list[dict]:
+    """The greedy PROMPTS, then the first prompt with BIAS_MIN_P."""
+    return [complete(base, model, p) for p in PROMPTS] + [complete(base, model, PROMPTS[0], **BIAS_MIN_P)]
 
 
 def metrics(base: str) -> str:
@@ -95,14 +105,16 @@ def ouroboros_metrics(text: str) -> dict[str, float]:
 def expected(tiny_models):
     target = tiny_models["target"]
     with serve(target) as base:
-        return [complete(base, target, p) for p in PROMPTS]
+        out = complete_all(base, target)
+    assert out[-1]["tokens"] != out[0]["tokens"]  # the bias bites
+    return out
 
 
 def test_serve_spec_method_shorthand(tiny_models, expected):
     """`vllm serve T --spec-method ouroboros --spec-model D`."""
     target, draft = tiny_models["target"], tiny_models["draft"]
     with serve(target, "--spec-method", "ouroboros", "--spec-model", str(draft)) as base:
-        got = [complete(base, target, p) for p in PROMPTS]
+        got = complete_all(base, target)
         text = metrics(base)
     assert got == expected
     # vLLM's own speculative counters see our drafts.
@@ -128,7 +140,7 @@ def test_serve_speculative_config_json(tiny_models, expected, tmp_path):
                        "draft_length": "adaptive", "acceptance_head": str(head),
                        "max_draft_length": 6, "max_speculative_batch": 8})
     with serve(target, "--speculative-config", spec) as base:
-        got = [complete(base, target, p) for p in PROMPTS]
+        got = complete_all(base, target)
         text = metrics(base)
     assert got == expected
     ours = ouroboros_metrics(text)
@@ -144,7 +156,7 @@ def test_serve_token_tree_k3(tiny_models, expected):
     spec = json.dumps({"method": "ouroboros", "model": str(draft), "num_suffixes": 3,
                        "use_suffixes": True})
     with serve(target, "--speculative-config", spec) as base:
-        got = [complete(base, target, p) for p in PROMPTS]
+        got = complete_all(base, target)
         text = metrics(base)
     assert got == expected
     ours = ouroboros_metrics(text)

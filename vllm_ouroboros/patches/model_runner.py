@@ -167,9 +167,10 @@ def apply() -> None:
     patch_method(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
     require_params(GPUModelRunner._model_forward, "input_ids", "positions", "inputs_embeds")
     patch_method(GPUModelRunner, "_model_forward", _model_forward)
-    from vllm_ouroboros.patches import cpu_sampler
+    from vllm_ouroboros.patches import bias_min_p, cpu_sampler
 
     cpu_sampler.apply()
+    bias_min_p.apply_worker()
     # A named worker method: `collective_rpc("ouroboros_snapshot")` needs no pickled callable.
     from vllm.v1.worker.worker_base import WorkerBase
 

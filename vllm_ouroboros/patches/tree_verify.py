@@ -6,10 +6,11 @@ Per step, for the ouroboros proposer:
                 (tree_attention.py) and build the TokenTree for the acceptance walk.
   sample()      instead of vLLM's rejection sampler: the tree walk (verify.py; chains too), then the
                 KV of an accepted suffix k >= 1 is moved behind the draft (kv_relocate.py). Where the walk
-                cannot honour the batch's sampling features (logprobs, penalties, bad words,
-                logit bias, min_p, min_tokens, allowed tokens, custom logits processors), the
-                tree is read as the chain draft + suffix 0 by vLLM's own rejection sampler:
-                still one forward, still lossless, and the other suffixes still feed the pool.
+                cannot honour the batch's sampling features (logprobs of chosen ids, penalties,
+                bad words, min_tokens, allowed tokens, custom logits processors), the tree is
+                read as the chain draft + suffix 0 by vLLM's own rejection sampler: still one
+                forward, still lossless, and the other suffixes still feed the pool. logit_bias
+                and min_p go to every verified row first, on either path (bias_min_p.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.host_copy import to_device, to_host
-from vllm_ouroboros.patches import tree_attention
+from vllm_ouroboros.patches import bias_min_p, tree_attention
 from vllm_ouroboros.step_plan import ragged_arange
 from vllm_ouroboros.target_step import StepOutcome, TargetStep, plan_target_step
 
@@ -118,13 +119,9 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
     if holder is not None and holder.has_tracked_requests():
         return "thinking token budget"
     for p in sm.logitsprocs.all:
-        if isinstance(p, MinPLogitsProcessor):
-            if p.min_p_count:
-                return "min_p"
-        elif isinstance(p, LogitBiasLogitsProcessor):
-            if p.biases:
-                return "logit_bias"
-        elif isinstance(p, MinTokensLogitsProcessor):
+        if isinstance(p, (MinPLogitsProcessor, LogitBiasLogitsProcessor)):
+            continue  # applied to every verified row: bias_min_p.py
+        if isinstance(p, MinTokensLogitsProcessor):
             if p.min_toks:
                 return "min_tokens"
         else:
@@ -144,16 +141,21 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
     reason = unsupported_sampling(sm, mode)
     runner.drafter.set_tree_allowed_for_sampling(reason is None)
+    bias, min_p = bias_min_p.active_processors(sm)
+    raw = logits  # logprobs are the raw logits', as vLLM reports them by default
     # The walk also verifies plain chains: one lossless sampler for every ouroboros step. (vLLM
     # 0.32's rejection sampler on CPU drew from a sharper distribution than the target's at
     # temperature > 0: its expand fallback left the temperatures uninitialised, which
     # patches/cpu_sampler.py mends for the steps handed to it below; tests/test_sampling_tree.py
     # compares both paths against no speculation.)
     if reason is None:
+        if bias is not None:  # float32, as vLLM's Sampler adds it
+            logits = logits.to(torch.float32, copy=True)
+            bias_min_p.add_bias(logits, bias, step.row_start, step.plan.num_drafts + 1)
         greedy = processed = uniforms = None
         if not sm.all_greedy:
             greedy = sm.temperature[:step.tree.B] < _SAMPLING_EPS
-            processed = _processed_logits(logits, step.plan.num_drafts + 1, sm)
+            processed = _processed_logits(logits, step.plan.num_drafts + 1, sm, min_p)
             uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
         v = verify(step.tree, logits, step.row_start, greedy, processed, uniforms)
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
@@ -165,12 +167,18 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
                     src, dst)
         logprobs = None
         if sm.max_num_logprobs is not None:
-            logprobs = _path_logprobs(runner.sampler, mode, logits, step, v, sm.max_num_logprobs)
+            logprobs = _path_logprobs(runner.sampler, mode, raw, step, v, sm.max_num_logprobs)
         (token_ids,) = to_device(logits.device, v.token_ids)
         out = SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=logprobs)
         return out, StepOutcome(step.tree, v.tokens, v.target_next, v.result.num_accepted,
                                 v.result.suffix_index)
 
+    plan = step.plan
+    drafted = plan.draft_len + plan.suffix_len[:, 0] if plan.has_tree else plan.num_drafts
+    adjusted = bias is not None and bool(np.any(drafted))
+    if adjusted:  # the drafted rows; vLLM's Sampler biases the bonus rows (min_p: bias_min_p.py)
+        logits = logits.to(torch.float32, copy=True)
+        bias_min_p.add_bias(logits, bias, step.row_start, drafted)
     if step.plan.has_tree:
         out = _chain_view_sample(runner, logits, spec_meta, step, sm)
     elif not np.any(spec_meta.num_draft_tokens):
@@ -181,12 +189,28 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         out = original_sample(runner, logits, None)
     else:
         out = original_sample(runner, logits, spec_meta)
+    if adjusted and sm.max_num_logprobs is not None and mode in ("raw_logprobs", "raw_logits"):
+        out = replace(out, logprobs_tensors=_chain_logprobs(
+            runner.sampler, mode, raw, step.row_start, drafted, out.sampled_token_ids, sm.max_num_logprobs))
     (rows,) = to_device(logits.device, node_rows(step.tree, step.row_start))
     target_next, tokens, sampled = to_host(logits.argmax(dim=-1)[rows], step.tree.tokens,
                                            out.sampled_token_ids.long())
     num_acc = (sampled != -1).sum(1) - 1
     sfx = np.where(num_acc > step.tree.layout.n, 0, -1)
     return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx)
+
+
+def _chain_logprobs(sampler, mode, logits, row_start: np.ndarray, drafted: np.ndarray,
+                    sampled: torch.Tensor, num_logprobs: int):
+    """vLLM's LogprobsTensors for tokens a chain verification emitted ([B, N + 1], -1 padded):
+    token j of request b was predicted at row row_start[b] + j. Padding slots read row 0."""
+    B, N1 = sampled.shape
+    j = np.arange(N1)[None, :]
+    rows = np.where(j <= np.asarray(drafted)[:, None], np.asarray(row_start)[:, None] + j, 0)
+    (rows_t,) = to_device(logits.device, rows.reshape(-1))
+    x = logits[rows_t].float()
+    lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
+    return sampler.gather_logprobs(lp, num_logprobs, sampled.reshape(-1).long().clamp(min=0))
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):
@@ -207,9 +231,10 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int
     return sampler.gather_logprobs(lp, num_logprobs, tok)
 
 
-def _processed_logits(logits, rows_per_request: np.ndarray, sm) -> torch.Tensor:
-    """Temperature, then top-k / top-p, per logit row (float32 copy): what vLLM's sampler does
-    to a random request's logits when no other processor is active (unsupported_sampling)."""
+def _processed_logits(logits, rows_per_request: np.ndarray, sm, min_p=None) -> torch.Tensor:
+    """Temperature, min_p (vLLM's MinPLogitsProcessor, where a request sets it), then top-k /
+    top-p, per logit row (float32 copy): what vLLM's sampler does to a random request's logits
+    when no other processor is active (unsupported_sampling)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     B = len(rows_per_request)
@@ -221,6 +246,9 @@ def _processed_logits(logits, rows_per_request: np.ndarray, sm) -> torch.Tensor:
     temp = sm.temperature[:B]
     temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)  # greedy rows: unused
     x = logits.float() / expand(temp)[:, None]
+    if min_p is not None:
+        mp = expand(bias_min_p.min_p_per_request(min_p, B).to(x.device))
+        x = x.masked_fill(bias_min_p.min_p_mask(x, mp), float("-inf"))
     return apply_top_k_top_p(x, expand(sm.top_k), expand(sm.top_p))
 
 

@@ -1,0 +1,115 @@
+"""patches/bias_min_p.py against vLLM's own logit_bias and min_p processors (float32, random
+shapes): the same rows masked and biased, on every verified row of ragged requests.
+The engine runs (tree walk and vLLM's rejection sampler, K = 1, 2, 3) are in
+tests/test_e2e_tiny.py::test_greedy_requests_beside_a_sampled_one_identical ("bias")."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+# vLLM is imported inside the tests: importing it at collection would import Triton before
+# conftest.py sets TRITON_INTERPRET for the kernel tests.
+
+
+@pytest.fixture
+def builtin():
+    pytest.importorskip("vllm", reason="the processors compared against are vLLM's")
+    from vllm.v1.sample.logits_processor import builtin
+
+    return builtin
+
+
+@pytest.fixture
+def bias_min_p(builtin):
+    from vllm_ouroboros.patches import bias_min_p
+
+    return bias_min_p
+
+
+def vllm_min_p(B: int, values):
+    """vLLM's MinPLogitsProcessor holding per-request min_p values, as its update_state leaves it."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    proc = MinPLogitsProcessor(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=B)),
+                               torch.device("cpu"), False)
+    proc.min_p_cpu[:B] = values
+    proc.min_p_count = int(np.count_nonzero(values))
+    proc.min_p = proc.min_p_device[:B].unsqueeze(1)
+    return proc
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_min_p_mask_is_vllms(seed, bias_min_p):
+    g = torch.Generator().manual_seed(seed)
+    B, V = 7, 50 + 37 * seed
+    x = torch.randn(B, V, generator=g) * (1 + seed)
+    values = np.array([0.0, 0.05, 0.3, 1.0, 0.9, 0.5, 0.01], np.float32)
+    expect = vllm_min_p(B, values).apply(x.clone())
+    got = x.masked_fill(bias_min_p.min_p_mask(x, torch.from_numpy(values)), float("-inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(expect))
+    assert torch.isinf(got[3]).sum() >= V - 2 and not torch.isinf(got[0]).any()
+
+
+def test_min_p_in_the_rejection_samplers_constraints(bias_min_p):
+    """The wrapper masks each drafted row as vLLM's Sampler would after dividing by the
+    request's temperature (greedy rows by 1), then hands over; requests without min_p and
+    batches of greedy requests only are left alone."""
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 2, 4]
+    cu = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+    logits = torch.randn(sum(counts), 60, generator=g) * 3
+    temperature = torch.tensor([0.7, 1.0, -1.0, 1.5])  # request 2 greedy (vLLM's -1)
+    proc = vllm_min_p(4, np.array([0.4, 0.2, 0.5, 0.0], np.float32))
+    sm = SimpleNamespace(all_greedy=False, temperature=temperature,
+                         logitsprocs=SimpleNamespace(all=[proc]))
+    wrapped = bias_min_p._apply_sampling_constraints(lambda x, cu_, sm_: x)
+    got = wrapped(logits.clone(), cu, sm)
+    req = np.repeat(np.arange(4), counts)
+    temp = torch.where(temperature < 1e-5, 1.0, temperature)[req]
+    expect = vllm_min_p(len(req), np.array([0.4, 0.2, 0.5, 0.0], np.float32)[req]).apply(
+        logits / temp[:, None])
+    assert torch.equal(torch.isinf(got), torch.isinf(expect))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])  # raw values kept
+    assert not torch.isinf(got[req == 3]).any() and torch.isinf(got[req == 0]).any()
+    sm.all_greedy = True
+    assert torch.equal(wrapped(logits.clone(), cu, sm), logits)
+
+
+def test_bias_on_every_row_of_its_request(bias_min_p, builtin):
+    """Each request's rows (ragged, some with none) get its bias; a request index past the
+    batch (vLLM's dict may hold it while the batch shrinks) is ignored."""
+    proc = builtin.LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    proc.biases = {0: {3: 1.5, 7: -100.0}, 2: {3: 0.25}, 5: {1: 9.0}}
+    num_rows = np.array([3, 2, 4, 1])
+    row_start = np.cumsum(num_rows) - num_rows
+    logits = torch.randn(int(num_rows.sum()), 10, generator=torch.Generator().manual_seed(1))
+    got = logits.clone()
+    bias_min_p.add_bias(got, proc, row_start, num_rows)
+    expect = logits.clone()
+    for b, lb in proc.biases.items():
+        if b < len(num_rows):
+            for t, v in lb.items():
+                expect[row_start[b]:row_start[b] + num_rows[b], t] += v
+    assert torch.equal(got, expect)
+    # Only the drafted rows (bonus rows left to vLLM's Sampler): fewer rows from each start.
+    got = logits.clone()
+    bias_min_p.add_bias(got, proc, row_start, num_rows - 1)
+    assert torch.equal(got[row_start + num_rows - 1], logits[row_start + num_rows - 1])
+
+
+def test_requests_with_bias_or_min_p_admitted_by_ouroboros_engines_only(bias_min_p):
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_ouroboros.patches.engine_args import PROPOSER_PATH
+
+    bias_min_p.apply()
+    ours = SimpleNamespace(method="custom_class", model=PROPOSER_PATH)
+    for params in (SamplingParams(min_p=0.2), SamplingParams(logit_bias={3: 1.0})):
+        params._validate_spec_decode(ours)
+        params._validate_spec_decode(None)
+        for other in (SimpleNamespace(method="ngram", model=None),
+                      SimpleNamespace(method="custom_class", model="some.OtherProposer")):
+            with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
+                params._validate_spec_decode(other)

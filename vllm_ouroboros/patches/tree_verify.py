@@ -208,9 +208,15 @@ def _chain_logprobs(sampler, mode, logits, row_start: np.ndarray, drafted: np.nd
     j = np.arange(N1)[None, :]
     rows = np.where(j <= np.asarray(drafted)[:, None], np.asarray(row_start)[:, None] + j, 0)
     (rows_t,) = to_device(logits.device, rows.reshape(-1))
-    x = logits[rows_t].float()
+    return _gather_logprobs(sampler, mode, logits, rows_t, sampled.reshape(-1).long().clamp(min=0),
+                            num_logprobs)
+
+
+def _gather_logprobs(sampler, mode, logits, rows: torch.Tensor, tokens: torch.Tensor, num_logprobs: int):
+    """vLLM's logprobs of `tokens` [R] and the top num_logprobs at logit `rows` [R] (raw modes)."""
+    x = logits[rows].float()
     lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
-    return sampler.gather_logprobs(lp, num_logprobs, sampled.reshape(-1).long().clamp(min=0))
+    return sampler.gather_logprobs(lp, num_logprobs, tokens)
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):
@@ -226,9 +232,7 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int
     rows = np.asarray(step.row_start, np.int64)[:, None] + 1 + prev
     rows = np.where(v.token_ids >= 0, rows, 0).reshape(-1)
     rows_t, tok = to_device(logits.device, rows, np.maximum(v.token_ids.reshape(-1), 0).astype(np.int64))
-    x = logits[rows_t].float()
-    lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
-    return sampler.gather_logprobs(lp, num_logprobs, tok)
+    return _gather_logprobs(sampler, mode, logits, rows_t, tok, num_logprobs)
 
 
 def _processed_logits(logits, rows_per_request: np.ndarray, sm, min_p=None) -> torch.Tensor:

@@ -98,6 +98,23 @@ def test_bias_on_every_row_of_its_request(bias_min_p, builtin):
     assert torch.equal(got[row_start + num_rows - 1], logits[row_start + num_rows - 1])
 
 
+def test_bias_in_the_rejection_samplers_processors(bias_min_p, builtin):
+    """The wrapper of vLLM's RejectionSampler.apply_logits_processors biases the drafted tokens'
+    rows of each request (grouped by num_draft_tokens), before vLLM's own step runs."""
+    proc = builtin.LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    proc.biases = {1: {2: 4.0}, 2: {0: -1.5, 5: 0.5}}
+    num_draft = [2, 0, 3, 1]
+    logits = torch.randn(sum(num_draft), 8, generator=torch.Generator().manual_seed(2))
+    seen = []
+    wrapped = bias_min_p._apply_logits_processors(lambda self, x, sm, meta: seen.append(x.clone()) or x)
+    sm = SimpleNamespace(logitsprocs=SimpleNamespace(all=[proc]))
+    got = wrapped(None, logits.clone(), sm, SimpleNamespace(num_draft_tokens=num_draft))
+    expect = logits.clone()
+    expect[2:5, 0] -= 1.5
+    expect[2:5, 5] += 0.5  # request 1 drafted nothing: its bias has no row here
+    assert torch.equal(got, expect) and torch.equal(seen[0], expect)
+
+
 def test_requests_with_bias_or_min_p_admitted_by_ouroboros_engines_only(bias_min_p):
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams

@@ -8,10 +8,11 @@ row's top one), so ouroboros applies them to all of a request's rows before veri
 exactly as vLLM's Sampler applies them to its one row without speculation:
   - the tree walk (tree_verify.sample): bias on every row of the request, in float32 as vLLM's
     Sampler adds it; min_p after temperature, before top-k / top-p (`processed_logits`);
-  - vLLM's rejection sampler (the fallback for the features the walk cannot apply): the bias
-    on the drafted tokens' rows before it (it applies the penalties after, as its Sampler
-    does), min_p inside it, between its temperature and its top-k / top-p (a wrapper of its
-    apply_sampling_constraints); its own Sampler applies both to the bonus rows.
+  - vLLM's rejection sampler (the fallback for the features the walk cannot apply), inside it:
+    the bias on the drafted tokens' rows before its penalties (a wrapper of its
+    apply_logits_processors: its Sampler adds the bias first too), min_p between its
+    temperature and its top-k / top-p (a wrapper of apply_sampling_constraints); its own Sampler
+    applies both to the bonus rows. It keeps the raw rows for logprobs, as without the two.
 Logprobs stay those of the raw logits, as vLLM's default logprobs mode reports them.
 
 `apply()` (every process, at plugin registration) lets requests with logit_bias or min_p into
@@ -68,6 +69,17 @@ def _build_logitsprocs(original):
     return build_logitsprocs
 
 
+def _apply_logits_processors(original):
+    def apply_logits_processors(self, logits, sampling_metadata, metadata):
+        bias, _ = active_processors(sampling_metadata)
+        if bias is not None:  # the drafted tokens' rows (float32), grouped by request
+            d = np.asarray(metadata.num_draft_tokens, np.int64)
+            add_bias(logits, bias, np.cumsum(d) - d, d)
+        return original(self, logits, sampling_metadata, metadata)
+
+    return apply_logits_processors
+
+
 def _apply_sampling_constraints(original):
     def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
         _, min_p = active_processors(sampling_metadata)
@@ -91,8 +103,8 @@ def _apply_sampling_constraints(original):
 def apply_worker() -> None:
     """In the worker, before the model runner builds its input batch (the proposer's
     constructor runs first): give ouroboros engines vLLM's logit_bias and min_p processors,
-    which vLLM leaves out of speculative engines, and min_p in its rejection sampler (where
-    neither processor exists, i.e. in other engines, the wrapper does nothing)."""
+    which vLLM leaves out of speculative engines, and both in its rejection sampler (where
+    neither processor exists, i.e. in other engines, the wrappers do nothing)."""
     from vllm.v1.sample import logits_processor, rejection_sampler
     from vllm.v1.sample.logits_processor import builtin
     from vllm.v1.worker import gpu_model_runner
@@ -100,7 +112,9 @@ def apply_worker() -> None:
     require(logits_processor, "BUILTIN_LOGITS_PROCESSORS", "LogitsProcessors")
     require(builtin, "LogitBiasLogitsProcessor", "MinPLogitsProcessor")
     require(gpu_model_runner, "build_logitsprocs")
-    require(rejection_sampler, "apply_sampling_constraints")
+    require(rejection_sampler, "apply_sampling_constraints", "RejectionSampler")
+    require_params(rejection_sampler.RejectionSampler.apply_logits_processors, "logits",
+                   "sampling_metadata", "metadata")
     original = gpu_model_runner.build_logitsprocs
     if getattr(original, "__ouroboros_original__", None) is None:
         require_params(original, "vllm_config", "device", "is_pin_memory", "is_pooling_model",
@@ -108,6 +122,7 @@ def apply_worker() -> None:
         override = _build_logitsprocs(original)
         override.__ouroboros_original__ = original
         gpu_model_runner.build_logitsprocs = override
+    patch_method(rejection_sampler.RejectionSampler, "apply_logits_processors", _apply_logits_processors)
     original = rejection_sampler.apply_sampling_constraints
     if getattr(original, "__ouroboros_original__", None) is None:
         require_params(original, "logits", "cu_num_draft_tokens", "sampling_metadata")

@@ -10,7 +10,7 @@ Per step, for the ouroboros proposer:
                 bad words, min_tokens, allowed tokens, custom logits processors), the tree is
                 read as the chain draft + suffix 0 by vLLM's own rejection sampler: still one
                 forward, still lossless, and the other suffixes still feed the pool. logit_bias
-                and min_p go to every verified row first, on either path (bias_min_p.py).
+                and min_p go to every verified row, on either path (bias_min_p.py).
 """
 
 from __future__ import annotations
@@ -173,12 +173,6 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         return out, StepOutcome(step.tree, v.tokens, v.target_next, v.result.num_accepted,
                                 v.result.suffix_index)
 
-    plan = step.plan
-    drafted = plan.draft_len + plan.suffix_len[:, 0] if plan.has_tree else plan.num_drafts
-    adjusted = bias is not None and bool(np.any(drafted))
-    if adjusted:  # the drafted rows; vLLM's Sampler biases the bonus rows (min_p: bias_min_p.py)
-        logits = logits.to(torch.float32, copy=True)
-        bias_min_p.add_bias(logits, bias, step.row_start, drafted)
     if step.plan.has_tree:
         out = _chain_view_sample(runner, logits, spec_meta, step, sm)
     elif not np.any(spec_meta.num_draft_tokens):
@@ -189,34 +183,12 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         out = original_sample(runner, logits, None)
     else:
         out = original_sample(runner, logits, spec_meta)
-    if adjusted and sm.max_num_logprobs is not None and mode in ("raw_logprobs", "raw_logits"):
-        out = replace(out, logprobs_tensors=_chain_logprobs(
-            runner.sampler, mode, raw, step.row_start, drafted, out.sampled_token_ids, sm.max_num_logprobs))
     (rows,) = to_device(logits.device, node_rows(step.tree, step.row_start))
     target_next, tokens, sampled = to_host(logits.argmax(dim=-1)[rows], step.tree.tokens,
                                            out.sampled_token_ids.long())
     num_acc = (sampled != -1).sum(1) - 1
     sfx = np.where(num_acc > step.tree.layout.n, 0, -1)
     return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx)
-
-
-def _chain_logprobs(sampler, mode, logits, row_start: np.ndarray, drafted: np.ndarray,
-                    sampled: torch.Tensor, num_logprobs: int):
-    """vLLM's LogprobsTensors for tokens a chain verification emitted ([B, N + 1], -1 padded):
-    token j of request b was predicted at row row_start[b] + j. Padding slots read row 0."""
-    B, N1 = sampled.shape
-    j = np.arange(N1)[None, :]
-    rows = np.where(j <= np.asarray(drafted)[:, None], np.asarray(row_start)[:, None] + j, 0)
-    (rows_t,) = to_device(logits.device, rows.reshape(-1))
-    return _gather_logprobs(sampler, mode, logits, rows_t, sampled.reshape(-1).long().clamp(min=0),
-                            num_logprobs)
-
-
-def _gather_logprobs(sampler, mode, logits, rows: torch.Tensor, tokens: torch.Tensor, num_logprobs: int):
-    """vLLM's logprobs of `tokens` [R] and the top num_logprobs at logit `rows` [R] (raw modes)."""
-    x = logits[rows].float()
-    lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
-    return sampler.gather_logprobs(lp, num_logprobs, tokens)
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):
@@ -232,7 +204,9 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int
     rows = np.asarray(step.row_start, np.int64)[:, None] + 1 + prev
     rows = np.where(v.token_ids >= 0, rows, 0).reshape(-1)
     rows_t, tok = to_device(logits.device, rows, np.maximum(v.token_ids.reshape(-1), 0).astype(np.int64))
-    return _gather_logprobs(sampler, mode, logits, rows_t, tok, num_logprobs)
+    x = logits[rows_t].float()
+    lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
+    return sampler.gather_logprobs(lp, num_logprobs, tok)
 
 
 def _processed_logits(logits, rows_per_request: np.ndarray, sm, min_p=None) -> torch.Tensor:

@@ -431,6 +431,7 @@ def _proposer(cap=None, slots=16):
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
     p._draft_scale = np.ones(2)
+    p._draft_scale_rounds = np.zeros(2, np.int64)
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
     p.runtime = _Runtime(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
                          kv_len=np.full(slots, 100), prefill_threshold=16)
@@ -539,6 +540,34 @@ def test_draft_cost_calibrated_by_measured_rounds():
     plan = lambda k: cost_model.speculation_plan(  # noqa: E731
         BENCH_TARGET, BENCH_DRAFT, A, np.ones((1, 12)), np.array([4.0]), 18, 0.03, 4, draft_scale=k)
     assert plan((1.0, 1.0)).max_tokens < 4 and plan((0.9, 1.2)).max_tokens >= 4
+
+
+def test_a_round_kind_not_yet_run_borrows_the_measured_ratio():
+    """A kind of round not yet measured takes the other kind's ratio. Left at the prior 1.0
+    beside chains measured at 0.25 (a draft faster than its configured curve), the whole
+    round looked 4x dearer than it was: one request accepting well was cut to 3-token chains
+    for good, and the whole ratio was never measured (CI, test_backoff_cuts_drafts_under_load).
+    Once measured, each kind keeps its own ratio."""
+
+    p = _proposer()
+    p.runtime.s.draft_room, p.runtime.G = 4, 4  # the test's engine: 4 guesses of 4 tokens
+    chain = SimpleNamespace(forwards=3, row_forwards=np.array([3]), prefill_seconds=0.0)
+    for _ in range(30):
+        p._calibrate_draft(chain, 3, 0.1 * 3 * CPU(2))  # clipped to 0.25
+    assert p._draft_scale == pytest.approx([0.25, 0.25], rel=1e-3)
+    assert list(p._draft_scale_rounds) == [0, 30]
+    A = cost_model.geometric_survival(np.array([7.0]), 12)
+    n_whole = cost_model.draft_row_tokens(p.runtime.W, p.runtime.G, p.runtime.L)
+    plan = lambda k: cost_model.speculation_plan(  # noqa: E731
+        BENCH_TARGET, BENCH_DRAFT, A, np.ones((1, 12)), np.array([4.0]), n_whole, 0.0, 4,
+        cost_model.draft_row_tokens(0, 0, p.runtime.L), draft_scale=k)
+    assert plan((1.0, 0.25)).max_tokens == 3  # the old prior: cut to chains
+    assert plan(tuple(p._draft_scale)).max_tokens == 12
+    whole = SimpleNamespace(forwards=4, row_forwards=np.array([4]), prefill_seconds=0.0)
+    for _ in range(30):
+        p._calibrate_draft(whole, 12, 0.8 * 4 * CPU(n_whole))
+    assert p._draft_scale == pytest.approx([0.8, 0.25], rel=1e-3)
+    assert list(p._draft_scale_rounds) == [30, 30]
 
 
 def test_catch_up_cost_calibrated_by_measured_prefills():

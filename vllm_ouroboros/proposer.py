@@ -136,6 +136,7 @@ class OuroborosProposer:
         self.prefill_cost: cost_model.CostCurve | None = None
         self._prefill_scale = 1.0  # measured / modeled prefill seconds (_calibrate_prefill)
         self._draft_scale = np.ones(2)  # measured / modeled round seconds: whole, chain (_calibrate_draft)
+        self._draft_scale_rounds = np.zeros(2, np.int64)  # rounds measured into each
         self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
         # Forwards per device / graph round, chosen online (round_length.py); None: host loop,
         # or no target curve to weigh them against.
@@ -841,7 +842,10 @@ class OuroborosProposer:
         suffix lookup) and less where the host loop trims guess columns and finished rows;
         whole and chain rounds differ in both, so each keeps its own ratio (4 requests x 48
         tokens on this CPU: whole 0.74, 3-token chains 0.91 falling to 0.74,
-        scripts/step_trace.py)."""
+        scripts/step_trace.py). Until a kind has run, it takes the other's ratio: the same
+        device and host loop err alike, and a kind left at the prior 1.0 beside a measured 0.25
+        looked 4x dearer than it was, so the plan never chose it and never measured it (in
+        CI, one request after a loaded batch was cut to chains for its whole life)."""
         if self.cost is None or out.forwards == 0:
             return
         rt = self.runtime
@@ -851,7 +855,11 @@ class OuroborosProposer:
         forwards = out.forwards if rt.device_round is not None else float(out.row_forwards.mean())
         modeled = forwards * self.cost(R * n_d)
         ratio = float(np.clip((seconds - out.prefill_seconds) / max(modeled, 1e-9), 0.25, 4.0))
-        self._draft_scale[int(chain)] += ESTIMATE_RATE * (ratio - self._draft_scale[int(chain)])
+        k = int(chain)
+        self._draft_scale[k] += ESTIMATE_RATE * (ratio - self._draft_scale[k])
+        self._draft_scale_rounds[k] += 1
+        if self._draft_scale_rounds[1 - k] == 0:
+            self._draft_scale[1 - k] = self._draft_scale[k]
 
     def _calibrate_prefill(self, out) -> None:
         """The catch-up's cost from the prefills that ran: a running ratio of their measured
@@ -929,5 +937,7 @@ class OuroborosProposer:
                                "prefill_cost_ratio": float(self._prefill_scale),
                                "round_cost_ratio": {"whole": float(self._draft_scale[0]),
                                                     "chain": float(self._draft_scale[1])},
+                               "round_cost_rounds": {"whole": int(self._draft_scale_rounds[0]),
+                                                     "chain": int(self._draft_scale_rounds[1])},
                                "suffix_yield_mean": float(self._suffix_yield_all)}
         return out

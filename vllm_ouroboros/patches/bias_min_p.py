@@ -28,7 +28,7 @@ from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.patches._util import patch_method, require, require_params
 from vllm_ouroboros.step_plan import ragged_arange
 
-_SAMPLING_EPS = 1e-5  # vLLM's Sampler: temperature below this is greedy
+SAMPLING_EPS = 1e-5  # vLLM's Sampler (vllm/v1/sample/sampler.py): temperature below this is greedy
 
 
 def is_ouroboros(speculative_config) -> bool:
@@ -90,7 +90,7 @@ def _apply_sampling_constraints(original):
             B = cu_num_draft_tokens.shape[0]
             counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
             temp = sampling_metadata.temperature[:B].to(torch.float32)
-            temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)
+            temp = torch.where(temp < SAMPLING_EPS, torch.ones_like(temp), temp)
             n = logits.shape[0]
             row_temp = temp.repeat_interleave(counts, output_size=n)
             row_min_p = min_p_per_request(min_p, B).to(logits.device).repeat_interleave(counts, output_size=n)

@@ -30,7 +30,6 @@ from vllm_ouroboros.target_step import StepOutcome, TargetStep, plan_target_step
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_SAMPLING_EPS = 1e-5  # vLLM's Sampler: temperature below this is greedy
 # Debugging aid (tests/test_tree_relocation.py): leave the accepted branch's KV where it is, to
 # show that outputs go wrong without the move. Never set it in production.
 _SKIP_RELOCATION = os.environ.get("VLLM_OUROBOROS_DEBUG_SKIP_KV_RELOCATION", "0") == "1"
@@ -154,7 +153,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
             bias_min_p.add_bias(logits, bias, step.row_start, step.plan.num_drafts + 1)
         greedy = processed = uniforms = None
         if not sm.all_greedy:
-            greedy = sm.temperature[:step.tree.B] < _SAMPLING_EPS
+            greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
             processed = _processed_logits(logits, step.plan.num_drafts + 1, sm, min_p)
             uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
         v = verify(step.tree, logits, step.row_start, greedy, processed, uniforms)
@@ -222,7 +221,7 @@ def _processed_logits(logits, rows_per_request: np.ndarray, sm, min_p=None) -> t
         return None if x is None else x[:B].repeat_interleave(counts, output_size=logits.shape[0])
 
     temp = sm.temperature[:B]
-    temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)  # greedy rows: unused
+    temp = torch.where(temp < bias_min_p.SAMPLING_EPS, torch.ones_like(temp), temp)  # greedy rows: unused
     x = logits.float() / expand(temp)[:, None]
     if min_p is not None:
         mp = expand(bias_min_p.min_p_per_request(min_p, B).to(x.device))

@@ -39,6 +39,31 @@ def vllm_min_p(B: int, values):
     return proc
 
 
+def vllm_bias(biases: dict[int, dict[int, float]], removed=(), moved=()):
+    """vLLM's LogitBiasLogitsProcessor after its update_state saw these requests added (batch
+    index -> logit_bias), then `removed` indices and `moved` (a, b, direction) entries."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    proc = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    added = [(i, SamplingParams(logit_bias=lb), None, []) for i, lb in biases.items()]
+    proc.update_state(BatchUpdate(batch_size=max(biases, default=-1) + 1, removed=[], added=added, moved=[]))
+    if removed or moved:
+        proc.update_state(BatchUpdate(batch_size=len(biases), removed=list(removed), added=[], moved=list(moved)))
+    return proc
+
+
+def biased_reference(logits, proc, row_start, num_rows):
+    """Each request's rows, one by one, get its logit_bias (float32 adds)."""
+    expect = logits.clone()
+    for b, lb in proc.biases.items():
+        if b < len(num_rows):
+            for t, v in lb.items():
+                expect[row_start[b]:row_start[b] + num_rows[b], t] += v
+    return expect
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_min_p_mask_is_vllms(seed, bias_min_p):
     g = torch.Generator().manual_seed(seed)
@@ -79,30 +104,52 @@ def test_min_p_in_the_rejection_samplers_constraints(bias_min_p):
 def test_bias_on_every_row_of_its_request(bias_min_p, builtin):
     """Each request's rows (ragged, some with none) get its bias; a request index past the
     batch (vLLM's dict may hold it while the batch shrinks) is ignored."""
-    proc = builtin.LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    proc.biases = {0: {3: 1.5, 7: -100.0}, 2: {3: 0.25}, 5: {1: 9.0}}
+    proc = vllm_bias({0: {3: 1.5, 7: -100.0}, 2: {3: 0.25}, 5: {1: 9.0}})
     num_rows = np.array([3, 2, 4, 1])
     row_start = np.cumsum(num_rows) - num_rows
     logits = torch.randn(int(num_rows.sum()), 10, generator=torch.Generator().manual_seed(1))
     got = logits.clone()
     bias_min_p.add_bias(got, proc, row_start, num_rows)
-    expect = logits.clone()
-    for b, lb in proc.biases.items():
-        if b < len(num_rows):
-            for t, v in lb.items():
-                expect[row_start[b]:row_start[b] + num_rows[b], t] += v
-    assert torch.equal(got, expect)
+    expect = biased_reference(logits, proc, row_start, num_rows)
+    assert torch.equal(got, expect) and not torch.equal(got, logits)
     # Only the drafted rows (bonus rows left to vLLM's Sampler): fewer rows from each start.
     got = logits.clone()
     bias_min_p.add_bias(got, proc, row_start, num_rows - 1)
     assert torch.equal(got[row_start + num_rows - 1], logits[row_start + num_rows - 1])
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_bias_on_random_ragged_batches(seed, bias_min_p):
+    """Random batches: requests with and without a bias, 0 to 6 rows each, a bias table that
+    vLLM's update_state has shrunk and moved (indices renumbered as its batch condenses); the
+    device scatter equals the row-by-row reference, and with one row per request it is vLLM's
+    own apply."""
+    rng = np.random.default_rng(seed)
+    B, V = int(rng.integers(1, 9)), int(rng.integers(8, 80))
+    biases = {int(b): {int(t): float(rng.normal(0, 5)) for t in rng.choice(V, rng.integers(1, 6), replace=False)}
+              for b in range(B + 2) if rng.random() < 0.6}
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+
+    gone = [b for b in biases if rng.random() < 0.3]
+    keep = [b for b in biases if b not in gone]
+    moved = [(keep[0], B + 3, MoveDirectionality.UNIDIRECTIONAL)] if keep and rng.random() < 0.5 else []
+    proc = vllm_bias(biases, removed=gone, moved=moved)
+    num_rows = rng.integers(0, 7, B)
+    row_start = np.cumsum(num_rows) - num_rows
+    logits = torch.randn(int(num_rows.sum()), V, generator=torch.Generator().manual_seed(seed))
+    got = logits.clone()
+    bias_min_p.add_bias(got, proc, row_start, num_rows)
+    assert torch.equal(got, biased_reference(logits, proc, row_start, num_rows))
+    one = torch.randn(max(proc.biases, default=0) + 1, V, generator=torch.Generator().manual_seed(seed))
+    got = one.clone()
+    bias_min_p.add_bias(got, proc, np.arange(len(one)), np.ones(len(one), np.int64))
+    assert torch.equal(got, proc.apply(one.clone()))
+
+
 def test_bias_in_the_rejection_samplers_processors(bias_min_p, builtin):
     """The wrapper of vLLM's RejectionSampler.apply_logits_processors biases the drafted tokens'
     rows of each request (grouped by num_draft_tokens), before vLLM's own step runs."""
-    proc = builtin.LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    proc.biases = {1: {2: 4.0}, 2: {0: -1.5, 5: 0.5}}
+    proc = vllm_bias({1: {2: 4.0}, 2: {0: -1.5, 5: 0.5}})
     num_draft = [2, 0, 3, 1]
     logits = torch.randn(sum(num_draft), 8, generator=torch.Generator().manual_seed(2))
     seen = []

@@ -26,7 +26,6 @@ import torch
 
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.patches._util import patch_method, require, require_params
-from vllm_ouroboros.step_plan import ragged_arange
 
 SAMPLING_EPS = 1e-5  # vLLM's Sampler (vllm/v1/sample/sampler.py): temperature below this is greedy
 
@@ -111,6 +110,9 @@ def apply_worker() -> None:
 
     require(logits_processor, "BUILTIN_LOGITS_PROCESSORS", "LogitsProcessors")
     require(builtin, "LogitBiasLogitsProcessor", "MinPLogitsProcessor")
+    # add_bias reads the processor's device tables, which its constructor makes.
+    require(builtin.LogitBiasLogitsProcessor(None, torch.device("cpu"), False),
+            "biases", "logits_slice", "bias_tensor")
     require(gpu_model_runner, "build_logitsprocs")
     require(rejection_sampler, "apply_sampling_constraints", "RejectionSampler")
     require_params(rejection_sampler.RejectionSampler.apply_logits_processors, "logits",
@@ -148,22 +150,30 @@ def active_processors(sm):
 def add_bias(logits: torch.Tensor, proc, row_start: np.ndarray, num_rows: np.ndarray) -> None:
     """Add each request's logit_bias to its rows, in place.
 
-    logits: [rows, vocab] float32; proc: vLLM's LogitBiasLogitsProcessor (its host dict batch
-    index -> {token: bias}); row_start [B] and num_rows [B]: the rows of each request to bias
-    (host). A Python loop over the biased requests' dicts, as vLLM's own processor runs at each
-    batch change; the rows go up in one copy.
+    logits: [rows, vocab] float32; proc: vLLM's LogitBiasLogitsProcessor, whose device
+    tensors list the batch's (request index, token, bias) entries (`logits_slice`,
+    `bias_tensor`: [E] each, rebuilt by its update_state at each batch change, as its own
+    apply reads them); row_start [B] and num_rows [B]: the rows of each request to bias
+    (host). On the device, without a Python loop over requests: each entry is spread over
+    max(num_rows) rows, those past its request's rows (or of a request index past the batch,
+    which vLLM's table may hold while the batch shrinks) adding 0 to row 0. A (row, token) gets
+    exactly its one bias (a request's tokens are distinct) plus zeros, so the sum is exact
+    whatever order the device accumulates in, and equals vLLM's `logits[slice] += bias`.
     """
-    B = len(row_start)
-    items = [(b, lb) for b, lb in proc.biases.items() if b < B]
-    if not items:
+    req, tok = proc.logits_slice
+    B, M = len(row_start), int(np.max(num_rows, initial=0))
+    if req.numel() == 0 or B == 0 or M == 0:
         return
-    req = np.repeat(np.array([b for b, _ in items], np.int64), [len(lb) for _, lb in items])
-    tok = np.fromiter((t for _, lb in items for t in lb), np.int64, len(req))
-    val = np.fromiter((v for _, lb in items for v in lb.values()), np.float32, len(req))
-    n = np.asarray(num_rows, np.int64)[req]
-    rows = np.repeat(np.asarray(row_start, np.int64)[req], n) + ragged_arange(n)
-    rows_t, tok_t, val_t = to_device(logits.device, rows, np.repeat(tok, n), np.repeat(val, n))
-    logits.index_put_((rows_t, tok_t), val_t, accumulate=True)
+    start_t, n_t = to_device(logits.device, np.asarray(row_start, np.int64), np.asarray(num_rows, np.int64))
+    req = req.to(torch.int64)
+    in_batch = req < B
+    r = req.clamp(max=B - 1)
+    j = torch.arange(M, device=logits.device)
+    valid = in_batch[:, None] & (j[None, :] < n_t[r][:, None])  # [E, M]
+    rows = torch.where(valid, start_t[r][:, None] + j[None, :], 0)
+    vals = torch.where(valid, proc.bias_tensor.to(logits.dtype)[:, None], 0.0)
+    toks = tok.to(torch.int64)[:, None].expand(-1, M)
+    logits.index_put_((rows.reshape(-1), toks.reshape(-1)), vals.reshape(-1), accumulate=True)
 
 
 def min_p_mask(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

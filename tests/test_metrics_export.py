@@ -72,3 +72,55 @@ def test_a_failed_write_is_logged_once_and_serving_goes_on(tmp_path, caplog):
     d.mkdir()  # back: the next write lands
     w.maybe_write(lambda: {"draft_forwards": 4})
     assert read_totals(str(d))["draft_forwards"] == 4
+
+
+def test_counter_files_are_current_and_win_over_their_snapshot(tmp_path):
+    """A worker's counter file (stored into every step) gives its counters, its rate-limited
+    snapshot its gauges; a worker with a snapshot only (none mapped) gives both from it; a
+    counter file of the wrong size (being created, another version's) is left out."""
+    import os
+
+    from vllm_ouroboros.metrics_export import COUNTERS, CounterFile
+
+    c = CounterFile(str(tmp_path))
+    assert c.active
+    stale = {"draft_forwards": 1, "accepted_tokens": 1, "pool": {"phrases": 4, "keys": 1, "memory_bytes": 9}}
+    (tmp_path / f"snapshot-{os.getpid()}.json").write_text(json.dumps(stale))
+    (tmp_path / "snapshot-7.json").write_text(json.dumps({"draft_forwards": 100, "pool": {"phrases": 1}}))
+    (tmp_path / "counters-8.bin").write_bytes(b"\0" * 12)
+    values = [0] * len(COUNTERS)
+    values[list(COUNTERS).index("draft_forwards")] = 12
+    values[list(COUNTERS).index("accepted_tokens")] = 30
+    c.publish(values)
+    totals = read_totals(str(tmp_path))
+    assert totals["draft_forwards"] == 112 and totals["accepted_tokens"] == 30
+    assert totals["pool_phrases"] == 5
+    values[list(COUNTERS).index("accepted_tokens")] = 31  # the next step: seen at once
+    c.publish(values)
+    assert read_totals(str(tmp_path))["accepted_tokens"] == 31
+    assert not CounterFile(None).active
+    CounterFile(None).publish(values)  # no directory: a no-op
+
+
+def test_exported_totals_are_the_snapshots_counters():
+    """OuroborosStats.exported_totals (what a step stores in the counter file) gives, for every
+    exported counter, the aggregate snapshot's value: finished and live requests, the
+    aggregate counters and the proposer's own."""
+    import numpy as np
+
+    from vllm_ouroboros.metrics import PER_REQUEST, OuroborosStats
+    from vllm_ouroboros.metrics_export import COUNTERS
+
+    stats = OuroborosStats(4)
+    rng = np.random.default_rng(0)
+    for slot, req in enumerate("abc"):
+        stats.start(slot, req)
+    for _ in range(3):
+        stats.add(np.array([0, 1, 2, 1]), **{k: rng.integers(0, 5, 4) for k in PER_REQUEST})
+        stats.round_done(3, 1, 3)
+    stats.finish(1)
+    elsewhere = {"requests_returned": 2, "slots_evicted": 1, "absent_caches_dropped": 5}
+    snap = {**stats.snapshot(per_request=False), **elsewhere}
+    got = stats.exported_totals(**elsewhere)
+    assert dict(zip(COUNTERS, got.tolist())) == {k: snap[k] for k in COUNTERS}
+    assert got[list(COUNTERS).index("draft_forwards")] > 0

@@ -122,7 +122,10 @@ def chain_adaptive(tiny_models, tmp_path_factory):
     head = acceptance_head_file(tiny_models["target"], tmp_path_factory.mktemp("head") / "head.st", 0.5)
     spec = {"method": "ouroboros", "model": str(tiny_models["target"]), "num_suffixes": 1,
             "draft_length": "adaptive", "acceptance_head": str(head), "max_draft_length": 5,
-            "beta": 3, "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 1024}
+            "beta": 3, "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 1024,
+            # pinned, as the back-off is: "auto" decides from timings, so the proposals (and
+            # the draws the check sees) would vary with the machine's speed
+            "use_suffixes": True}
     runs, snap = sample(tiny_models["target"], spec, (T,))
     return runs[T], snap
 

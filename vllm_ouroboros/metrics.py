@@ -47,6 +47,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from vllm_ouroboros.metrics_export import COUNTERS
+
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
@@ -54,6 +56,10 @@ PER_REQUEST = (
     "scheduler_cut_steps", "unreadable_prompt_steps", "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
+# /metrics' counters (metrics_export.COUNTERS order): those summed over requests, by position.
+_EXPORT_POS = np.array([i for i, k in enumerate(COUNTERS) if k in _COL], np.int64)
+_EXPORT_COL = np.array([_COL[k] for k in COUNTERS if k in _COL], np.int64)
+_EXPORT_OTHER = tuple((i, k) for i, k in enumerate(COUNTERS) if k not in _COL)
 
 
 class OuroborosStats:
@@ -98,6 +104,18 @@ class OuroborosStats:
         self.prefill_forward_calls += prefill_calls
         self.max_forward_calls_per_round = max(self.max_forward_calls_per_round, forward_calls)
         self.max_batch_per_round = max(self.max_batch_per_round, batch)
+
+    def exported_totals(self, **elsewhere: int) -> np.ndarray:
+        """The totals /metrics exports, [len(COUNTERS)] int64 in metrics_export.COUNTERS order:
+        per-request counters summed over live and finished requests, this object's aggregate
+        counters, and `elsewhere` (counters the proposer keeps, by name). One vectorised sum
+        over the slots, for every step (metrics_export.CounterFile): with the store, 9 us at 256
+        slots, 30 us at 1024 on this CPU (timeit, in the closing note of 2026-11-27)."""
+        out = np.empty(len(COUNTERS), np.int64)
+        out[_EXPORT_POS] = (self.done_total + self.live.sum(axis=0))[_EXPORT_COL]
+        for i, key in _EXPORT_OTHER:
+            out[i] = elsewhere[key] if key in elsewhere else getattr(self, key)
+        return out
 
     def snapshot(self, pool_stats: dict | None = None, per_request: bool = True) -> dict:
         """All counters plus derived ratios, as plain Python values."""

@@ -2,9 +2,12 @@
 
 The counters live in the worker process that drafts; /metrics is served by the API-server
 process. The plugin (in the API server, before any engine process is spawned) picks a directory
-and exports it in the environment, so every engine/worker process inherits it. The drafting
-worker writes its aggregate snapshot there as JSON at most every `interval` seconds (atomic
-replace); a Prometheus collector in the API server reads the files at scrape time.
+and exports it in the environment, so every engine/worker process inherits it. There the
+drafting worker keeps its counters in a memory-mapped file, stored into at the end of every step
+(CounterFile: current at any scrape, the last step of a burst included), and writes its
+aggregate snapshot as JSON at most every `interval` seconds (atomic replace; the gauges, whose
+reading costs device work). A Prometheus collector in the API server reads the files at scrape
+time.
 Only the first tensor-parallel rank of each engine writes (all ranks draft the same tokens);
 snapshots of several engines (data parallel) are summed. Same host only: a Ray worker on
 another node writes to its own disk.
@@ -20,6 +23,8 @@ import os
 import shutil
 import tempfile
 import time
+
+import numpy as np
 
 from vllm_ouroboros import LOGGER_NAME
 
@@ -114,10 +119,56 @@ class SnapshotWriter:
             self.failed_writes += 1
 
 
+class CounterFile:
+    """A worker's counters for the collector, as an int64 array in COUNTERS order memory-mapped
+    from `counters-<pid>.bin`: a step stores its totals into the mapping (the page cache, which
+    the collector's next read sees; no system call, nothing to fail once mapped). Written only
+    from the rate-limited snapshot, which only a step writes, /metrics lagged by up to its
+    interval and kept missing the last steps of a burst until the next request came."""
+
+    def __init__(self, path: str | None):
+        self.values: np.ndarray | None = None
+        if path:
+            name = os.path.join(path, f"counters-{os.getpid()}.bin")
+            try:
+                self.values = np.memmap(name, np.int64, "w+", shape=(len(COUNTERS),))
+            except OSError as e:
+                logger.warning("vllm-ouroboros: cannot map the metrics counters %s (%s); /metrics "
+                               "shows the rate-limited snapshot's, serving goes on", name, e)
+
+    @property
+    def active(self) -> bool:
+        return self.values is not None
+
+    def publish(self, values: np.ndarray) -> None:
+        """Store the totals [len(COUNTERS)] (int64, COUNTERS order)."""
+        if self.values is not None:
+            self.values[:] = values
+
+
+def _read_counters(name: str) -> np.ndarray | None:
+    try:
+        values = np.fromfile(name, np.int64)
+    except (OSError, ValueError):
+        return None
+    return values if len(values) == len(COUNTERS) else None  # being created, or another version's
+
+
 def read_totals(path: str) -> dict[str, float] | None:
-    """Sum of all snapshots in `path` (counters and gauges), None if there are none."""
-    totals: dict[str, float] = {}
+    """Sum over the workers with files in `path` of their counters (their counter file, else
+    their snapshot's) and gauges (snapshot), None if there are none."""
+    totals = {key: 0 for key in COUNTERS}
+    totals.update({f"{section}_{key}": 0 for section, key in GAUGES})
     found = False
+    mapped = set()
+    for name in glob.glob(os.path.join(path, "counters-*.bin")):
+        values = _read_counters(name)
+        if values is None:
+            continue
+        found = True
+        mapped.add(os.path.basename(name)[len("counters-"):-len(".bin")])
+        for key, v in zip(COUNTERS, values.tolist()):
+            totals[key] += v
     for name in glob.glob(os.path.join(path, "snapshot-*.json")):
         try:
             with open(name) as f:
@@ -125,11 +176,11 @@ def read_totals(path: str) -> dict[str, float] | None:
         except (OSError, ValueError):
             continue  # being replaced or from a crashed writer
         found = True
-        for key in COUNTERS:
-            totals[key] = totals.get(key, 0) + snap.get(key, 0)
+        if os.path.basename(name)[len("snapshot-"):-len(".json")] not in mapped:
+            for key in COUNTERS:
+                totals[key] += snap.get(key, 0)
         for section, key in GAUGES:
-            name = f"{section}_{key}"
-            totals[name] = totals.get(name, 0) + (snap.get(section) or {}).get(key, 0)
+            totals[f"{section}_{key}"] += (snap.get(section) or {}).get(key, 0)
     return totals if found else None
 
 

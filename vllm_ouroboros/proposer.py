@@ -29,7 +29,7 @@ from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_growth_warning
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
-from vllm_ouroboros.metrics_export import ENV_DIR, SnapshotWriter
+from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
 from vllm_ouroboros.pool_writer import PoolWriter
@@ -186,6 +186,7 @@ class OuroborosProposer:
         # proposals (patches/distributed.py); it alone reports.
         self._tp = TensorParallel.current()
         self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if self._tp.leads else None)
+        self._counters = CounterFile(os.environ.get(ENV_DIR) if self._tp.leads else None)
         self._trace = RoundTrace(os.environ.get(TRACE_ENV) if self._tp.leads else None)
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -592,6 +593,10 @@ class OuroborosProposer:
         if forward is not None:
             self._target_calibration.observe(*forward)
         proposals = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        if self._counters.active:
+            self._counters.publish(self.stats.exported_totals(
+                requests_returned=self._slot_of.returned, slots_evicted=self._slot_of.evicted,
+                absent_caches_dropped=self._caches_dropped))
         self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
         if self._tp.size > 1:
             self._tp.share((proposals, *self.layouts(req_ids)))

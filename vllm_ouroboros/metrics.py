@@ -110,7 +110,7 @@ class OuroborosStats:
         per-request counters summed over live and finished requests, this object's aggregate
         counters, and `elsewhere` (counters the proposer keeps, by name). One vectorised sum
         over the slots, for every step (metrics_export.CounterFile): with the store, 9 us at 256
-        slots, 30 us at 1024 on this CPU (timeit, in the closing note of 2026-11-27)."""
+        slots, 30 us at 1024 on this CPU (results/README.md, "Session of 2026-11-27")."""
         out = np.empty(len(COUNTERS), np.int64)
         out[_EXPORT_POS] = (self.done_total + self.live.sum(axis=0))[_EXPORT_COL]
         for i, key in _EXPORT_OTHER:

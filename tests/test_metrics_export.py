@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
+import numpy as np
 import pytest
 
 # prometheus_client comes with vLLM; the lent GPU machine has neither.
@@ -13,13 +16,24 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from vllm_ouroboros.metrics_export import OuroborosCollector, SnapshotWriter, read_totals  # noqa: E402
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def test_snapshots_are_summed_and_exposed(tmp_path):
+    """Live writers' snapshots summed; a dead writer's and a truncated one left out."""
     a = {"draft_forwards": 10, "accepted_tokens": 7, "pool": {"phrases": 5, "keys": 2, "memory_bytes": 100}}
     b = {"draft_forwards": 3, "accepted_tokens": 1, "pool": {"phrases": 1, "keys": 1, "memory_bytes": 50}}
-    (tmp_path / "snapshot-1.json").write_text(json.dumps(a))
-    (tmp_path / "snapshot-2.json").write_text(json.dumps(b))
-    (tmp_path / "snapshot-3.json").write_text("{truncated")  # a writer died mid-write: ignored
-    totals = read_totals(str(tmp_path))
+    (tmp_path / f"snapshot-{os.getpid()}.json").write_text(json.dumps(a))
+    (tmp_path / f"snapshot-{os.getppid()}.json").write_text(json.dumps(b))
+    (tmp_path / f"snapshot-{dead_pid()}.json").write_text(json.dumps(a))
+    with subprocess.Popen(["sleep", "30"]) as live:
+        (tmp_path / f"snapshot-{live.pid}.json").write_text("{truncated")  # mid-write: ignored
+        totals = read_totals(str(tmp_path))
+        live.kill()
     assert totals["draft_forwards"] == 13 and totals["accepted_tokens"] == 8
     assert totals["pool_phrases"] == 6 and totals["inspiration_inserts"] == 0
 
@@ -49,7 +63,7 @@ def test_writer_is_rate_limited_and_atomic(tmp_path):
     assert len(calls) == 1
     w.maybe_write(snap, force=True)
     assert read_totals(str(tmp_path))["draft_forwards"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{__import__('os').getpid()}.json"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{os.getpid()}.json"]
     SnapshotWriter(None).maybe_write(snap)  # no directory: a no-op
     assert len(calls) == 2
 
@@ -77,17 +91,19 @@ def test_a_failed_write_is_logged_once_and_serving_goes_on(tmp_path, caplog):
 def test_counter_files_are_current_and_win_over_their_snapshot(tmp_path):
     """A worker's counter file (stored into every step) gives its counters, its rate-limited
     snapshot its gauges; a worker with a snapshot only (none mapped) gives both from it; a
-    counter file of the wrong size (being created, another version's) is left out."""
-    import os
-
+    counter file of the wrong size (being created, another version's) is left out, as is a dead
+    writer's (a server started by a process whose offline engines drafted: test_server.py)."""
     from vllm_ouroboros.metrics_export import COUNTERS, CounterFile
 
     c = CounterFile(str(tmp_path))
     assert c.active
     stale = {"draft_forwards": 1, "accepted_tokens": 1, "pool": {"phrases": 4, "keys": 1, "memory_bytes": 9}}
     (tmp_path / f"snapshot-{os.getpid()}.json").write_text(json.dumps(stale))
-    (tmp_path / "snapshot-7.json").write_text(json.dumps({"draft_forwards": 100, "pool": {"phrases": 1}}))
-    (tmp_path / "counters-8.bin").write_bytes(b"\0" * 12)
+    (tmp_path / f"snapshot-{os.getppid()}.json").write_text(json.dumps({"draft_forwards": 100, "pool": {"phrases": 1}}))
+    (tmp_path / "counters-1.bin").write_bytes(b"\0" * 12)
+    gone = dead_pid()
+    (tmp_path / f"counters-{gone}.bin").write_bytes(np.full(len(COUNTERS), 5, np.int64).tobytes())
+    (tmp_path / f"snapshot-{gone}.json").write_text(json.dumps({"pool": {"phrases": 70}}))
     values = [0] * len(COUNTERS)
     values[list(COUNTERS).index("draft_forwards")] = 12
     values[list(COUNTERS).index("accepted_tokens")] = 30
@@ -106,8 +122,6 @@ def test_exported_totals_are_the_snapshots_counters():
     """OuroborosStats.exported_totals (what a step stores in the counter file) gives, for every
     exported counter, the aggregate snapshot's value: finished and live requests, the
     aggregate counters and the proposer's own."""
-    import numpy as np
-
     from vllm_ouroboros.metrics import PER_REQUEST, OuroborosStats
     from vllm_ouroboros.metrics_export import COUNTERS
 

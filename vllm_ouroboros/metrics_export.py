@@ -146,6 +146,27 @@ class CounterFile:
             self.values[:] = values
 
 
+def _writer_pid(name: str) -> int | None:
+    """The pid in a file name `<kind>-<pid>.<ext>`, None if there is none."""
+    stem = os.path.splitext(os.path.basename(name))[0]
+    try:
+        return int(stem.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
 def _read_counters(name: str) -> np.ndarray | None:
     try:
         values = np.fromfile(name, np.int64)
@@ -155,28 +176,35 @@ def _read_counters(name: str) -> np.ndarray | None:
 
 
 def read_totals(path: str) -> dict[str, float] | None:
-    """Sum over the workers with files in `path` of their counters (their counter file, else
-    their snapshot's) and gauges (snapshot), None if there are none."""
+    """Sum over the live workers with files in `path` of their counters (their counter file,
+    else their snapshot's) and gauges (snapshot), None if there are none. A dead writer's files
+    are left out: the directory is inherited by whatever a process that set it starts, so a
+    server started from a process whose offline engines had drafted summed their counts with its
+    own (a restarted engine's counters start again from 0, as Prometheus counters may)."""
     totals = {key: 0 for key in COUNTERS}
     totals.update({f"{section}_{key}": 0 for section, key in GAUGES})
     found = False
     mapped = set()
     for name in glob.glob(os.path.join(path, "counters-*.bin")):
-        values = _read_counters(name)
+        pid = _writer_pid(name)
+        values = _read_counters(name) if _alive(pid) else None
         if values is None:
             continue
         found = True
-        mapped.add(os.path.basename(name)[len("counters-"):-len(".bin")])
+        mapped.add(pid)
         for key, v in zip(COUNTERS, values.tolist()):
             totals[key] += v
     for name in glob.glob(os.path.join(path, "snapshot-*.json")):
+        pid = _writer_pid(name)
+        if not _alive(pid):
+            continue
         try:
             with open(name) as f:
                 snap = json.load(f)
         except (OSError, ValueError):
             continue  # being replaced or from a crashed writer
         found = True
-        if os.path.basename(name)[len("snapshot-"):-len(".json")] not in mapped:
+        if pid not in mapped:
             for key in COUNTERS:
                 totals[key] += snap.get(key, 0)
         for section, key in GAUGES:

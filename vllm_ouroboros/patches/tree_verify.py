@@ -148,8 +148,9 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     # patches/cpu_sampler.py mends for the steps handed to it below; tests/test_sampling_tree.py
     # compares both paths against no speculation.)
     if reason is None:
-        if bias is not None:  # float32, as vLLM's Sampler adds it
-            logits = logits.to(torch.float32, copy=True)
+        if bias is not None:  # float32, as vLLM's Sampler adds it, in place as it does: a
+            # copy of the step's [rows, vocab] only where the raw rows must give logprobs
+            logits = logits.to(torch.float32, copy=sm.max_num_logprobs is not None)
             bias_min_p.add_bias(logits, bias, step.row_start, step.plan.num_drafts + 1)
         greedy = processed = uniforms = None
         if not sm.all_greedy:

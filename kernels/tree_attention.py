@@ -95,8 +95,18 @@ if triton is not None:
         acc = acc * alpha[:, None] + pv
         return m_new, l_i, acc
 
-    # num_splits changes with the batch: not specialised, so S = 2, 3, 16 ... share one binary.
-    @triton.jit(do_not_specialize=["num_splits"])
+    # Triton compiles a binary per specialisation key: each int argument's "== 1" and "% 16 == 0"
+    # and each pointer's 16-byte alignment are part of it. The arguments below change from step
+    # to step in serving (the step's index arrays are views at any offset of one packed upload,
+    # host_copy.packed_copy; S, ml_offset and the batch follow the step's size; the block
+    # table's width is the engine's), so they are not specialised: every launch a server makes
+    # then reuses a binary that check_kernel compiled before serving, instead of compiling on
+    # the clock in the first steps (tests/test_tree_attention_kernel.py checks the keys). They
+    # only address scalars and gathers, which alignment hints would not vectorise anyway.
+    _VARYING = ["num_splits", "ml_offset", "stride_bt",
+                "block_table_ptr", "prefix_lens_ptr", "query_start_ptr", "tree_mask_ptr"]
+
+    @triton.jit(do_not_specialize=_VARYING)
     def tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr,
         block_table_ptr, prefix_lens_ptr, query_start_ptr, tree_mask_ptr,
@@ -217,7 +227,7 @@ if triton is not None:
             tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])
 
-    @triton.jit(do_not_specialize=["num_splits"])
+    @triton.jit(do_not_specialize=["num_splits", "ml_offset", "batch", "query_start_ptr"])
     def tree_attention_merge_kernel(
         part_ptr, out_ptr, query_start_ptr,
         num_splits, ml_offset, batch,

@@ -195,3 +195,48 @@ def test_cost_curves_as_configured(tiny_models):
     draft = cost_model.curve_from_ms(cost_points(ours.draft_cost_ms))
     assert draft.n == (1, 34, 64) and draft.seconds == pytest.approx((0.0012, 0.0015, 0.0015))
     assert cost_model.curve_from_ms(cost_points(ours.target_cost_ms)).n == (1, 64)
+
+
+def test_the_tree_asks_for_piecewise_cuda_graphs_on_a_gpu(monkeypatch, tiny_models):
+    """K >= 2 suffixes verified as a tree need the attention outside CUDA graphs: on a GPU,
+    where the user left cudagraph_mode to vLLM, the config patch sets PIECEWISE (as vLLM does
+    for dynamic speculative decoding); a mode the user set, the chain (K = 1 or the tree off),
+    --enforce-eager and a CPU are left alone."""
+    pytest.importorskip("vllm", reason=NO_VLLM)
+    from types import SimpleNamespace
+
+    import vllm.platforms
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from vllm_ouroboros.patches.engine_args import _piecewise_graphs_for_the_tree
+
+    class Platform:
+        cuda = True
+
+        def is_cuda_alike(self):
+            return self.cuda
+
+    platform = Platform()
+    monkeypatch.setattr(vllm.platforms, "current_platform", platform)
+
+    def mode_after(enforce_eager=False, cc=None, **ours):
+        args = SimpleNamespace(enforce_eager=enforce_eager,
+                               compilation_config=CompilationConfig() if cc is None else cc)
+        _piecewise_graphs_for_the_tree(args, OuroborosConfig(draft_model="d", window_size=4, **ours))
+        return args.compilation_config.cudagraph_mode
+
+    assert mode_after(num_suffixes=3) == CUDAGraphMode.PIECEWISE
+    assert mode_after(num_suffixes=2, cc={}) == CUDAGraphMode.PIECEWISE  # a dict, as EngineArgs takes
+    assert mode_after(num_suffixes=3, cc=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE")) \
+        == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert mode_after(num_suffixes=1) is None
+    assert mode_after(num_suffixes=3, tree_verification=False) is None
+    assert mode_after(num_suffixes=3, use_suffixes=False) is None
+    assert mode_after(num_suffixes=3, enforce_eager=True) is None
+    platform.cuda = False
+    assert mode_after(num_suffixes=3) is None
+    # The tree's settings pass through vLLM's own config path (here, a CPU).
+    monkeypatch.undo()
+    cfg = engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(tiny_models["draft"]),
+                                                "num_suffixes": 3})
+    assert OuroborosConfig.from_dict(cfg.additional_config["ouroboros"]).num_suffixes == 3

@@ -10,6 +10,7 @@ the wrapper refuses to interpret and backend="triton" turns that into failures, 
 """
 
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -681,6 +682,111 @@ def test_check_kernel_needs_room_for_the_tree():
         ta.check_kernel(k, v, num_heads=4, max_query_len=40)
 
 
+class _Recorder:
+    """Wraps a @triton.jit kernel: records each launch's arguments, then launches it."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.kernel, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _not_specialised(kernel) -> set[str]:
+    params = getattr(kernel, "params", None)  # JITFunction (compiled)
+    if params is not None:
+        return {p.name for p in params if p.do_not_specialize}
+    return set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())  # interpreter
+
+
+def _spec(value, specialise: bool):
+    """Triton's specialisation of one non-constexpr argument (runtime/jit.py, specialize_impl):
+    a pointer by its 16-byte alignment, an int by == 1 and % 16 == 0; nothing where the kernel
+    says do_not_specialize. Checked against Triton's own function where it has it."""
+    if isinstance(value, torch.Tensor):
+        ours = ("*" + str(value.dtype), ("D" if value.data_ptr() % 16 == 0 else "") if specialise else None)
+    elif isinstance(value, bool) or isinstance(value, float):
+        ours = (type(value).__name__, None)
+    else:
+        ty = "i32" if -2**31 <= value < 2**31 else "i64"
+        ours = (ty, None) if not specialise else ("constexpr", 1) if value == 1 else \
+            (ty, "D" if value % 16 == 0 else "")
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return ours
+    try:
+        native = native_specialize_impl(BaseBackend, value, False, specialise, True)
+    except TypeError:  # another Triton's signature: ours stands alone
+        return ours
+    assert native[1] == ours[1] or isinstance(value, (bool, float)), (value, native, ours)
+    return ours
+
+
+def _compile_key(kernel, args, kwargs) -> tuple:
+    """What Triton compiles a launch by: each argument's specialisation, the constexprs and the
+    launch options (num_warps, ...)."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+    fixed = _not_specialised(kernel)
+    key = []
+    for name in names:
+        value = bound.get(name)
+        if name.isupper() or value is None:  # constexprs (upper case in our kernels) or defaults
+            key.append((name, value))
+        else:
+            key.append((name, _spec(value, name not in fixed)))
+    return (kernel.fn.__name__, tuple(key), options)
+
+
+def test_serving_launches_reuse_the_checked_binaries(monkeypatch):
+    """Every launch a server makes must find a binary that check_kernel compiled before serving:
+    one that does not compiles on the clock in a request's step (~1 s each on a GPU, and vLLM's
+    JIT monitor flags it). Serving passes the step's index arrays as views at any offset of one
+    packed upload (host_copy.packed_copy), batches of any size, and the engine's block table;
+    the check passes fresh tensors and one request. The launches' compile keys (Triton's
+    specialisation of each argument) must all be among the check's."""
+    launches = []
+    kernel, reason = ta._pick_kernel(torch.device(DEVICE))
+    assert kernel is not None, reason
+    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Recorder(kernel, launches), None))
+    monkeypatch.setattr(ta, "tree_attention_merge_kernel",
+                        _Recorder(ta.tree_attention_merge_kernel, launches))
+    assert ta.check_kernel(*check_caches("contiguous"), num_heads=4, **CHECK_SIZES) is None
+    checked = {_compile_key(*launch) for launch in launches}
+    assert any(key[0] == "tree_attention_merge_kernel" for key in checked)
+
+    def packed(t, offset):  # t's values in a view `offset` elements into a larger buffer
+        buf = torch.zeros(offset + t.numel(), dtype=t.dtype, device=t.device)
+        buf[offset:] = t.reshape(-1)
+        return buf[offset:].view(t.shape)
+
+    rng = random.Random(7)
+    served = []
+    for case in range(8):
+        n_req = rng.choice([1, 2, 3, 5])
+        trees = [random_parents(rng.choice(TREE_KINDS), rng.randint(1, CHECK_SIZES["max_query_len"]), rng)
+                 for _ in range(n_req)]
+        batch, _, _ = make_batch([rng.randint(0, 40) for _ in trees], trees, hkv=2, group=2,
+                                 head_dim=32, block_size=16, seed=case,
+                                 extra_table_cols=rng.randint(1, 20))
+        batch = on_device(batch)
+        for name in ("prefix_lens", "query_start", "tree_mask"):
+            batch[name] = packed(batch[name], rng.randint(1, 7))
+        del launches[:]
+        num_splits = rng.choice([None, 1, 2, 3, 4])
+        tree_attention(**batch, backend="triton", num_splits=num_splits,
+                       max_query_len=max(len(t) for t in trees))
+        served += [(_compile_key(*launch), n_req, num_splits) for launch in launches]
+    missing = [(n_req, s, key) for key, n_req, s in served if key not in checked]
+    assert not missing, f"{len(missing)} serving launches would compile: {missing[0]}"
+
+
 def test_target_layer_check_and_fallback(monkeypatch):
     """patches/tree_attention: the check runs on scratch caches laid out as the layer's (its own
     cache untouched); a failure makes the layer's tree rows use the torch path."""
@@ -727,6 +833,38 @@ def test_target_layer_check_and_fallback(monkeypatch):
     finally:
         pta.set_active(None)
     assert backends == ["torch"] and out[2].eq(1).all() and not out[:2].any()
+
+
+def test_tree_refused_where_only_the_last_stage_or_other_positions_would_see_it():
+    """install() returns why the tree cannot run (the step then verifies the chain) before it
+    wraps anything: under pipeline parallelism vLLM gives the drafter, hence our step, to the
+    last stage only; with M-RoPE the model reads positions our tree rows do not move; under
+    full CUDA graphs on a GPU the captured attention would replay without the tree rows."""
+    from types import SimpleNamespace
+
+    from vllm_ouroboros.patches import tree_attention as pta
+
+    class Mode:
+        name = "FULL_AND_PIECEWISE"
+
+        def has_full_cudagraphs(self):
+            return True
+
+    def runner(stages=1, mrope=False, device="cpu", mode=None):
+        ctx = {}  # no layers: a runner the refusals do not stop says so
+        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=stages),
+                               uses_mrope=mrope, device=torch.device(device),
+                               compilation_config=SimpleNamespace(cudagraph_mode=mode,
+                                                                  static_forward_context=ctx))
+
+    assert "pipeline parallelism (2 stages)" in pta.install(runner(stages=2))
+    assert "M-RoPE" in pta.install(runner(mrope=True))
+    assert "PIECEWISE" in pta.install(SimpleNamespace(**{**vars(runner(mode=Mode())),
+                                                         "device": SimpleNamespace(type="cuda")}))
+    assert pta.install(runner(mode=Mode())) == "no attention layers found in the model runner"
+    with pytest.raises(RuntimeError, match="uses_mrope"):
+        pta.install(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+                                    compilation_config=None))
 
 
 def test_draft_model_checks_the_kernel_it_will_use(tiny_models, monkeypatch):

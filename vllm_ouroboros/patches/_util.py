@@ -16,11 +16,13 @@ def require(obj: Any, *names: str) -> None:
 
     missing = [n for n in names if not hasattr(obj, n)]
     if missing:
-        import vllm
-
+        try:
+            from vllm import __version__ as version
+        except ImportError:  # a runner stand-in where vLLM is not installed (the GPU check)
+            version = "(not installed)"
         raise RuntimeError(
             f"vllm-ouroboros cannot hook {getattr(obj, '__qualname__', obj)}.{', '.join(missing)}: "
-            f"not present in vLLM {vllm.__version__}. Supported vLLM versions: "
+            f"not present in vLLM {version}. Supported vLLM versions: "
             f"{supported_vllm_range()}."
         )
 

@@ -9,9 +9,13 @@ vLLM ships to every engine and worker process (Ray actors included).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
-from vllm_ouroboros.config import METHOD, split_speculative_config, validate
+from vllm_ouroboros import LOGGER_NAME
+from vllm_ouroboros.config import METHOD, OuroborosConfig, split_speculative_config, validate
 from vllm_ouroboros.patches._util import patch_method, require
+
+logger = logging.getLogger(LOGGER_NAME)
 
 PROPOSER_PATH = "vllm_ouroboros.proposer.OuroborosProposer"
 ADDITIONAL_CONFIG_KEY = "ouroboros"
@@ -50,11 +54,37 @@ def _create_speculative_config(original):
             "num_speculative_tokens": cfg.spec_tokens(),
         }
         self.spec_method = self.spec_model = self.spec_tokens = None
+        _piecewise_graphs_for_the_tree(self, cfg)
         self.additional_config = {**(self.additional_config or {}),
                                   ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
         return original(self, target_model_config, target_parallel_config)
 
     return create_speculative_config
+
+
+def _piecewise_graphs_for_the_tree(args, cfg: OuroborosConfig) -> None:
+    """K >= 2 suffixes verified as a tree need the attention outside CUDA graphs (a full graph
+    would replay the backend's attention without the tree rows: patches/tree_attention.install
+    then falls back to the chain), so where the user left `cudagraph_mode` to vLLM, choose
+    PIECEWISE, as vLLM itself does for dynamic speculative decoding. Full graphs would buy
+    little here anyway: vLLM captures them for batches of exactly 1 + num_speculative_tokens
+    tokens per request, which the tree's own size and the back-off's cuts rarely give. A mode
+    the user set is kept (and the tree falls back under it, saying why)."""
+    from vllm.platforms import current_platform
+
+    if cfg.tree_suffixes < 2 or args.enforce_eager or not current_platform.is_cuda_alike():
+        return
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    cc = args.compilation_config
+    if isinstance(cc, dict):  # EngineArgs(compilation_config={...}) before its __post_init__
+        cc = args.compilation_config = CompilationConfig(**cc)
+    if cc.cudagraph_mode is not None:
+        return
+    cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    logger.info("ouroboros: num_suffixes=%d verifies a token tree, whose attention must run "
+                "outside CUDA graphs: cudagraph_mode set to PIECEWISE (set -cc.cudagraph_mode to "
+                "choose otherwise)", cfg.num_suffixes)
 
 
 def _add_cli_args(original):

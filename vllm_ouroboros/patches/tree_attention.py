@@ -21,6 +21,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.kernels.tree_attention import MAX_TREE_NODES, check_kernel, tree_attention
+from vllm_ouroboros.patches._util import require
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -161,6 +162,16 @@ def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
     On CUDA the Triton kernel is checked first for each distinct layer shape (`check_layer_kernel`,
     trees of up to `max_nodes` nodes, which also compiles it); where it fails, the tree rows are
     computed by the batched torch path instead, slower but exact, with a warning."""
+    require(runner, "parallel_config", "uses_mrope", "compilation_config")
+    stages = runner.parallel_config.pipeline_parallel_size
+    if stages > 1:
+        # vLLM gives the drafter, hence this step, to the last stage only: the other stages
+        # would attend the tree rows causally at chain positions and keep their KV where the
+        # chain left it.
+        return f"pipeline parallelism ({stages} stages): the tree runs on a single stage"
+    if runner.uses_mrope:
+        # The model reads runner.mrope_positions, not the positions the tree rows are moved in.
+        return "M-RoPE positions (multimodal rotary embedding)"
     mode = getattr(runner.compilation_config, "cudagraph_mode", None)
     if mode is not None and getattr(runner.device, "type", "cpu") == "cuda" \
             and mode.has_full_cudagraphs():

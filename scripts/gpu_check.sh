@@ -73,10 +73,11 @@ fi
 # Compiling Triton kernels is CPU work: the lent machines' 16 cores take the suite in parallel
 # where pytest-xdist is there (it is on their image) and vLLM is not (engine tests, which skip
 # without it, must not start engines side by side); pytest-timeout keeps one hung test from
-# eating the call. -v: a log cut short still says which test ran last.
+# eating the call. -v: a log cut short still says which test ran last. --dist loadgroup: the tests
+# of one xdist_group on one worker, so test_bench_gpu.py's module-scoped benchmark run runs once.
 PYTEST=(python -m pytest -v -p no:cacheprovider -rfEs --durations=15)
 python -c "import importlib.util as u, sys; sys.exit(not u.find_spec('xdist') or bool(u.find_spec('vllm')))" \
-    2>/dev/null && PYTEST+=(-n "${GPU_CHECK_WORKERS:-8}")
+    2>/dev/null && PYTEST+=(-n "${GPU_CHECK_WORKERS:-8}" --dist loadgroup)
 python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
 # The tests that run the draft side and our target step on the GPU (the CUDA-only sync counts
 # among them), first.

@@ -19,6 +19,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_gpu  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+# One worker for the whole module under pytest-xdist (gpu_check.sh: --dist loadgroup), so the
+# module-scoped benchmark run below happens once, not once per worker, on a shared GPU.
+pytestmark = pytest.mark.xdist_group("bench_gpu")
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,8 @@ def test_flag_counters_give_the_rates_asked_for():
     assert r["modeled"] == pytest.approx(10.0 / (0.8 * 1.0 + (10.0 + 2.0 * 4 / 7) / 4.75))
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU this suite runs inside scripts/gpu_check.sh itself: a "
+                                  "nested run would spend the device call's minutes on the plumbing")
 def test_gpu_check_script_runs_a_selection_and_the_tiny_benchmark(tmp_path):
     """scripts/gpu_check.sh (what a session lent a GPU runs through the device tool): the
     benchmark, then a test selection, logs and a summary in $OUT (no more files than the tool
@@ -217,7 +222,9 @@ def test_kernel_tiles_are_swept_where_the_table_misses(tmp_path):
     "misses", so the tile sweep runs: each candidate timed and checked against the reference at
     the table's configuration, the best one named, in the JSON, the markdown and the summary."""
     js, md = tmp_path / "b.json", tmp_path / "b.md"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # The interpreter does not hide a GPU: without CUDA_VISIBLE_DEVICES the benchmark would take
+    # its CUDA branch (the real pair's shapes, interpreted).
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--tiny", "--skip", "rounds",
                            "inserts", "graph", "fused", "target", "--json", str(js), "--md", str(md)],
                           capture_output=True, text=True, env=env, timeout=600)

@@ -151,11 +151,12 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
     llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
               seed=0, max_num_seqs=32, speculative_config=spec, **engine_kw)
     try:
+        loaded = engine_snapshot(llm) if spec else None  # before any request
         sps = [SamplingParams(**p) for p in params]
         outs = llm.generate(prompts, sps, use_tqdm=False)
         results = {"main": [(list(o.outputs[0].token_ids), o.outputs[0].text,
                              o.outputs[0].finish_reason) for o in outs]}
-        snaps = {"main": engine_snapshot(llm) if spec else None}
+        snaps = {"loaded": loaded, "main": engine_snapshot(llm) if spec else None}
         for name, (ps, sp) in extra_runs:  # sp: one request's settings for all, or a list
             per_request = isinstance(sp, list)
             sps = [SamplingParams(**p) for p in sp] if per_request else SamplingParams(**sp)
@@ -211,6 +212,9 @@ def test_tree_greedy_identical_to_no_speculation(runs, tree_run, scenario):
     K, ours, snaps = tree_run
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o == b, f"K={K} request {i} ({scenario['params'][i]}) differs"
+    # Decided at the engine's start (patched initialize_kv_cache), before any request.
+    assert snaps["loaded"]["settings"]["tree_verification"] == "available", snaps["loaded"]["settings"]
+    assert snaps["loaded"]["target_forwards"] == 0
     s = snaps["main"]
     print(f"K={K}: suffix tokens accepted {s['suffix_accepted']}, from suffixes k >= 1 "
           f"{s['tree_suffix_accepted']}; {s['accepted_tokens']} of {s['drafted_tokens']} drafted "
@@ -275,7 +279,8 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):
-    base, ours, _ = runs
+    base, ours, snaps = runs
+    assert snaps["loaded"]["settings"]["tree_verification"] == "fewer than 2 suffixes: the chain is the tree"
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o[0] == b[0], f"request {i} ({scenario['params'][i]}): tokens differ"
         assert o[1:] == b[1:], f"request {i}: text or finish reason differ"

@@ -121,6 +121,9 @@ class OuroborosProposer:
         # Tree verification: available (decided by the runner at its first step) and allowed
         # for the current batch (no structured outputs; sampling features the walk honours).
         self._tree_available = False
+        # The tree's decision (tree_verify.TreeState): None until made, at the engine's start
+        # (after the KV cache is allocated) or, failing that, at the first step.
+        self._tree_decision: str | None = None
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
@@ -395,8 +398,10 @@ class OuroborosProposer:
             self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
     # ---- tree verification switches (set by the runner patches) --------------------------
-    def set_tree_available(self, ok: bool) -> None:
+    def set_tree_available(self, ok: bool, reason: str | None = None) -> None:
+        """Whether the tree path can run on this engine; `reason`: why not."""
         self._tree_available = ok
+        self._tree_decision = "available" if ok else (reason or "unavailable")
 
     def set_tree_allowed(self, ok: bool) -> None:
         self._tree_ok_structured = ok
@@ -924,6 +929,7 @@ class OuroborosProposer:
             out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,
                                "draft_round": self.runtime.s.draft_round,
+                               "tree_verification": self._tree_decision,
                                "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))

@@ -18,6 +18,9 @@
 `_model_forward` (patched): the target's forward is timed (device_clock.ForwardClock: no sync
     of its own) with its token count; the proposer reports it against the target's cost curve
     measured at load (cost_model.CurveCalibration; the back-off does not act on it yet).
+`initialize_kv_cache` (patched): once the target's KV cache is allocated, whether the tree can
+    run is decided (tree_verify.prepare; on a GPU the tree kernel is compiled and checked then,
+    during the engine's start, not in the first request's step).
 CPUModelRunner inherits from GPUModelRunner, so one patch serves both. Runners whose drafter is
 not Ouroboros take vLLM's own path untouched.
 """
@@ -125,6 +128,19 @@ def _prompt_readable(runner, req_id: str) -> bool:
     return state.prompt_is_token_ids is None or all(state.prompt_is_token_ids)
 
 
+def _initialize_kv_cache(original):
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, **kwargs):
+        result = original(self, kv_cache_config, is_profiling, **kwargs)
+        drafter = _drafter(self)
+        if drafter is not None and not is_profiling:
+            from vllm_ouroboros.patches import tree_verify
+
+            tree_verify.prepare(self, drafter)
+        return result
+
+    return initialize_kv_cache
+
+
 def _input_fits_in_drafter(original):
     def input_fits_in_drafter(self, common_attn_metadata):
         if _drafter(self) is not None and common_attn_metadata is not None:
@@ -165,6 +181,8 @@ def apply() -> None:
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)
     patch_method(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+    require_params(GPUModelRunner.initialize_kv_cache, "kv_cache_config", "is_profiling")
+    patch_method(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     require_params(GPUModelRunner._model_forward, "input_ids", "positions", "inputs_embeds")
     patch_method(GPUModelRunner, "_model_forward", _model_forward)
     from vllm_ouroboros.patches import bias_min_p, cpu_sampler

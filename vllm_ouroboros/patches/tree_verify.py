@@ -55,7 +55,7 @@ class TreeState:
             if self.reason is not None:
                 logger.warning("ouroboros: tree verification unavailable, verifying the chain "
                                "draft + best suffix instead: %s", self.reason)
-        drafter.set_tree_available(self.reason is None)
+        drafter.set_tree_available(self.reason is None, self.reason)
 
 
 def _state(runner) -> TreeState:
@@ -63,6 +63,16 @@ def _state(runner) -> TreeState:
     if st is None:
         st = runner._ouroboros_tree = TreeState()
     return st
+
+
+def prepare(runner, drafter) -> None:
+    """Decide whether the tree can run, once the target's KV cache is allocated (the
+    model-runner patch calls it then): on a GPU this compiles and checks the tree kernel during
+    the engine's start, before vLLM's warm-up ends and its JIT monitor starts flagging compiles,
+    instead of in the first request's step."""
+    st = _state(runner)
+    if not st.checked:
+        st.check(runner, drafter)
 
 
 def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | None:

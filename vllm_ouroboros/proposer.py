@@ -118,11 +118,12 @@ class OuroborosProposer:
         self._last_suffix = np.zeros((self.max_slots, K, L), np.int64)
         self._last_suffix_len = np.zeros((self.max_slots, K), np.int64)
         self._last_suffix_key = np.zeros(self.max_slots, np.int64)
-        # Tree verification: available (decided by the runner at its first step) and allowed
-        # for the current batch (no structured outputs; sampling features the walk honours).
+        # Tree verification: available (decided by the runner once its KV cache is allocated)
+        # and allowed for the current batch (no structured outputs; sampling features the walk
+        # honours).
         self._tree_available = False
-        # The tree's decision (tree_verify.TreeState): None until made, at the engine's start
-        # (after the KV cache is allocated) or, failing that, at the first step.
+        # The tree's decision (tree_verify.TreeState) for the snapshot: None until made,
+        # "available", or why not.
         self._tree_decision: str | None = None
         self._tree_ok_structured = True
         self._tree_ok_sampling = True

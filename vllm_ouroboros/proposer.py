@@ -118,12 +118,9 @@ class OuroborosProposer:
         self._last_suffix = np.zeros((self.max_slots, K, L), np.int64)
         self._last_suffix_len = np.zeros((self.max_slots, K), np.int64)
         self._last_suffix_key = np.zeros(self.max_slots, np.int64)
-        # Tree verification: available (decided by the runner once its KV cache is allocated)
-        # and allowed for the current batch (no structured outputs; sampling features the walk
-        # honours).
-        self._tree_available = False
-        # The tree's decision (tree_verify.TreeState) for the snapshot: None until made,
-        # "available", or why not.
+        # Tree verification: available (decided by the runner once its KV cache is allocated:
+        # None until then, "available", or why not) and allowed for the current batch (no
+        # structured outputs; sampling features the walk honours).
         self._tree_decision: str | None = None
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
@@ -399,10 +396,10 @@ class OuroborosProposer:
             self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
     # ---- tree verification switches (set by the runner patches) --------------------------
-    def set_tree_available(self, ok: bool, reason: str | None = None) -> None:
-        """Whether the tree path can run on this engine; `reason`: why not."""
-        self._tree_available = ok
-        self._tree_decision = "available" if ok else (reason or "unavailable")
+    def set_tree_available(self, reason: str | None) -> None:
+        """The runner's decision (tree_verify.TreeState): None where the tree path can run on
+        this engine, else why not."""
+        self._tree_decision = "available" if reason is None else reason
 
     def set_tree_allowed(self, ok: bool) -> None:
         self._tree_ok_structured = ok
@@ -413,7 +410,7 @@ class OuroborosProposer:
     @property
     def sends_tree(self) -> bool:
         """Whether the next proposals carry all K suffixes (else only the best one)."""
-        return self._tree_available and self._tree_ok_structured and self._tree_ok_sampling
+        return self._tree_decision == "available" and self._tree_ok_structured and self._tree_ok_sampling
 
     def set_batch(self, req_ids: list[str], length_limit=None, prompt_readable=None) -> None:
         """The batch order of this step (propose() receives rows in this order). length_limit:

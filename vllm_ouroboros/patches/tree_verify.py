@@ -36,7 +36,7 @@ _SKIP_RELOCATION = os.environ.get("VLLM_OUROBOROS_DEBUG_SKIP_KV_RELOCATION", "0"
 
 
 class TreeState:
-    """Per-runner: whether the tree path is available (decided once, at the first step)."""
+    """Per-runner: whether the tree path is available (decided once: `prepare`)."""
 
     def __init__(self):
         self.checked = False
@@ -55,7 +55,7 @@ class TreeState:
             if self.reason is not None:
                 logger.warning("ouroboros: tree verification unavailable, verifying the chain "
                                "draft + best suffix instead: %s", self.reason)
-        drafter.set_tree_available(self.reason is None, self.reason)
+        drafter.set_tree_available(self.reason)
 
 
 def _state(runner) -> TreeState:
@@ -65,7 +65,7 @@ def _state(runner) -> TreeState:
     return st
 
 
-def prepare(runner, drafter) -> None:
+def prepare(runner, drafter) -> TreeState:
     """Decide whether the tree can run, once the target's KV cache is allocated (the
     model-runner patch calls it then): on a GPU this compiles and checks the tree kernel during
     the engine's start, before vLLM's warm-up ends and its JIT monitor starts flagging compiles,
@@ -73,13 +73,12 @@ def prepare(runner, drafter) -> None:
     st = _state(runner)
     if not st.checked:
         st.check(runner, drafter)
+    return st
 
 
 def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | None:
     """Plan the step vLLM just prepared (called right after `_prepare_inputs`)."""
-    st = _state(runner)
-    if not st.checked:
-        st.check(runner, drafter)
+    st = prepare(runner, drafter)  # decided at load already, unless the KV cache came another way
     tree_attention.set_active(None)
     drafter.set_tree_allowed(not scheduler_output.has_structured_output_requests)
     if spec_meta is None:

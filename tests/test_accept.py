@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from vllm_ouroboros.accept import accept_greedy, accept_sampled, walk_steps
 from vllm_ouroboros.tree import build_tree
@@ -255,9 +257,10 @@ def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
     paths = [[5, 6, 7, 8, 0, 0, 0, 0, 9, 77], [9] * 10, [5, 6, 7, 3, 0, 0, 4, 11, 0, 0], [5, 42] + [0] * 8]
     V = 80
     logits = torch.nn.functional.one_hot(T(paths), V).float().view(-1, V) * 5
-    processed = torch.randn(40, V, generator=gen(1), device=DEVICE)  # what sampling would see
+    noise = gen(1)
+    process = lambda x: torch.randn(x.shape, generator=noise, device=DEVICE)  # noqa: E731 (what sampling would see)
     greedy = T([1, 0, 1, 1]).bool()
-    got = verify(tree, logits, np.arange(4) * 10, greedy, processed, generator=gen(2))
+    got = verify(tree, logits, np.arange(4) * 10, greedy, process, generator=gen(2))
     want = accept_greedy(tree, T(paths))
     for b in (0, 2, 3):
         assert emitted(got.result, b) == emitted(want, b)
@@ -266,6 +269,62 @@ def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
     # Row 1 was sampled from its processed distribution: a real token, not the greedy 9 forced.
     assert all(0 <= t < V for t in emitted(got.result, 1))
 
+
+
+class LargestOutput(TorchDispatchMode):
+    """The most elements any operation run under it returned (in-place ones included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.op = t.numel(), func
+        return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_verify_processes_one_row_per_request_at_a_time(seed):
+    """A sampled step processes the rows the walk reads, one per request and depth step, into
+    the same result as the distribution at every node would give; no operation makes anything
+    as large as the logits (tempting: process all R rows, then gather [B, N + 1, V], as the
+    walk's table form reads them: 3-4 float32 copies of [R, V], gigabytes at 256 requests)."""
+    from vllm_ouroboros.verify import node_rows, verify
+
+    g = gen(seed)
+    B, D, K, L, V = 6, 4, 3, 2, 64
+    draft = torch.randint(0, 2, (B, D), generator=g, device=DEVICE)
+    tree = build_tree(draft, torch.randint(0, D + 1, (B,), generator=g, device=DEVICE),
+                      torch.randint(0, 2, (B, K, L), generator=g, device=DEVICE),
+                      torch.randint(0, L + 1, (B, K), generator=g, device=DEVICE))
+    row_start = np.arange(B) * (tree.N + 1)
+    logits = torch.randn(B * (tree.N + 1), V, generator=g, device=DEVICE)
+    logits[:, :2] += 4.0  # the tree's tokens are likely: deep walks
+    greedy = T([1, 0, 0, 1, 0, 0]).bool()
+    temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0], device=DEVICE)
+    u = torch.rand(B, walk_steps(tree), K + 1, generator=g, device=DEVICE)
+
+    def process(x):  # temperature and a top-2-style cut, per request
+        x.div_(temp[:, None])
+        return x.masked_fill_(x < x.topk(2, dim=-1).values[:, -1:], float("-inf"))
+
+    with LargestOutput() as seen:
+        got = verify(tree, logits, row_start, greedy, process, uniforms=u)
+    assert seen.numel <= B * V, f"{seen.op} made {seen.numel} elements (logits: {logits.numel()})"
+    # Reference: the processed distribution at every node, greedy rows one-hot on the raw argmax.
+    rows = torch.as_tensor(node_rows(tree, row_start), device=DEVICE)
+    x = logits[rows] / temp[:, None, None]
+    table = torch.softmax(x.masked_fill(x < x.topk(2, dim=-1).values[..., -1:], float("-inf")), -1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1)[rows], V).float()
+    table = torch.where(greedy[:, None, None], one_hot, table)
+    want = accept_sampled(tree, table, uniforms=u)
+    assert np.array_equal(got.result.emitted, want.emitted)
+    assert np.array_equal(got.result.num_emitted, want.num_emitted)
+    assert np.array_equal(got.result.kv_keep_src, want.kv_keep_src)
+    assert want.num_accepted.max() >= 2  # the walks went past the root
 
 # ---- lossless sampling: chi-square against the exact target ----------------------------------
 #

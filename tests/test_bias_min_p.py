@@ -1,5 +1,6 @@
 """patches/bias_min_p.py against vLLM's own logit_bias and min_p processors (float32, random
-shapes): the same rows masked and biased, on every verified row of ragged requests.
+shapes): the same rows masked and biased, on every verified row of ragged requests; and the
+tree walk's per-row processing (patches/tree_verify.row_processing) against vLLM's sampler pieces.
 The engine runs (tree walk and vLLM's rejection sampler, K = 1, 2, 3) are in
 tests/test_e2e_tiny.py::test_greedy_requests_beside_a_sampled_one_identical ("bias")."""
 from types import SimpleNamespace
@@ -177,3 +178,35 @@ def test_requests_with_bias_or_min_p_admitted_by_ouroboros_engines_only(bias_min
                       SimpleNamespace(method="custom_class", model="some.OtherProposer")):
             with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
                 params._validate_spec_decode(other)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_walk_processes_rows_as_vllms_sampler(seed, bias_min_p):
+    """patches/tree_verify.row_processing on one row per request (what the tree walk asks for
+    at each depth step) gives each row what vLLM's sampler pieces give the whole step's rows,
+    each request's temperature (greedy ones: 1), min_p, top-k and top-p on all of its rows."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from vllm_ouroboros.patches.tree_verify import row_processing
+
+    g = torch.Generator().manual_seed(seed)
+    B, V = 5, 300 + 41 * seed
+    counts = np.array([3, 1, 4, 2, 5])
+    logits = torch.randn(int(counts.sum()), V, generator=g) * (1 + seed)
+    temperature = torch.tensor([0.7, -1.0, 1.0, 1.6, 0.4])  # request 1 greedy (vLLM's -1)
+    min_p = np.array([0.0, 0.2, 0.05, 0.0, 0.1], np.float32)
+    sm = SimpleNamespace(temperature=temperature, top_k=torch.tensor([V, 5, 40, 3, V]),
+                         top_p=torch.tensor([0.9, 1.0, 0.5, 1.0, 0.8]))
+    req = np.repeat(np.arange(B), counts)
+    temp = torch.where(temperature < 1e-5, 1.0, temperature)[req]
+    want = vllm_min_p(len(req), min_p[req]).apply(logits / temp[:, None])
+    want = apply_top_k_top_p(want, sm.top_k[req], sm.top_p[req])
+
+    process = row_processing(sm, B, vllm_min_p(B, min_p))
+    start = np.cumsum(counts) - counts
+    for j in range(counts.max()):  # depth step j: row j of each request (its last if shorter)
+        rows = start + np.minimum(j, counts - 1)
+        got = process(logits[rows].clone())
+        assert torch.equal(torch.isinf(got), torch.isinf(want[rows]))
+        assert torch.equal(got[~torch.isinf(got)], want[rows][~torch.isinf(got)])
+    assert torch.isinf(want).any(dim=1).all()  # every row was cut by something

@@ -32,6 +32,7 @@ them there. No vLLM imports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,7 +147,8 @@ def assemble_walk(tree: TokenTree, tokens: np.ndarray, walk: np.ndarray) -> Acce
     return _assemble(tree.layout, tokens, *walk)
 
 
-def sampled_walk(tree: TokenTree, probs: torch.Tensor, generator: torch.Generator | None = None,
+def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+                 generator: torch.Generator | None = None,
                  uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """The walk of accept_sampled, on probs' device, no host synchronisation.
 
@@ -156,25 +158,31 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor, generator: torch.Generato
     Shape:
       probs:    [B, N + 1, V] float, the target's (processed: temperature, top-k/p) next-token
                 distribution after the root (row 0) and after node i (row 1 + i). Rows need not
-                be normalised. Only rows along the walked path are read.
+                be normalised. Only rows along the walked path are read, one per request and
+                depth step: so probs may instead be a function of col [B] int64 (0 = root,
+                1 + i = node i) returning those rows [B, V] as a new tensor (the walk writes to
+                it), which spares a caller materialising the distribution at every node.
       uniforms: [B, walk_steps(tree), max(K, 1) + 1] in [0, 1): per depth step one number per
                 child try and one for the final sample; drawn from `generator` if None (pass
                 them to use per-request generators).
     """
     B, N, K = tree.B, tree.N, tree.K
-    V = probs.shape[-1]
-    dev = probs.device
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)
+    if callable(probs):
+        row_probs = probs
+    else:
+        table = probs
+        row_probs = lambda col: table[rows, col]  # noqa: E731 (advanced indexing: a copy)
     C = max(K, 1)  # children per step: the draft child alone, or up to K suffix nodes
     S = walk_steps(tree)
     if uniforms is None:
         uniforms = torch.rand(B, S, C + 1, generator=generator, device=dev)
     n = tree.draft_len
-    rows = torch.arange(B, device=dev)
     if K:
         sstart, slen = tree.suffix_start, tree.suffix_len
     else:
         sstart = slen = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    rdtype = torch.promote_types(probs.dtype, torch.float32)  # half-precision sums drift
     first = torch.arange(C, device=dev)[None, :] == 0
 
     cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # node we stand on; -1 = root
@@ -183,6 +191,10 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor, generator: torch.Generato
     num_acc = torch.zeros(B, dtype=torch.long, device=dev)
     last_tok = torch.zeros(B, dtype=torch.long, device=dev)
     for t in range(S):
+        r = row_probs(cur + 1)  # the residual [B, V], written below
+        if r.dtype in (torch.float16, torch.bfloat16):
+            r = r.float()  # half-precision sums drift
+        V = r.shape[1]
         # Children of the current node, at depth t + 1.
         in_draft = t < n
         j = (t - n)[:, None]
@@ -195,7 +207,6 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor, generator: torch.Generato
         cand_ok = cand_ok & (cand_tok >= 0) & (cand_tok < V)
         cand_tok = cand_tok.clamp(0, V - 1)
 
-        r = probs[rows, cur + 1].to(rdtype)  # residual [B, V], a copy
         acc = torch.zeros(B, dtype=torch.bool, device=dev)
         acc_tok = torch.zeros(B, dtype=torch.long, device=dev)
         acc_node = torch.zeros(B, dtype=torch.long, device=dev)

@@ -14,6 +14,7 @@ right after anyway. No vLLM imports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,15 +54,24 @@ def node_rows(tree: TokenTree, row_start: np.ndarray) -> np.ndarray:
 
 
 def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
-           greedy: torch.Tensor | None = None, processed: torch.Tensor | None = None,
+           greedy: torch.Tensor | None = None,
+           process: Callable[[torch.Tensor], torch.Tensor] | None = None,
            uniforms: torch.Tensor | None = None,
            generator: torch.Generator | None = None) -> Verified:
     """Accept per request.
 
     Shape: logits [R, V] (raw target logits, one row per query row of the batch), row_start [B]
     host array, greedy [B] bool on the device (None: all greedy; either way no host sync but
-    the one read-back), processed [R, V] float (the same rows after temperature / top-k /
-    top-p; needed unless all greedy), uniforms [B, walk_steps(tree), max(K,1)+1] or None.
+    the one read-back), uniforms [B, walk_steps(tree), max(K,1)+1] or None.
+
+    process (needed unless all greedy): what sampling does to logits before the softmax
+    (temperature, min_p, top-k / top-p), as a function of x [B, V] float32, a new tensor it may
+    overwrite holding one raw logit row per request (request b's row in row b), returning the
+    processed rows [B, V]. The walk asks for one row per request and depth step, only along the
+    path it takes, so a sampled step holds a few [B, V] float32 rows at a time rather than the
+    distribution at every node ([R, V] and more: 0.6 GB per float32 copy for 1,000 rows of a
+    152k vocabulary). vLLM's profiling run sizes the memory it leaves free for sampling by
+    processing one row per request (two for its rejection sampler), not one per tree node.
     """
     (rows,) = to_device(logits.device, node_rows(tree, row_start))
     target_next = logits.argmax(dim=-1)[rows]
@@ -69,14 +79,21 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
         tn, tokens = to_host(target_next, tree.tokens)
         res = accept_greedy(tree, tn, tokens)
     else:
-        if processed is None:
-            raise ValueError("sampled requests need the processed logits")
-        probs = torch.softmax(processed[rows].float(), dim=-1)
-        # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk accepts
-        # exactly what the greedy walk would (tests/test_accept.py): one walk for the batch.
-        probs.mul_(~greedy[:, None, None])
-        probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(*rows.shape, 1).float())
-        walk, tn, tokens = to_host(sampled_walk(tree, probs, generator, uniforms), target_next, tree.tokens)
+        if process is None:
+            raise ValueError("sampled requests need the processing of their logits (process)")
+        req = torch.arange(tree.B, device=logits.device)
+        sampled = (~greedy)[:, None].float()
+        onehot_mass = greedy[:, None].float()
+
+        def row_probs(col: torch.Tensor) -> torch.Tensor:
+            probs = torch.softmax(process(logits[rows[req, col]].float()), dim=-1)
+            # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk
+            # accepts exactly what the greedy walk would (tests/test_accept.py): one walk for
+            # the batch.
+            probs.mul_(sampled)
+            return probs.scatter_add_(1, target_next[req, col][:, None], onehot_mass)
+
+        walk, tn, tokens = to_host(sampled_walk(tree, row_probs, generator, uniforms), target_next, tree.tokens)
         res = assemble_walk(tree, tokens, walk)
     return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
 

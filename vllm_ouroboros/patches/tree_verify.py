@@ -161,12 +161,12 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
             # copy of the step's [rows, vocab] only where the raw rows must give logprobs
             logits = logits.to(torch.float32, copy=sm.max_num_logprobs is not None)
             bias_min_p.add_bias(logits, bias, step.row_start, step.plan.num_drafts + 1)
-        greedy = processed = uniforms = None
+        greedy = process = uniforms = None
         if not sm.all_greedy:
             greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
-            processed = _processed_logits(logits, step.plan.num_drafts + 1, sm, min_p)
+            process = row_processing(sm, step.tree.B, min_p)
             uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
-        v = verify(step.tree, logits, step.row_start, greedy, processed, uniforms)
+        v = verify(step.tree, logits, step.row_start, greedy, process, uniforms)
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
         src, dst = relocation_slots(v.result, step.root_rows, slots)
         if src.numel() and not _SKIP_RELOCATION:
@@ -218,25 +218,30 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int
     return sampler.gather_logprobs(lp, num_logprobs, tok)
 
 
-def _processed_logits(logits, rows_per_request: np.ndarray, sm, min_p=None) -> torch.Tensor:
-    """Temperature, min_p (vLLM's MinPLogitsProcessor, where a request sets it), then top-k /
-    top-p, per logit row (float32 copy): what vLLM's sampler does to a random request's logits
-    when no other processor is active (unsupported_sampling)."""
+def row_processing(sm, B: int, min_p=None):
+    """What vLLM's sampler does to a random request's logits when no other processor is active
+    (unsupported_sampling): temperature, min_p (vLLM's MinPLogitsProcessor, where a request
+    sets it), then top-k / top-p.
+
+    Returns process(x) for verify: x [B, V] float32, one logit row per request of the batch
+    (overwritten), -> the processed rows [B, V]. Every operation is per row, so the rows come
+    out as they would from processing all of a request's rows at once.
+    """
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    B = len(rows_per_request)
-    (counts,) = to_device(logits.device, rows_per_request)
-
-    def expand(x):
-        return None if x is None else x[:B].repeat_interleave(counts, output_size=logits.shape[0])
-
     temp = sm.temperature[:B]
-    temp = torch.where(temp < bias_min_p.SAMPLING_EPS, torch.ones_like(temp), temp)  # greedy rows: unused
-    x = logits.float() / expand(temp)[:, None]
-    if min_p is not None:
-        mp = expand(bias_min_p.min_p_per_request(min_p, B).to(x.device))
-        x = x.masked_fill(bias_min_p.min_p_mask(x, mp), float("-inf"))
-    return apply_top_k_top_p(x, expand(sm.top_k), expand(sm.top_p))
+    temp = torch.where(temp < bias_min_p.SAMPLING_EPS, torch.ones_like(temp), temp)[:, None]  # greedy rows: unused
+    mp = None if min_p is None else bias_min_p.min_p_per_request(min_p, B).to(temp.device)
+    top_k = None if sm.top_k is None else sm.top_k[:B]
+    top_p = None if sm.top_p is None else sm.top_p[:B]
+
+    def process(x: torch.Tensor) -> torch.Tensor:
+        x.div_(temp)
+        if mp is not None:
+            x.masked_fill_(bias_min_p.min_p_mask(x, mp), float("-inf"))
+        return apply_top_k_top_p(x, top_k, top_p)
+
+    return process
 
 
 def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):

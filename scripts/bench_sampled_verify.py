@@ -1,15 +1,16 @@
-"""Memory and time of a sampled tree verification: processing the rows the walk reads (what the
-step does) against processing every node's row first (the walk's table form, what it did before).
+"""Memory and time of a sampled tree verification (verify.verify) in its two forms: every node's
+row processed at once (the table form, for batches up to max_table_rows) and the rows the walk
+reads, processed as it reaches them (beyond).
 
     python scripts/bench_sampled_verify.py [--requests 32] [--draft 8] [--suffixes 3]
         [--suffix-len 4] [--vocab 151936] [--top-p 0.9] [--repeats 3]
 
 B requests, each a tree of a draft chain plus K suffixes (N nodes, N + 1 logit rows), float32
 logits, every request sampled (temperature 0.8, top-p by a sort of the vocabulary, as vLLM's
-torch sampler does; top-p 1 skips it). Per variant: the memory it needed beyond the logits (on
-CUDA the allocator's peak; on CPU the process's peak resident set, each variant in a fresh
+torch sampler does; top-p 1 skips it). Per form: the memory it needed beyond the logits (on
+CUDA the allocator's peak; on CPU the process's peak resident set, each form in a fresh
 process so one's peak cannot hide the other's) and the time of one verification (best of
---repeats). Both variants get the same uniforms and must emit the same tokens (checked).
+--repeats). Both forms get the same uniforms and must emit the same tokens (checked).
 No vLLM import: runs where the draft side does (the lent GPU machines included).
 """
 
@@ -25,9 +26,9 @@ import time
 import numpy as np
 import torch
 
-from vllm_ouroboros.accept import accept_sampled, walk_steps
+from vllm_ouroboros.accept import walk_steps
 from vllm_ouroboros.tree import build_tree
-from vllm_ouroboros.verify import node_rows, verify
+from vllm_ouroboros.verify import verify
 
 TEMPERATURE = 0.8
 
@@ -61,16 +62,13 @@ def run_variant(args, variant: str) -> dict:
     tree, row_start, logits, u = case(args, dev)
     greedy = torch.zeros(tree.B, dtype=torch.bool, device=dev)
 
-    def rows_form():
-        process = lambda x: top_p_cut(x.div_(TEMPERATURE), args.top_p)  # noqa: E731
-        return verify(tree, logits, row_start, greedy, process, uniforms=u).result
+    def process(x, req):
+        x.div_(TEMPERATURE)
+        return top_p_cut(x, args.top_p)
 
-    def table_form():
-        x = top_p_cut(logits.float() / TEMPERATURE, args.top_p)  # a copy, as the step made
-        rows = torch.as_tensor(node_rows(tree, row_start), device=dev)
-        return accept_sampled(tree, torch.softmax(x[rows], dim=-1), uniforms=u)
-
-    fn = rows_form if variant == "rows" else table_form
+    table_rows = tree.B * (tree.N + 1) if variant == "table" else 0
+    fn = lambda: verify(tree, logits, row_start, greedy, process, uniforms=u,  # noqa: E731
+                        max_table_rows=table_rows).result
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -91,7 +89,7 @@ def run_variant(args, variant: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--draft", type=int, default=8)
     ap.add_argument("--suffixes", type=int, default=3)
     ap.add_argument("--suffix-len", type=int, default=4)
@@ -101,27 +99,28 @@ def main() -> None:
     ap.add_argument("--variant", choices=["rows", "table"], help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
     if args.variant:
+        args.requests = args.requests[0]
         print(json.dumps(run_variant(args, args.variant)))
         return
-    out = {}
-    for variant in ("table", "rows"):
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant],
-                               check=True, capture_output=True, text=True)
-        out[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-    t, r = out["table"], out["rows"]
-    if t["emitted"] != r["emitted"]:
-        sys.exit("FAIL: the two forms emitted different tokens")
-    rows = args.requests * (args.draft + args.suffixes * args.suffix_len + 1)
-    print(f"{args.requests} requests, {rows} logit rows, vocab {args.vocab}, top-p {args.top_p}, "
-          f"{r['device']}: logits {r['logits_mb']:.0f} MB; mean accepted {r['mean_accepted']:.2f}; "
-          "same tokens emitted")
-    print("| form | memory beyond the logits (MB) | ms per verification |")
-    print("|---|---:|---:|")
-    for v in (t, r):
-        name = "every node's row, then walk (before)" if v is t else "rows the walk reads (now)"
-        print(f"| {name} | {v['extra_mb']:.0f} | {v['ms']:.1f} |")
-    print(f"memory ratio now/before: {r['extra_mb'] / max(t['extra_mb'], 1e-9):.3f}; "
-          f"time ratio now/before: {r['ms'] / t['ms']:.2f}")
+    node_rows = args.draft + args.suffixes * args.suffix_len + 1
+    print(f"vocab {args.vocab}, {node_rows} logit rows per request, top-p {args.top_p}, float32 logits")
+    print("| requests | form | memory beyond the logits (MB) | ms per verification | mean accepted |")
+    print("|---:|---|---:|---:|---:|")
+    ratios = []
+    for B in args.requests:
+        out = {}
+        for variant in ("table", "rows"):
+            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--requests", str(B),
+                                    "--variant", variant], check=True, capture_output=True, text=True)
+            out[variant] = json.loads(child.stdout.strip().splitlines()[-1])
+        t, r = out["table"], out["rows"]
+        if t["emitted"] != r["emitted"]:
+            sys.exit(f"FAIL: the two forms emitted different tokens at {B} requests")
+        for v, name in ((t, "every node's row at once (table form)"), (r, "rows the walk reads, as it reads them")):
+            print(f"| {B} | {name} | {v['extra_mb']:.0f} | {v['ms']:.1f} | {v['mean_accepted']:.2f} |")
+        ratios.append(f"{B} requests: memory {r['extra_mb'] / max(t['extra_mb'], 1e-9):.3f}x, "
+                      f"time {r['ms'] / t['ms']:.2f}x")
+    print(f"device {r['device']}; same tokens emitted by both forms; rows / table: " + "; ".join(ratios))
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
     V = 80
     logits = torch.nn.functional.one_hot(T(paths), V).float().view(-1, V) * 5
     noise = gen(1)
-    process = lambda x: torch.randn(x.shape, generator=noise, device=DEVICE)  # noqa: E731 (what sampling would see)
+    process = lambda x, req: torch.randn(x.shape, generator=noise, device=DEVICE)  # noqa: E731 (what sampling would see)
     greedy = T([1, 0, 1, 1]).bool()
     got = verify(tree, logits, np.arange(4) * 10, greedy, process, generator=gen(2))
     want = accept_greedy(tree, T(paths))
@@ -287,11 +287,12 @@ class LargestOutput(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_verify_processes_one_row_per_request_at_a_time(seed):
-    """A sampled step processes the rows the walk reads, one per request and depth step, into
-    the same result as the distribution at every node would give; no operation makes anything
-    as large as the logits (tempting: process all R rows, then gather [B, N + 1, V], as the
-    walk's table form reads them: 3-4 float32 copies of [R, V], gigabytes at 256 requests)."""
+@pytest.mark.parametrize("table", [False, True])
+def test_verify_processes_one_row_per_request_at_a_time(seed, table):
+    """A sampled step beyond max_table_rows processes the rows the walk reads, one per request
+    and depth step, into the same result as the distribution at every node gives (the table
+    form, used up to max_table_rows); no operation then makes anything as large as the logits
+    (tempting: always the table: 2-4 float32 copies of [R, V], gigabytes at 256 requests)."""
     from vllm_ouroboros.verify import node_rows, verify
 
     g = gen(seed)
@@ -307,20 +308,23 @@ def test_verify_processes_one_row_per_request_at_a_time(seed):
     temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0], device=DEVICE)
     u = torch.rand(B, walk_steps(tree), K + 1, generator=g, device=DEVICE)
 
-    def process(x):  # temperature and a top-2-style cut, per request
-        x.div_(temp[:, None])
+    def process(x, req):  # temperature and a top-2 cut, per request
+        x.div_((temp if req is None else temp[req])[:, None])
         return x.masked_fill_(x < x.topk(2, dim=-1).values[:, -1:], float("-inf"))
 
     with LargestOutput() as seen:
-        got = verify(tree, logits, row_start, greedy, process, uniforms=u)
-    assert seen.numel <= B * V, f"{seen.op} made {seen.numel} elements (logits: {logits.numel()})"
+        got = verify(tree, logits, row_start, greedy, process, uniforms=u,
+                     max_table_rows=B * (tree.N + 1) if table else B * tree.N)
+    if table:
+        assert seen.numel >= logits.numel()
+    else:
+        assert seen.numel <= B * V, f"{seen.op} made {seen.numel} elements (logits: {logits.numel()})"
     # Reference: the processed distribution at every node, greedy rows one-hot on the raw argmax.
     rows = torch.as_tensor(node_rows(tree, row_start), device=DEVICE)
     x = logits[rows] / temp[:, None, None]
-    table = torch.softmax(x.masked_fill(x < x.topk(2, dim=-1).values[..., -1:], float("-inf")), -1)
+    ref = torch.softmax(x.masked_fill(x < x.topk(2, dim=-1).values[..., -1:], float("-inf")), -1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1)[rows], V).float()
-    table = torch.where(greedy[:, None, None], one_hot, table)
-    want = accept_sampled(tree, table, uniforms=u)
+    want = accept_sampled(tree, torch.where(greedy[:, None, None], one_hot, ref), uniforms=u)
     assert np.array_equal(got.result.emitted, want.emitted)
     assert np.array_equal(got.result.num_emitted, want.num_emitted)
     assert np.array_equal(got.result.kv_keep_src, want.kv_keep_src)

@@ -183,8 +183,9 @@ def test_requests_with_bias_or_min_p_admitted_by_ouroboros_engines_only(bias_min
 @pytest.mark.parametrize("seed", range(3))
 def test_tree_walk_processes_rows_as_vllms_sampler(seed, bias_min_p):
     """patches/tree_verify.row_processing on one row per request (what the tree walk asks for
-    at each depth step) gives each row what vLLM's sampler pieces give the whole step's rows,
-    each request's temperature (greedy ones: 1), min_p, top-k and top-p on all of its rows."""
+    at each depth step) and on all rows at once (its table form) gives each row what vLLM's
+    sampler pieces give the whole step's rows, each request's temperature (greedy ones: 1),
+    min_p, top-k and top-p on all of its rows."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     from vllm_ouroboros.patches.tree_verify import row_processing
@@ -206,7 +207,10 @@ def test_tree_walk_processes_rows_as_vllms_sampler(seed, bias_min_p):
     start = np.cumsum(counts) - counts
     for j in range(counts.max()):  # depth step j: row j of each request (its last if shorter)
         rows = start + np.minimum(j, counts - 1)
-        got = process(logits[rows].clone())
+        got = process(logits[rows].clone(), None)
         assert torch.equal(torch.isinf(got), torch.isinf(want[rows]))
         assert torch.equal(got[~torch.isinf(got)], want[rows][~torch.isinf(got)])
+    got = process(logits.clone(), torch.from_numpy(req))  # the table form: all rows at once
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(got)])
     assert torch.isinf(want).any(dim=1).all()  # every row was cut by something

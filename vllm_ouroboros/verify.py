@@ -55,9 +55,9 @@ def node_rows(tree: TokenTree, row_start: np.ndarray) -> np.ndarray:
 
 def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
            greedy: torch.Tensor | None = None,
-           process: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           uniforms: torch.Tensor | None = None,
-           generator: torch.Generator | None = None) -> Verified:
+           process: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
+           uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
+           max_table_rows: int = 0) -> Verified:
     """Accept per request.
 
     Shape: logits [R, V] (raw target logits, one row per query row of the batch), row_start [B]
@@ -65,13 +65,17 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     the one read-back), uniforms [B, walk_steps(tree), max(K,1)+1] or None.
 
     process (needed unless all greedy): what sampling does to logits before the softmax
-    (temperature, min_p, top-k / top-p), as a function of x [B, V] float32, a new tensor it may
-    overwrite holding one raw logit row per request (request b's row in row b), returning the
-    processed rows [B, V]. The walk asks for one row per request and depth step, only along the
-    path it takes, so a sampled step holds a few [B, V] float32 rows at a time rather than the
-    distribution at every node ([R, V] and more: 0.6 GB per float32 copy for 1,000 rows of a
-    152k vocabulary). vLLM's profiling run sizes the memory it leaves free for sampling by
-    processing one row per request (two for its rejection sampler), not one per tree node.
+    (temperature, min_p, top-k / top-p): process(x, req) takes x [n, V] float32 raw logit rows,
+    a new tensor it may overwrite, and req [n] int64, the request of each row (None: row b is
+    request b's), and returns the processed rows [n, V].
+
+    The walk reads one row per request and depth step, along the path it takes. Where the
+    batch's B * (N + 1) node rows are at most max_table_rows, they are processed at once, in a
+    few launches (the walk's table form); beyond, row by row as the walk reaches them, so that a
+    sampled step holds a few [B, V] float32 rows at a time, not the distribution at every node
+    (several [R, V] copies: 0.6 GB each for 1,000 rows of a 152k vocabulary). The caller passes
+    the rows its memory was sized for: vLLM's profiling run sizes sampling for one row per
+    request (two for its rejection sampler), not one per tree node.
     """
     (rows,) = to_device(logits.device, node_rows(tree, row_start))
     target_next = logits.argmax(dim=-1)[rows]
@@ -81,19 +85,25 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     else:
         if process is None:
             raise ValueError("sampled requests need the processing of their logits (process)")
-        req = torch.arange(tree.B, device=logits.device)
-        sampled = (~greedy)[:, None].float()
-        onehot_mass = greedy[:, None].float()
+        # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk accepts
+        # exactly what the greedy walk would (tests/test_accept.py): one walk for the batch.
+        sampled = (~greedy).float()
+        if rows.numel() <= max_table_rows:
+            B, N1 = rows.shape
+            req = torch.arange(B, device=logits.device).repeat_interleave(N1)
+            x = process(logits[rows.reshape(-1)].float(), req)
+            probs = torch.softmax(x, dim=-1).view(B, N1, -1)
+            probs.mul_(sampled[:, None, None])
+            probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
+        else:
+            req = torch.arange(tree.B, device=logits.device)
 
-        def row_probs(col: torch.Tensor) -> torch.Tensor:
-            probs = torch.softmax(process(logits[rows[req, col]].float()), dim=-1)
-            # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk
-            # accepts exactly what the greedy walk would (tests/test_accept.py): one walk for
-            # the batch.
-            probs.mul_(sampled)
-            return probs.scatter_add_(1, target_next[req, col][:, None], onehot_mass)
+            def probs(col: torch.Tensor) -> torch.Tensor:
+                p = torch.softmax(process(logits[rows[req, col]].float(), None), dim=-1)
+                p.mul_(sampled[:, None])
+                return p.scatter_add_(1, target_next[req, col][:, None], greedy[:, None].float())
 
-        walk, tn, tokens = to_host(sampled_walk(tree, row_probs, generator, uniforms), target_next, tree.tokens)
+        walk, tn, tokens = to_host(sampled_walk(tree, probs, generator, uniforms), target_next, tree.tokens)
         res = assemble_walk(tree, tokens, walk)
     return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
 

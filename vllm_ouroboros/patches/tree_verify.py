@@ -166,7 +166,10 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
             greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
             process = row_processing(sm, step.tree.B, min_p)
             uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
-        v = verify(step.tree, logits, step.row_start, greedy, process, uniforms)
+        # All of the step's rows at once where they fit in what vLLM's profiling run sized
+        # sampling for (one row per request of the largest batch): fewer launches.
+        v = verify(step.tree, logits, step.row_start, greedy, process, uniforms,
+                   max_table_rows=runner.max_num_reqs)
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
         src, dst = relocation_slots(v.result, step.root_rows, slots)
         if src.numel() and not _SKIP_RELOCATION:
@@ -223,23 +226,25 @@ def row_processing(sm, B: int, min_p=None):
     (unsupported_sampling): temperature, min_p (vLLM's MinPLogitsProcessor, where a request
     sets it), then top-k / top-p.
 
-    Returns process(x) for verify: x [B, V] float32, one logit row per request of the batch
-    (overwritten), -> the processed rows [B, V]. Every operation is per row, so the rows come
-    out as they would from processing all of a request's rows at once.
+    Returns process(x, req) for verify: x [n, V] float32 logit rows of the batch's requests
+    (overwritten), req [n] int64 the request of each row (None: row b is request b's) -> the
+    processed rows [n, V]. Every operation is per row, so a row comes out the same whichever
+    rows are processed with it.
     """
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     temp = sm.temperature[:B]
-    temp = torch.where(temp < bias_min_p.SAMPLING_EPS, torch.ones_like(temp), temp)[:, None]  # greedy rows: unused
+    temp = torch.where(temp < bias_min_p.SAMPLING_EPS, torch.ones_like(temp), temp)  # greedy rows: unused
     mp = None if min_p is None else bias_min_p.min_p_per_request(min_p, B).to(temp.device)
     top_k = None if sm.top_k is None else sm.top_k[:B]
     top_p = None if sm.top_p is None else sm.top_p[:B]
 
-    def process(x: torch.Tensor) -> torch.Tensor:
-        x.div_(temp)
+    def process(x: torch.Tensor, req: torch.Tensor | None) -> torch.Tensor:
+        of = (lambda t: t) if req is None else (lambda t: None if t is None else t[req])  # noqa: E731
+        x.div_(of(temp)[:, None])
         if mp is not None:
-            x.masked_fill_(bias_min_p.min_p_mask(x, mp), float("-inf"))
-        return apply_top_k_top_p(x, top_k, top_p)
+            x.masked_fill_(bias_min_p.min_p_mask(x, of(mp)), float("-inf"))
+        return apply_top_k_top_p(x, of(top_k), of(top_p))
 
     return process
 

@@ -1,16 +1,18 @@
-"""Memory and time of a sampled tree verification (verify.verify) in its two forms: every node's
-row processed at once (the table form, for batches up to max_table_rows) and the rows the walk
-reads, processed as it reaches them (beyond).
+"""Memory and time of a sampled tree verification (verify.verify) in its forms: every node's
+row processed at once (the table form, for batches up to max_table_rows), walked by torch or,
+on a GPU, by the Triton kernel (kernels/sampled_walk.py); and the rows the walk reads,
+processed as it reaches them (beyond max_table_rows).
 
     python scripts/bench_sampled_verify.py [--requests 32] [--draft 8] [--suffixes 3]
         [--suffix-len 4] [--vocab 151936] [--top-p 0.9] [--repeats 3]
+    python scripts/bench_sampled_verify.py --compile-only [SM ...]   # no GPU needed
 
 B requests, each a tree of a draft chain plus K suffixes (N nodes, N + 1 logit rows), float32
 logits, every request sampled (temperature 0.8, top-p by a sort of the vocabulary, as vLLM's
 torch sampler does; top-p 1 skips it). Per form: the memory it needed beyond the logits (on
 CUDA the allocator's peak; on CPU the process's peak resident set, each form in a fresh
 process so one's peak cannot hide the other's) and the time of one verification (best of
---repeats). Both forms get the same uniforms and must emit the same tokens (checked).
+--repeats). All forms get the same uniforms and must emit the same tokens (checked).
 No vLLM import: runs where the draft side does (the lent GPU machines included).
 """
 
@@ -66,9 +68,10 @@ def run_variant(args, variant: str) -> dict:
         x.div_(TEMPERATURE)
         return top_p_cut(x, args.top_p)
 
-    table_rows = tree.B * (tree.N + 1) if variant == "table" else 0
+    table_rows = 0 if variant == "rows" else tree.B * (tree.N + 1)
+    walk = "triton" if variant == "kernel" else "torch"
     fn = lambda: verify(tree, logits, row_start, greedy, process, uniforms=u,  # noqa: E731
-                        max_table_rows=table_rows).result
+                        max_table_rows=table_rows, walk=walk).result
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -87,6 +90,83 @@ def run_variant(args, variant: str) -> dict:
             "emitted": res.emitted.tolist(), "mean_accepted": float(res.num_accepted.mean())}
 
 
+def count_calls(args) -> dict[str, int]:
+    """Non-view ATen calls (each a kernel launch on a GPU) of one table-form verification of
+    --requests[0]... trees, per walk; the Triton walk's own launch is not an ATen call (the
+    kernel is replaced by a stub here, so this runs anywhere)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import vllm_ouroboros.kernels.sampled_walk as sw
+
+    views = {"select.int", "unsqueeze.default", "view.default", "slice.Tensor", "expand.default",
+             "t.default", "alias.default", "detach.default"}
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func.__name__ not in views
+            return func(*args, **(kwargs or {}))
+
+    a = argparse.Namespace(**{**vars(args), "requests": 4, "vocab": 1000})
+    tree, row_start, logits, u = case(a, torch.device("cpu"))
+    greedy = torch.zeros(tree.B, dtype=torch.bool)
+    real, counts = sw.sampled_walk_triton, {}
+    sw.sampled_walk_triton = lambda *a_, **k: torch.zeros(4, tree.B, dtype=torch.long)  # noqa: E731
+    try:
+        for walk in ("torch", "triton"):
+            Count.calls = 0
+            with Count():
+                verify(tree, logits, row_start, greedy, lambda x, req: x.div_(TEMPERATURE), uniforms=u,
+                       max_table_rows=tree.B * (tree.N + 1), walk=walk)
+            counts[walk] = Count.calls
+    finally:
+        sw.sampled_walk_triton = real
+    return counts
+
+
+def compile_only(archs: list[int]) -> int:
+    """Compile the Triton walk for NVIDIA targets without a GPU (Triton's bundled ptxas), for
+    K = 1-8 suffixes and both tile widths, and print registers / stack (spills) per thread."""
+    import os
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_ouroboros.kernels import sampled_walk as sw
+
+    kernel = sw.sampled_walk_kernel
+    if not isinstance(kernel, triton.JITFunction):
+        print("TRITON_INTERPRET is set: unset it for --compile-only")
+        return 1
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    types = dict(x_ptr="*fp32", tn_ptr="*i64", greedy_ptr="*i8", tokens_ptr="*i64", branch_ptr="*i64",
+                 draft_len_ptr="*i64", sstart_ptr="*i64", slen_ptr="*i64", u_ptr="*fp32", out_ptr="*i64")
+    sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in kernel.params}
+    rc = 0
+    print(f"triton {triton.__version__}")
+    for arch in archs:
+        for C in (1, 2, 3, 4, 8):
+            for bv in (sw.BLOCK_V, 64):
+                try:
+                    c = triton.compile(ASTSource(kernel, sig, constexprs=dict(C=C, BLOCK_C=triton.next_power_of_2(C),
+                                                                                BLOCK_V=bv)),
+                                       target=GPUTarget("cuda", arch, 32),
+                                       options=dict(num_warps=8 if bv >= 1024 else 4))
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(c.asm["cubin"])
+                        f.flush()
+                        dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                                              text=True).stdout
+                    usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
+                except Exception as e:  # noqa: BLE001 - report every configuration
+                    usage, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100]}", 1
+                print(f"sm_{arch} K={C} BLOCK_V={bv}: {usage}")
+    return rc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 32])
@@ -96,8 +176,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variant", choices=["rows", "table"], help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM",
+                    help="compile the Triton walk for these NVIDIA archs (default 80 90) without a GPU")
+    ap.add_argument("--variant", choices=["rows", "table", "kernel"], help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
+    if args.compile_only is not None:
+        sys.exit(compile_only(args.compile_only or [80, 90]))
     if args.variant:
         args.requests = args.requests[0]
         print(json.dumps(run_variant(args, args.variant)))
@@ -109,18 +193,25 @@ def main() -> None:
     ratios = []
     for B in args.requests:
         out = {}
-        for variant in ("table", "rows"):
+        # The kernel's walk on a GPU only: the CPU would run it in Triton's interpreter.
+        for variant in ("table", "rows") + (("kernel",) if torch.cuda.is_available() else ()):
             child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--requests", str(B),
                                     "--variant", variant], check=True, capture_output=True, text=True)
             out[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-        t, r = out["table"], out["rows"]
-        if t["emitted"] != r["emitted"]:
-            sys.exit(f"FAIL: the two forms emitted different tokens at {B} requests")
-        for v, name in ((t, "every node's row at once (table form)"), (r, "rows the walk reads, as it reads them")):
-            print(f"| {B} | {name} | {v['extra_mb']:.0f} | {v['ms']:.1f} | {v['mean_accepted']:.2f} |")
-        ratios.append(f"{B} requests: memory {r['extra_mb'] / max(t['extra_mb'], 1e-9):.3f}x, "
-                      f"time {r['ms'] / t['ms']:.2f}x")
-    print(f"device {r['device']}; same tokens emitted by both forms; rows / table: " + "; ".join(ratios))
+        t, r, k = out["table"], out["rows"], out.get("kernel")
+        if any(v["emitted"] != t["emitted"] for v in out.values()):
+            sys.exit(f"FAIL: the forms emitted different tokens at {B} requests")
+        names = {"table": "every node's row at once (table form), torch walk",
+                 "rows": "rows the walk reads, as it reads them", "kernel": "table form, Triton walk"}
+        for name, v in out.items():
+            print(f"| {B} | {names[name]} | {v['extra_mb']:.0f} | {v['ms']:.1f} | {v['mean_accepted']:.2f} |")
+        ratios.append(f"{B} requests: rows / table memory {r['extra_mb'] / max(t['extra_mb'], 1e-9):.3f}x, "
+                      f"time {r['ms'] / t['ms']:.2f}x" + (f"; kernel / table time {k['ms'] / t['ms']:.2f}x" if k else ""))
+    print(f"device {r['device']}; same tokens emitted by every form; " + "; ".join(ratios)
+          + ("" if torch.cuda.is_available() else " (the Triton walk: CUDA only, not run)"))
+    calls = count_calls(args)
+    print(f"ATen calls (GPU launches) of one table-form verification, 4 requests, top-p off: torch walk "
+          f"{calls['torch']}, Triton walk {calls['triton']} + its one launch")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
            greedy: torch.Tensor | None = None,
            process: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
            uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
-           max_table_rows: int = 0) -> Verified:
+           max_table_rows: int = 0, walk: str = "torch") -> Verified:
     """Accept per request.
 
     Shape: logits [R, V] (raw target logits, one row per query row of the batch), row_start [B]
@@ -76,7 +76,13 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     (several [R, V] copies: 0.6 GB each for 1,000 rows of a 152k vocabulary). The caller passes
     the rows its memory was sized for: vLLM's profiling run sizes sampling for one row per
     request (two for its rejection sampler), not one per tree node.
+
+    walk: "torch" (accept.sampled_walk) or "triton" (kernels/sampled_walk.py: the table form's
+    walk in one launch instead of some 140 per depth step; the caller checked it first,
+    check_kernel; where Triton cannot run, the torch walk).
     """
+    if walk not in ("torch", "triton"):
+        raise ValueError(f"walk must be 'torch' or 'triton', got {walk!r}")
     (rows,) = to_device(logits.device, node_rows(tree, row_start))
     target_next = logits.argmax(dim=-1)[rows]
     if greedy is None:  # the caller knows (host flag) when a batch is all greedy
@@ -88,13 +94,23 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
         # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk accepts
         # exactly what the greedy walk would (tests/test_accept.py): one walk for the batch.
         sampled = (~greedy).float()
+        out = None
         if rows.numel() <= max_table_rows:
             B, N1 = rows.shape
             req = torch.arange(B, device=logits.device).repeat_interleave(N1)
-            x = process(logits[rows.reshape(-1)].float(), req)
-            probs = torch.softmax(x, dim=-1).view(B, N1, -1)
-            probs.mul_(sampled[:, None, None])
-            probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
+            x = process(logits[rows.reshape(-1)].float(), req).contiguous()
+            if walk == "triton":
+                from .kernels.sampled_walk import sampled_walk_triton  # imports Triton
+
+                if uniforms is None:  # as sampled_walk draws them
+                    uniforms = torch.rand(B, walk_steps(tree), max(tree.K, 1) + 1, generator=generator,
+                                          device=logits.device)
+                out = sampled_walk_triton(x, target_next, greedy, tree.tokens, tree.branch_of,
+                                          tree.draft_len, tree.suffix_start, tree.suffix_len, uniforms)
+            if out is None:
+                probs = torch.softmax(x, dim=-1).view(B, N1, -1)
+                probs.mul_(sampled[:, None, None])
+                probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
         else:
             req = torch.arange(tree.B, device=logits.device)
 
@@ -103,8 +119,10 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
                 p.mul_(sampled[:, None])
                 return p.scatter_add_(1, target_next[req, col][:, None], greedy[:, None].float())
 
-        walk, tn, tokens = to_host(sampled_walk(tree, probs, generator, uniforms), target_next, tree.tokens)
-        res = assemble_walk(tree, tokens, walk)
+        if out is None:
+            out = sampled_walk(tree, probs, generator, uniforms)
+        path, tn, tokens = to_host(out, target_next, tree.tokens)
+        res = assemble_walk(tree, tokens, path)
     return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
 
 

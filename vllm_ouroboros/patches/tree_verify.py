@@ -41,6 +41,7 @@ class TreeState:
     def __init__(self):
         self.checked = False
         self.reason: str | None = None
+        self.walk = "torch"  # how sampled steps walk their trees (verify.verify's `walk`)
 
     def check(self, runner, drafter) -> None:
         self.checked = True
@@ -56,6 +57,16 @@ class TreeState:
                 logger.warning("ouroboros: tree verification unavailable, verifying the chain "
                                "draft + best suffix instead: %s", self.reason)
         drafter.set_tree_available(self.reason)
+        if runner.device.type == "cuda":
+            # The sampled walk in one launch instead of ~140 per depth step, once it has been
+            # compiled and compared with the torch walk at the engine's shapes.
+            from vllm_ouroboros.kernels.sampled_walk import check_kernel
+
+            why = check_kernel(runner.device, drafter.cfg.num_suffixes, runner.model_config.get_vocab_size())
+            if why is None:
+                self.walk = "triton"
+            else:
+                logger.warning("ouroboros: sampled steps walk their trees in torch: %s", why)
 
 
 def _state(runner) -> TreeState:
@@ -169,7 +180,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         # All of the step's rows at once where they fit in what vLLM's profiling run sized
         # sampling for (one row per request of the largest batch): fewer launches.
         v = verify(step.tree, logits, step.row_start, greedy, process, uniforms,
-                   max_table_rows=runner.max_num_reqs)
+                   max_table_rows=runner.max_num_reqs, walk=_state(runner).walk)
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
         src, dst = relocation_slots(v.result, step.root_rows, slots)
         if src.numel() and not _SKIP_RELOCATION:

@@ -1,0 +1,174 @@
+"""The sampled tree walk's Triton kernel (kernels/sampled_walk.py) against the torch walk
+(accept.sampled_walk on the softmax of the same processed logits, greedy rows on the one-hot of
+their argmax), given the same uniforms: the same result on random ragged trees (suffixes,
+duplicate heads, placeholder tokens, trees without suffixes or nodes, rows cut to -inf as top-k
+leaves them, greedy and sampled requests mixed, rows spanning several tiles). Compiled on a CUDA
+device when there is one, else run by Triton's CPU interpreter (TRITON_INTERPRET handled as in
+tests/test_fused_ops.py). The two sum in different orders, so a uniform within rounding of a
+boundary could split them; the seeds here are fixed, and the counts of decisions compared are
+printed."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEVICE, set_triton_interpret
+
+set_triton_interpret(True)
+try:
+    from vllm_ouroboros.kernels import sampled_walk as sw
+finally:
+    set_triton_interpret(False)
+
+from vllm_ouroboros import LOGGER_NAME  # noqa: E402
+from vllm_ouroboros.accept import sampled_walk, walk_steps  # noqa: E402
+from vllm_ouroboros.tree import build_tree  # noqa: E402
+
+_REASON = sw.pick_kernel(sw.sampled_walk_kernel, torch.device(DEVICE), sw._TRITON_IMPORT_ERROR)[1]
+needs_triton = pytest.mark.skipif(
+    _REASON is not None,
+    reason=f"Triton cannot run the kernel in this process: {_REASON}. Usually an earlier test "
+           "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
+pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton]
+
+
+def random_case(seed, B, D, K, L, V, hot=2, placeholder=False):
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    ri = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g, device=DEVICE)  # noqa: E731
+    draft = ri(0, hot, B, D)
+    if placeholder:
+        draft[0, 0] = -1  # vLLM's placeholder draft token: never accepted
+    tree = build_tree(draft, ri(0, D + 1, B), ri(0, hot, B, K, L), ri(0, L + 1, B, K))
+    N1 = tree.N + 1
+    x = torch.randn(B * N1, V, generator=g, device=DEVICE)
+    x[:, :hot] += 6.0  # the tree's tokens are likely: deep walks
+    cut = torch.rand(B * N1, V, generator=g, device=DEVICE) < 0.3
+    cut[:, :hot] = False
+    x = x.masked_fill(cut, float("-inf"))  # what top-k / top-p leave
+    greedy = torch.rand(B, generator=g, device=DEVICE) < 0.3
+    u = torch.rand(B, walk_steps(tree), max(K, 1) + 1, generator=g, device=DEVICE)
+    return tree, x, greedy, u
+
+
+def torch_walk(tree, x, greedy, u):
+    B, N1 = tree.B, tree.N + 1
+    probs = torch.softmax(x.view(B, N1, -1), dim=-1)
+    one_hot = torch.nn.functional.one_hot(x.view(B, N1, -1).argmax(-1), x.shape[1]).float()
+    return sampled_walk(tree, torch.where(greedy[:, None, None], one_hot, probs), uniforms=u)
+
+
+def kernel_walk(tree, x, greedy, u, block_v=sw.BLOCK_V):
+    tn = x.view(tree.B, tree.N + 1, -1).argmax(-1)
+    return sw.sampled_walk_triton(x, tn, greedy, tree.tokens, tree.branch_of, tree.draft_len,
+                                  tree.suffix_start, tree.suffix_len, u, block_v=block_v)
+
+
+@pytest.mark.parametrize("seed,B,D,K,L,V,block_v", [
+    (0, 12, 4, 3, 2, 64, 1024),
+    (1, 8, 6, 2, 3, 300, 64),     # rows over 5 tiles, the last partial
+    (2, 8, 3, 0, 1, 50, 16),      # no suffixes: the chain
+    (3, 12, 2, 4, 3, 40, 1024),
+])
+def test_kernel_walks_as_the_torch_walk(seed, B, D, K, L, V, block_v):
+    accepted = 0
+    for rep in range(6):
+        tree, x, greedy, u = random_case(100 * seed + rep, B, D, K, L, V, placeholder=rep == 0)
+        want = torch_walk(tree, x, greedy, u)
+        got = kernel_walk(tree, x, greedy, u, block_v)
+        assert torch.equal(got, want), f"rep {rep}:\nkernel {got.tolist()}\ntorch  {want.tolist()}"
+        accepted += int(want[0].sum() + want[2].sum())
+    assert accepted >= 2 * B  # the walks went past the root's children
+    print(f"equal walks: {accepted} tokens accepted, {6 * B} stops")
+
+
+def test_kernel_handles_a_tree_without_nodes():
+    empty = torch.zeros(3, 0, dtype=torch.long, device=DEVICE)
+    tree = build_tree(empty, torch.zeros(3, dtype=torch.long, device=DEVICE),
+                      torch.zeros(3, 0, 2, dtype=torch.long, device=DEVICE), torch.zeros(3, 0, dtype=torch.long, device=DEVICE))
+    g = torch.Generator(DEVICE).manual_seed(0)
+    x = torch.randn(3, 20, generator=g, device=DEVICE)
+    greedy = torch.tensor([True, False, False], device=DEVICE)
+    u = torch.rand(3, walk_steps(tree), 2, generator=g, device=DEVICE)
+    got = kernel_walk(tree, x, greedy, u)
+    assert torch.equal(got, torch_walk(tree, x, greedy, u))
+    assert got[3, 0] == x[0].argmax() and (got[:3] == 0).all()
+
+
+def test_wrapper_rejects_bad_inputs():
+    tree, x, greedy, u = random_case(0, 2, 2, 1, 1, 16)
+    with pytest.raises(ValueError, match="float32"):
+        kernel_walk(tree, x.double(), greedy, u)
+    with pytest.raises(ValueError, match="uniforms"):
+        kernel_walk(tree, x, greedy, u[..., :1])
+
+
+def test_check_kernel_passes_and_catches_a_wrong_walk(monkeypatch):
+    assert sw.check_kernel(torch.device(DEVICE), 3, 100) is None
+    real = sw.sampled_walk_triton
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[3] = (out[3] + 1) % 100  # the token drawn after the last acceptance
+        return out
+
+    monkeypatch.setattr(sw, "sampled_walk_triton", off_by_one)
+    assert "differs from the torch walk" in sw.check_kernel(torch.device(DEVICE), 3, 100)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_verify_walks_with_the_kernel_as_with_torch(seed):
+    """verify.verify(walk="triton") in the table form: the same result as the torch walk, with
+    the caller's uniforms or drawn from its generator as the torch walk draws them."""
+    from vllm_ouroboros.verify import verify
+
+    tree, x, greedy, u = random_case(7 + seed, 6, 4, 3, 2, 64)
+    rows = tree.B * (tree.N + 1)
+    process = lambda x, req: x.div_(0.9)  # noqa: E731
+    for kwargs in (dict(uniforms=u), dict(generator=lambda: torch.Generator(DEVICE).manual_seed(seed))):
+        runs = []
+        for walk in ("torch", "triton"):
+            kw = {k: (v() if callable(v) else v) for k, v in kwargs.items()}
+            runs.append(verify(tree, x, np.arange(tree.B) * (tree.N + 1), greedy, process,
+                               max_table_rows=rows, walk=walk, **kw).result)
+        assert np.array_equal(runs[0].emitted, runs[1].emitted)
+        assert np.array_equal(runs[0].kv_keep_src, runs[1].kv_keep_src)
+    with pytest.raises(ValueError, match="walk must be"):
+        verify(tree, x, np.arange(tree.B) * (tree.N + 1), greedy, process, walk="cuda")
+
+
+def test_engine_start_picks_the_walk_on_a_gpu(monkeypatch, caplog):
+    """tree_verify's start-up decision: on a CUDA runner the kernel walks sampled steps once
+    check_kernel passes at the engine's K and vocabulary, else the torch walk, with the reason
+    logged; off CUDA nothing is checked."""
+    from types import SimpleNamespace
+
+    from vllm_ouroboros.patches import tree_verify
+
+    asked = []
+
+    def check(device, num_suffixes, vocab_size):
+        asked.append((device.type, num_suffixes, vocab_size))
+        return verdict
+
+    monkeypatch.setattr(sw, "check_kernel", check)
+    drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
+                              set_tree_available=lambda reason: None)
+
+    def start(device):
+        runner = SimpleNamespace(device=SimpleNamespace(type=device),
+                                 model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
+        return tree_verify.prepare(runner, drafter).walk
+
+    verdict = None
+    assert start("cuda") == "triton" and asked == [("cuda", 3, 151936)]
+    verdict = "the kernel failed its check: boom"
+    log = logging.getLogger(LOGGER_NAME)  # vLLM's logging may stop propagation to the root
+    log.addHandler(caplog.handler)
+    try:
+        assert start("cuda") == "torch"
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "walk their trees in torch: the kernel failed its check: boom" in caplog.text
+    assert start("cpu") == "torch" and len(asked) == 2

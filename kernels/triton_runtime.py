@@ -36,3 +36,26 @@ def pick_kernel(kernel, device: torch.device, import_error: str | None):
     requested = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
     late = " when triton was imported (setting it later has no effect)" if requested else ""
     return None, f"tensors are on {device.type} and TRITON_INTERPRET was not set{late}"
+
+
+def compile_for_nvidia(fn, signature: dict, constexprs: dict, options: dict, arch: int):
+    """Compile a @triton.jit function for an NVIDIA target without a GPU (Triton's bundled
+    ptxas): returns (compiled kernel, "REG:n STACK:m" per thread from cuobjdump). Raises what
+    the compiler raises. For the scripts' --compile-only checks."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True).stdout
+    usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
+    return compiled, usage

@@ -128,20 +128,15 @@ def count_calls(args) -> dict[str, int]:
 def compile_only(archs: list[int]) -> int:
     """Compile the Triton walk for NVIDIA targets without a GPU (Triton's bundled ptxas), for
     K = 1-8 suffixes and both tile widths, and print registers / stack (spills) per thread."""
-    import os
-    import tempfile
-
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from vllm_ouroboros.kernels import sampled_walk as sw
+    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
 
     kernel = sw.sampled_walk_kernel
     if not isinstance(kernel, triton.JITFunction):
         print("TRITON_INTERPRET is set: unset it for --compile-only")
         return 1
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     types = dict(x_ptr="*fp32", tn_ptr="*i64", greedy_ptr="*i8", tokens_ptr="*i64", branch_ptr="*i64",
                  draft_len_ptr="*i64", sstart_ptr="*i64", slen_ptr="*i64", u_ptr="*fp32", out_ptr="*i64")
     sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in kernel.params}
@@ -151,16 +146,8 @@ def compile_only(archs: list[int]) -> int:
         for C in (1, 2, 3, 4, 8):
             for bv in (sw.BLOCK_V, 64):
                 try:
-                    c = triton.compile(ASTSource(kernel, sig, constexprs=dict(C=C, BLOCK_C=triton.next_power_of_2(C),
-                                                                                BLOCK_V=bv)),
-                                       target=GPUTarget("cuda", arch, 32),
-                                       options=dict(num_warps=8 if bv >= 1024 else 4))
-                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                        f.write(c.asm["cubin"])
-                        f.flush()
-                        dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                              text=True).stdout
-                    usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
+                    _, usage = compile_for_nvidia(kernel, sig, dict(C=C, BLOCK_C=triton.next_power_of_2(C), BLOCK_V=bv),
+                                                  dict(num_warps=8 if bv >= 1024 else 4), arch)
                 except Exception as e:  # noqa: BLE001 - report every configuration
                     usage, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100]}", 1
                 print(f"sm_{arch} K={C} BLOCK_V={bv}: {usage}")

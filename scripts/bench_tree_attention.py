@@ -171,30 +171,19 @@ def compile_only(archs: list[int]) -> int:
     """Compile the kernels for NVIDIA targets without a GPU (Triton's bundled ptxas) over the tile
     configurations the wrapper picks, single-pass and split, and the merge kernel, and print
     registers / stack (spills) per thread."""
-    import subprocess
-    import tempfile
-
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
 
     kernel = ta.tree_attention_kernel
     if not isinstance(kernel, triton.JITFunction):
         print("TRITON_INTERPRET is set: unset it for --compile-only")
         return 1
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     ptr_of = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
     def build(fn, sig, consts, opts, arch) -> tuple[str, str, int]:
         try:
-            c = triton.compile(ASTSource(fn, sig, constexprs=consts),
-                               target=GPUTarget("cuda", arch, 32), options=opts)
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(c.asm["cubin"])
-                f.flush()
-                dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                      text=True).stdout
-            usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
+            c, usage = compile_for_nvidia(fn, sig, consts, opts, arch)
             return usage, f"{c.metadata.shared / 1024:7.0f}", 0
         except Exception as e:  # noqa: BLE001 - report every configuration
             return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", "      -", 1

@@ -120,7 +120,7 @@ fi
 
 # Sampled verification (scripts/bench_sampled_verify.py, 1 and 32 requests): every node's row
 # at once walked by torch and by the Triton kernel, against the rows the walk reads (memory,
-# time). The CPU measured the first two only (the rows: 0.07x the memory, 0.6x the time at 32
+# time). The CPU measured the first two only (the rows: 0.07-0.1x the memory, 0.56-0.61x the time at 32
 # requests); on a GPU the torch walk's ~1,400 launches are the question. Last, in what time is
 # left, after the whole suite only.
 if [[ $PART == all ]] && (( ${#SELECTION[@]} == 0 && $(left) >= 60 )); then

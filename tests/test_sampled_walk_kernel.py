@@ -119,24 +119,38 @@ def test_check_kernel_passes_and_catches_a_wrong_walk(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_verify_walks_with_the_kernel_as_with_torch(seed):
-    """verify.verify(walk="triton") in the table form: the same result as the torch walk, with
-    the caller's uniforms or drawn from its generator as the torch walk draws them."""
+    """verify.verify(walk="triton"): the same result as the torch walk, with the caller's
+    uniforms or drawn from its generator as the torch walk draws them, whether the batch's rows
+    fit in max_table_rows (one launch) or go in chunks (of 2 requests, of 1)."""
     from vllm_ouroboros.verify import verify
 
     tree, x, greedy, u = random_case(7 + seed, 6, 4, 3, 2, 64)
-    rows = tree.B * (tree.N + 1)
+    row_start = np.arange(tree.B) * (tree.N + 1)
     process = lambda x, req: x.div_(0.9)  # noqa: E731
-    for kwargs in (dict(uniforms=u), dict(generator=lambda: torch.Generator(DEVICE).manual_seed(seed))):
-        runs = []
-        for walk in ("torch", "triton"):
-            kw = {k: (v() if callable(v) else v) for k, v in kwargs.items()}
-            runs.append(verify(tree, x, np.arange(tree.B) * (tree.N + 1), greedy, process,
-                               max_table_rows=rows, walk=walk, **kw).result)
-        assert np.array_equal(runs[0].emitted, runs[1].emitted)
-        assert np.array_equal(runs[0].kv_keep_src, runs[1].kv_keep_src)
-    with pytest.raises(ValueError, match="walk must be"):
-        verify(tree, x, np.arange(tree.B) * (tree.N + 1), greedy, process, walk="cuda")
+    launches = []
+    real = sw.sampled_walk_triton
 
+    def counted(*args, **kwargs):
+        launches.append(args[1].shape[0])  # the chunk's requests
+        return real(*args, **kwargs)
+
+    for table_rows, chunks in ((tree.B * (tree.N + 1), [6]), (2 * (tree.N + 1) + 1, [2, 2, 2]), (0, [1] * 6)):
+        for kwargs in (dict(uniforms=u), dict(generator=lambda: torch.Generator(DEVICE).manual_seed(seed))):
+            runs = []
+            for walk in ("torch", "triton"):
+                kw = {k: (v() if callable(v) else v) for k, v in kwargs.items()}
+                launches.clear()
+                sw.sampled_walk_triton = counted
+                try:
+                    runs.append(verify(tree, x, row_start, greedy, process, max_table_rows=table_rows,
+                                       walk=walk, **kw).result)
+                finally:
+                    sw.sampled_walk_triton = real
+            assert launches == chunks
+            assert np.array_equal(runs[0].emitted, runs[1].emitted)
+            assert np.array_equal(runs[0].kv_keep_src, runs[1].kv_keep_src)
+    with pytest.raises(ValueError, match="walk must be"):
+        verify(tree, x, row_start, greedy, process, walk="cuda")
 
 def test_engine_start_picks_the_walk_on_a_gpu(monkeypatch, caplog):
     """tree_verify's start-up decision: on a CUDA runner the kernel walks sampled steps once

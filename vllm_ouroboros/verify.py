@@ -77,9 +77,9 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     the rows its memory was sized for: vLLM's profiling run sizes sampling for one row per
     request (two for its rejection sampler), not one per tree node.
 
-    walk: "torch" (accept.sampled_walk) or "triton" (kernels/sampled_walk.py: the table form's
-    walk in one launch instead of some 140 per depth step; the caller checked it first,
-    check_kernel; where Triton cannot run, the torch walk).
+    walk: "torch" (accept.sampled_walk) or "triton" (kernels/sampled_walk.py, the caller having
+    checked it, check_kernel: the table form in chunks of at most max_table_rows rows, each
+    walked in one launch instead of some 140 per depth step; where Triton cannot run, torch).
     """
     if walk not in ("torch", "triton"):
         raise ValueError(f"walk must be 'torch' or 'triton', got {walk!r}")
@@ -91,39 +91,66 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     else:
         if process is None:
             raise ValueError("sampled requests need the processing of their logits (process)")
-        # Greedy rows walk the one-hot of the raw argmax, with which the sampled walk accepts
-        # exactly what the greedy walk would (tests/test_accept.py): one walk for the batch.
-        sampled = (~greedy).float()
         out = None
-        if rows.numel() <= max_table_rows:
-            B, N1 = rows.shape
-            req = torch.arange(B, device=logits.device).repeat_interleave(N1)
-            x = process(logits[rows.reshape(-1)].float(), req).contiguous()
-            if walk == "triton":
-                from .kernels.sampled_walk import sampled_walk_triton  # imports Triton
-
-                if uniforms is None:  # as sampled_walk draws them
-                    uniforms = torch.rand(B, walk_steps(tree), max(tree.K, 1) + 1, generator=generator,
-                                          device=logits.device)
-                out = sampled_walk_triton(x, target_next, greedy, tree.tokens, tree.branch_of,
-                                          tree.draft_len, tree.suffix_start, tree.suffix_len, uniforms)
-            if out is None:
-                probs = torch.softmax(x, dim=-1).view(B, N1, -1)
-                probs.mul_(sampled[:, None, None])
-                probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
-        else:
-            req = torch.arange(tree.B, device=logits.device)
-
-            def probs(col: torch.Tensor) -> torch.Tensor:
-                p = torch.softmax(process(logits[rows[req, col]].float(), None), dim=-1)
-                p.mul_(sampled[:, None])
-                return p.scatter_add_(1, target_next[req, col][:, None], greedy[:, None].float())
-
+        if walk == "triton":
+            if uniforms is None:  # as sampled_walk draws them
+                uniforms = torch.rand(tree.B, walk_steps(tree), max(tree.K, 1) + 1, generator=generator,
+                                      device=logits.device)
+            out = _kernel_walk(tree, logits, rows, target_next, greedy, process, uniforms, max_table_rows)
         if out is None:
-            out = sampled_walk(tree, probs, generator, uniforms)
+            out = sampled_walk(tree, _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows),
+                               generator, uniforms)
         path, tn, tokens = to_host(out, target_next, tree.tokens)
         res = assemble_walk(tree, tokens, path)
     return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
+
+
+def _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows: int):
+    """What accept.sampled_walk walks: the table [B, N + 1, V] of every node's processed
+    distribution where the rows fit in max_table_rows, else a function giving the rows it reads.
+    Greedy rows are the one-hot of the raw argmax, with which the sampled walk accepts exactly
+    what the greedy walk would (tests/test_accept.py): one walk for the batch."""
+    sampled = (~greedy).float()
+    B, N1 = rows.shape
+    if rows.numel() <= max_table_rows:
+        req = torch.arange(B, device=logits.device).repeat_interleave(N1)
+        probs = torch.softmax(process(logits[rows.reshape(-1)].float(), req), dim=-1).view(B, N1, -1)
+        probs.mul_(sampled[:, None, None])
+        return probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
+    req = torch.arange(B, device=logits.device)
+
+    def row_probs(col: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(process(logits[rows[req, col]].float(), None), dim=-1)
+        p.mul_(sampled[:, None])
+        return p.scatter_add_(1, target_next[req, col][:, None], greedy[:, None].float())
+
+    return row_probs
+
+
+def _kernel_walk(tree: TokenTree, logits, rows, target_next, greedy, process, uniforms,
+                 max_table_rows: int) -> torch.Tensor | None:
+    """The walk by kernels/sampled_walk.py, [4, B], or None where Triton cannot run. Requests
+    go in chunks of at most max_table_rows node rows (one request at least), each chunk's rows
+    processed at once and walked in one launch: the memory of the table form, and some 12
+    launches a chunk instead of the torch walk's ~140 a depth step."""
+    from .kernels.sampled_walk import sampled_walk_triton  # imports Triton
+
+    B, N1 = rows.shape
+    per_chunk = max(1, max_table_rows // max(N1, 1))
+    outs = []
+    for b0 in range(0, B, per_chunk):
+        b1 = min(B, b0 + per_chunk)
+        req = torch.arange(b0, b1, device=logits.device).repeat_interleave(N1)
+        x = process(logits[rows[b0:b1].reshape(-1)].float(), req).contiguous()
+        out = sampled_walk_triton(x, target_next[b0:b1], greedy[b0:b1], tree.tokens[b0:b1],
+                                  tree.branch_of[b0:b1], tree.draft_len[b0:b1], tree.suffix_start[b0:b1],
+                                  tree.suffix_len[b0:b1], uniforms[b0:b1])
+        if out is None:
+            return None
+        outs.append(out)
+    if not outs:  # no request
+        return torch.zeros(4, 0, dtype=torch.int64, device=logits.device)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def draw_uniforms(tree: TokenTree, generators: dict[int, torch.Generator],

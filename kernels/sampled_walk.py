@@ -19,6 +19,8 @@ the caller takes the torch walk), and `check_kernel`, which an engine runs at it
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .triton_runtime import pick_kernel
@@ -38,7 +40,7 @@ if triton is not None:
 
     # Nothing but the constexprs and dtypes may pick the binary: the step's tree tensors are
     # views at any offset of one packed upload (host_copy.packed_copy) and its sizes change
-    # every step, and the one compile happens at the engine's start (warm_up).
+    # every step, and the one compile happens at the engine's start (check_kernel).
     @triton.jit(do_not_specialize=["x_ptr", "stride_x", "tn_ptr", "greedy_ptr", "tokens_ptr",
                                    "branch_ptr", "draft_len_ptr", "sstart_ptr", "slen_ptr", "u_ptr",
                                    "out_ptr", "B", "N", "N1", "K", "S", "V"])
@@ -62,7 +64,7 @@ if triton is not None:
         slen = tl.load(slen_ptr + b * K + offs_c, mask=c_in, other=0)
         n = tl.load(draft_len_ptr + b)
         is_greedy = tl.load(greedy_ptr + b) != 0
-        sampled = tl.load(greedy_ptr + b) == 0
+        sampled = is_greedy == 0
         offs_v = tl.arange(0, BLOCK_V)
 
         live = slen > 0
@@ -200,7 +202,7 @@ def sampled_walk_triton(x: torch.Tensor, target_next: torch.Tensor, greedy: torc
         return out
     C = max(K, 1)
     bv = min(block_v, triton.next_power_of_2(V))
-    with (torch.cuda.device(x.device) if x.device.type == "cuda" else _nullcontext()):
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         kernel[(B,)](
             x, x.stride(0), target_next.contiguous(), greedy.to(torch.int8), tokens.contiguous(),
             branch_of.contiguous(), draft_len.contiguous(), suffix_start.contiguous(),
@@ -242,10 +244,3 @@ def check_kernel(device: torch.device, num_suffixes: int, vocab_size: int) -> st
         return f"the kernel failed its check: {type(e).__name__}: {e}"
     return None
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

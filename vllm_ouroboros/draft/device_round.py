@@ -186,7 +186,7 @@ class DeviceRound:
     def _state(self, A: int) -> RoundState:
         rt = self.rt
         if self._generation != rt.generation:  # the cache or the window was reallocated
-            self._states.clear()
+            self._drop_graphs()
             self._generation = rt.generation
         st = self._states.get(A)
         if st is None:
@@ -201,6 +201,13 @@ class DeviceRound:
                 next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=dev),
                 outbox=z(A, width), limit=z(()))
         return st
+
+    def _drop_graphs(self) -> None:
+        """Forget every bucket's state and graphs, and their memory pool with them: torch's
+        allocator refuses a capture into a pool whose graphs were all freed (an internal assert in
+        capture_begin, seen on an H200 with torch 2.11), so the next captures take a new one."""
+        self._states.clear()
+        self._pool = None
 
     def _inbox(self, st: RoundState, U: int) -> torch.Tensor:
         box = st.inbox.get(U)
@@ -230,7 +237,7 @@ class DeviceRound:
             need = int(kv0.max()) + U + (self.max_forwards - 1) * (rt.L + 1)
             if need > self.graph_len:  # longer contexts than the graphs read: capture again
                 self.graph_len = min(max(2 * self.graph_len, need), rt.model.max_len)
-                self._states.clear()
+                self._drop_graphs()
                 st = self._state(A)
             self._ensure_captured(st, U)
         # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued

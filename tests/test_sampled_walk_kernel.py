@@ -167,6 +167,9 @@ def test_engine_start_picks_the_walk_on_a_gpu(monkeypatch, caplog):
         return verdict
 
     monkeypatch.setattr(sw, "check_kernel", check)
+    from vllm_ouroboros.kernels import kv_move
+
+    monkeypatch.setattr(kv_move, "check_kernel", lambda device: None)  # tests/test_kv_move_kernel.py
     drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
                               set_tree_available=lambda reason: None)
 

@@ -40,15 +40,24 @@ def relocation_slots(result: AcceptResult, root_rows: np.ndarray,
 
 
 def move_kv(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
-            dst: torch.Tensor) -> None:
+            dst: torch.Tensor, backend: str = "torch") -> None:
     """Copy slot src[m] to slot dst[m] in every layer's key and value cache.
 
     Shape: each cache [num_blocks, block_size, Hkv, D] (any strides: views of vLLM's layout);
     src, dst [M] int64 slots (block * block_size + offset). Gather then scatter: src and dst of
     one request may overlap (src >= dst, both increasing), so an in-place shift would not do.
+    backend: "torch" (two indexing calls per cache) or "triton" (kernels/kv_move.py: two
+    launches for all layers, where Triton runs and the caches share one layout; else torch).
     """
     if src.numel() == 0:
         return
+    if backend == "triton":
+        from vllm_ouroboros.kernels.kv_move import move_kv_triton
+
+        if move_kv_triton(caches, src, dst):
+            return
+    elif backend != "torch":
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     split: dict[int, tuple] = {}  # block size -> (src block, offset, dst block, offset): once, not per layer
     for k_cache, v_cache in caches:
         bs = k_cache.shape[1]

@@ -42,6 +42,7 @@ class TreeState:
         self.checked = False
         self.reason: str | None = None
         self.walk = "torch"  # how sampled steps walk their trees (verify.verify's `walk`)
+        self.kv_move = "torch"  # how a winning suffix's KV is moved (kv_relocate.move_kv's `backend`)
 
     def check(self, runner, drafter) -> None:
         self.checked = True
@@ -67,6 +68,14 @@ class TreeState:
                 self.walk = "triton"
             else:
                 logger.warning("ouroboros: sampled steps walk their trees in torch: %s", why)
+            # A winning suffix's KV moved in two launches instead of four per layer.
+            from vllm_ouroboros.kernels.kv_move import check_kernel as check_kv_move
+
+            why = check_kv_move(runner.device)
+            if why is None:
+                self.kv_move = "triton"
+            else:
+                logger.warning("ouroboros: a winning suffix's KV is moved in torch: %s", why)
 
 
 def _state(runner) -> TreeState:
@@ -187,7 +196,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
             move_kv([tree_attention.kv_views(layer)
                      for layer in tree_attention.attention_layers(runner).values()
                      if getattr(layer.impl, "kv_sharing_target_layer_name", None) is None],
-                    src, dst)
+                    src, dst, backend=_state(runner).kv_move)
         logprobs = None
         if sm.max_num_logprobs is not None:
             logprobs = _path_logprobs(runner.sampler, mode, raw, step, v, sm.max_num_logprobs)

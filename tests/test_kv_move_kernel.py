@@ -1,0 +1,137 @@
+"""The KV move kernel (kernels/kv_move.py) against kv_relocate.move_kv's torch copy: every layer's
+key and value caches in two launches, the same bytes moved. Compiled on a CUDA device when there
+is one, else run by Triton's CPU interpreter (TRITON_INTERPRET handled as in
+tests/test_fused_ops.py)."""
+
+import pytest
+import torch
+
+from conftest import DEVICE, set_triton_interpret
+
+set_triton_interpret(True)
+try:
+    from vllm_ouroboros.kernels import kv_move as km
+finally:
+    set_triton_interpret(False)
+
+from vllm_ouroboros.kv_relocate import move_kv  # noqa: E402
+
+_REASON = km.pick_kernel(km.kv_slots_kernel, torch.device(DEVICE), km._TRITON_IMPORT_ERROR)[1]
+needs_triton = pytest.mark.skipif(
+    _REASON is not None,
+    reason=f"Triton cannot run the kernel in this process: {_REASON}. Usually an earlier test "
+           "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
+pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton]
+
+
+def layers_of(kind, n, blocks, bs, H, D, dtype, g):
+    """n layers' (key, value) caches [blocks, bs, H, D] in one of vLLM's layouts."""
+    rnd = lambda *shape: torch.randn(*shape, generator=g, device=DEVICE).to(dtype)  # noqa: E731
+    if kind == "separate":
+        return [(rnd(blocks, bs, H, D), rnd(blocks, bs, H, D)) for _ in range(n)]
+    if kind == "stacked":  # FlashAttention's [2, blocks, bs, H, D] per layer: views of one tensor
+        return [tuple(rnd(2, blocks, bs, H, D).unbind(0)) for _ in range(n)]
+    if kind == "d-major":  # keys stored [blocks, H, D, bs] (vLLM's CPU cache), viewed as ours
+        return [tuple(rnd(blocks, H, D, bs).permute(0, 3, 1, 2) for _ in range(2)) for _ in range(n)]
+    raise ValueError(kind)
+
+
+def moves(g, slots, M):
+    """M distinct destinations and M distinct sources, some overlapping shifts included."""
+    perm = torch.randperm(slots, generator=g, device=DEVICE)
+    dst = perm[:M]
+    src = torch.where(torch.rand(M, generator=g, device=DEVICE) < 0.5, perm[M:2 * M], (dst + 1) % slots)
+    # A shift (src = dst + 1) may read a slot another row writes: gather before scatter.
+    return src, dst
+
+
+@pytest.mark.parametrize("kind", ["separate", "stacked", "d-major"])
+@pytest.mark.parametrize("dtype,H,D", [(torch.float32, 2, 16), (torch.float16, 3, 80),
+                                       (torch.bfloat16, 1, 64)])
+def test_kernel_moves_what_torch_moves(kind, dtype, H, D):
+    g = torch.Generator(DEVICE).manual_seed(hash((kind, D)) % 1000)
+    layers = layers_of(kind, 4, 5, 16, H, D, dtype, g)
+    layers = layers[2:] + layers[:2]  # the first cache is not the lowest address: negative offsets
+    want = [tuple(t.clone() for t in pair) for pair in layers]
+    src, dst = moves(g, 5 * 16, 7)
+    move_kv(want, src, dst, backend="torch")
+    assert km.move_kv_triton(layers, src, dst)
+    for got, exp in zip(layers, want):
+        assert torch.equal(got[0], exp[0]) and torch.equal(got[1], exp[1])
+
+
+def test_overlapping_left_shift_reads_before_it_writes():
+    k = torch.arange(32., device=DEVICE).view(8, 4, 1, 1).clone()
+    v = k + 100
+    src = torch.tensor([3, 4, 5], device=DEVICE)
+    dst = torch.tensor([2, 3, 4], device=DEVICE)
+    move_kv([(k, v)], src, dst, backend="triton")
+    assert k.flatten()[:7].tolist() == [0., 1., 3., 4., 5., 5., 6.]
+    assert v.flatten()[2:5].tolist() == [103., 104., 105.]
+
+
+def test_mixed_layouts_fall_back_to_torch():
+    """Caches of two block sizes share no layout: the kernel declines, move_kv copies in torch."""
+    g = torch.Generator(DEVICE).manual_seed(3)
+    layers = layers_of("separate", 2, 4, 16, 2, 8, torch.float32, g) + layers_of("separate", 1, 8, 8, 2, 8,
+                                                                                  torch.float32, g)
+    want = [tuple(t.clone() for t in pair) for pair in layers]
+    src, dst = torch.tensor([9, 10], device=DEVICE), torch.tensor([5, 6], device=DEVICE)
+    assert not km.move_kv_triton(layers, src, dst)
+    assert all(torch.equal(a, b) for p, q in zip(layers, want) for a, b in zip(p, q))  # untouched
+    move_kv(want, src, dst, backend="torch")
+    move_kv(layers, src, dst, backend="triton")
+    assert all(torch.equal(a, b) for p, q in zip(layers, want) for a, b in zip(p, q))
+
+
+def test_nothing_to_move_and_bad_backend():
+    k = torch.zeros(2, 4, 1, 8, device=DEVICE)
+    empty = torch.empty(0, dtype=torch.long, device=DEVICE)
+    assert km.move_kv_triton([(k, k.clone())], empty, empty)
+    with pytest.raises(ValueError, match="backend"):
+        move_kv([(k, k.clone())], torch.tensor([1], device=DEVICE), torch.tensor([0], device=DEVICE),
+                backend="cuda")
+
+
+def test_check_kernel_passes_where_triton_runs():
+    assert km.check_kernel(torch.device(DEVICE)) is None
+
+
+def test_engine_start_picks_the_move_on_a_gpu(monkeypatch, caplog):
+    """tree_verify's start-up decision: on a CUDA runner a winning suffix's KV moves through the
+    kernel once check_kernel passes, else in torch, with the reason logged; off CUDA nothing is
+    checked."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros.kernels import sampled_walk
+    from vllm_ouroboros.patches import tree_verify
+
+    asked = []
+
+    def check(device):
+        asked.append(device.type)
+        return verdict
+
+    monkeypatch.setattr(km, "check_kernel", check)
+    monkeypatch.setattr(sampled_walk, "check_kernel", lambda *a: None)
+    drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
+                              set_tree_available=lambda reason: None)
+
+    def start(device):
+        runner = SimpleNamespace(device=SimpleNamespace(type=device),
+                                 model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
+        return tree_verify.prepare(runner, drafter).kv_move
+
+    verdict = None
+    assert start("cuda") == "triton" and asked == ["cuda"]
+    verdict = "the kernel failed its check: boom"
+    log = logging.getLogger(LOGGER_NAME)  # vLLM's logging may stop propagation to the root
+    log.addHandler(caplog.handler)
+    try:
+        assert start("cuda") == "torch"
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "KV is moved in torch: the kernel failed its check: boom" in caplog.text
+    assert start("cpu") == "torch" and len(asked) == 2

@@ -267,6 +267,16 @@ class RefPool:
         return (own + ([p for p, o in items if o != slot] if self.shared else []))[:n]
 
 
+@pytest.fixture(autouse=True, params=["index_put", "scatter_add"])
+def adds(request, monkeypatch):
+    """Both ways a pool adds at indices (pool.SCATTER_ADD_DEVICES picks one per device), here."""
+    from vllm_ouroboros import pool as pool_module
+
+    devices = {DEVICE, "meta"} if request.param == "scatter_add" else set()
+    monkeypatch.setattr(pool_module, "SCATTER_ADD_DEVICES", devices)
+    return request.param
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_randomized_against_reference(shared):
     V, L, W, slots = 12, 2, 3, 4

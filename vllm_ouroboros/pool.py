@@ -28,6 +28,32 @@ class PoolFileError(ValueError):
     """A pool file that cannot be loaded; the message says why (after the file's name)."""
 
 
+# Devices whose pools add at indices with scatter_add_ (one kernel) rather than
+# index_put_(accumulate=True), which CUDA runs as a radix sort of the indices (several kernels)
+# and then the add; on a CPU index_put_ is the faster. tests/test_pool.py runs both.
+SCATTER_ADD_DEVICES = {"cuda"}
+
+
+def _index_put_add(buf: torch.Tensor, index: tuple[torch.Tensor, ...], delta: torch.Tensor) -> None:
+    """buf[index] += delta, in place (index_put_ with accumulate).
+
+    Shape: buf [R, ...] or [R, S, ...]; index (rows [N],) or (rows [N], columns [N]) int64;
+    delta [N, ...] (any integer dtype; cast to buf's). Rows that must change nothing add 0
+    wherever their index points, so the one row with a real change to an entry is the only one
+    that moves it."""
+    buf.index_put_(index, delta.to(buf.dtype), accumulate=True)
+
+
+def _scatter_add(buf: torch.Tensor, index: tuple[torch.Tensor, ...], delta: torch.Tensor) -> None:
+    """_index_put_add as one scatter_add_ (same shapes, same result): an insert makes seven of
+    these, which as index_put_ were most of a drafting round's pool kernels on a GPU."""
+    flat, at = buf, index[0]
+    if len(index) == 2:  # (row, column) into the [R * S, ...] view
+        flat, at = buf.view(-1, *buf.shape[2:]), index[0] * buf.shape[1] + index[1]
+    idx = at.view(-1, *[1] * (flat.dim() - 1)).expand(-1, *flat.shape[1:])
+    flat.scatter_add_(0, idx, delta.to(buf.dtype).expand_as(idx))
+
+
 class PhrasePool:
     """Paged LRU phrase pool (see module docstring).
 
@@ -63,6 +89,7 @@ class PhrasePool:
         # Recency clock: an insert of N rows takes N stamps, a lookup one. On the device, so that
         # a replayed CUDA graph advances it; only the order of stamps matters.
         self.clock = torch.zeros((), dtype=torch.int64, **kw)
+        self._add_at = _scatter_add if self.device.type in SCATTER_ADD_DEVICES else _index_put_add
 
     @staticmethod
     def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
@@ -167,8 +194,9 @@ class PhrasePool:
         # Keys without a page take free pages first, then least recently used ones; pages of keys
         # in this call are never taken. The newest keys win when pages run short.
         P = self.num_pages
-        protect = torch.zeros(P, dtype=torch.int32, device=dev).index_put_(
-            (page.clamp(min=0),), (page >= 0).int(), accumulate=True) > 0
+        protect = torch.zeros(P, dtype=torch.int32, device=dev)
+        self._add_at(protect, (page.clamp(min=0),), (page >= 0).int())
+        protect = protect > 0
         # Pages of equal recency (inserted by one call) go in index order: scores made unique
         # (recency * P + index; free pages negative), so the k smallest are the same pages
         # whatever k, and the pool's state does not depend on how many rows a call carried
@@ -187,14 +215,11 @@ class PhrasePool:
         old_key = self.page_key[new_page].long()
         evict = got & (old_key >= 0)
         # Accumulated deltas: rows that change nothing add 0 wherever their clamped index points.
-        self.key_to_page.index_put_(
-            (torch.cat([old_key.clamp(min=0), key.clamp(max=V - 1)]),),
-            torch.cat([torch.where(evict, -1 - new_page, 0),
-                       torch.where(got, new_page + 1, 0)]).int(), accumulate=True)
-        self.page_key.index_put_((new_page,), torch.where(got, key - old_key, 0).int(),
-                                 accumulate=True)
-        self.stamp.index_put_((new_page,), torch.where(got[:, None], -self.stamp[new_page], 0),
-                              accumulate=True)  # a recycled page starts empty
+        self._add_at(self.key_to_page, (torch.cat([old_key.clamp(min=0), key.clamp(max=V - 1)]),),
+                torch.cat([torch.where(evict, -1 - new_page, 0), torch.where(got, new_page + 1, 0)]))
+        self._add_at(self.page_key, (new_page,), torch.where(got, key - old_key, 0))
+        self._add_at(self.stamp, (new_page,),  # a recycled page starts empty
+                torch.where(got[:, None], -self.stamp[new_page], 0))
         self.counters[3] += evict.sum()
         page = torch.where(got, new_page, page)[first]
         live = has_key & (rank < W) & (page >= 0)
@@ -213,7 +238,7 @@ class PhrasePool:
         for buf, val in ((self.tokens, phr), (self.stamp, t0 + 1 + perm), (self.owner, own)):
             cur = buf[pg, slot]
             m = live.view(-1, *[1] * (cur.dim() - 1))
-            buf.index_put_((pg, slot), torch.where(m, val - cur, 0).to(buf.dtype), accumulate=True)
+            self._add_at(buf, (pg, slot), torch.where(m, val - cur, 0))
         self.page_last_used.scatter_reduce_(0, pg, torch.where(live, t0 + N, 0), "amax")
 
     @torch.no_grad()
@@ -263,8 +288,7 @@ class PhrasePool:
         # pages left empty go back to the free list, so they do not wait for LRU eviction
         empty = (self.stamp == 0).all(1) & (self.page_key >= 0)
         p = torch.arange(self.num_pages, device=self.device)
-        self.key_to_page.index_put_((self.page_key.long().clamp(min=0),),
-                                    torch.where(empty, -1 - p, 0).int(), accumulate=True)
+        self._add_at(self.key_to_page, (self.page_key.long().clamp(min=0),), torch.where(empty, -1 - p, 0))
         self.page_key.masked_fill_(empty, -1)
 
     # ---- stats (these sync) --------------------------------------------------------------------

@@ -299,11 +299,17 @@ def _next_pow2(x: int) -> int:
 
 
 # Tiles per (input dtype, padded head dim): max rows per program M, key tile BLOCK_N, warps when
-# M < 64, warps when M >= 64. NOT TUNED ON A GPU: none was available; the rows only keep register
-# spills small in cubins compiled without a device (notes in _tile_config) and wait to be timed.
+# M < 64, warps when M >= 64. bf16 D = 64 and 128 were timed on an H200 (scripts/bench_gpu.py's
+# kernel tiles, issue 15's 36 configurations, device time from CUDA graphs): M = 128 halves the
+# time of 64-node trees (fewer programs re-reading the prefix; e.g. 32 requests, 8192-token
+# prefix, D = 64: 1.12x -> 0.57x SDPA; D = 128, eager: 1.35x -> 0.81x) and leaves trees of <= 16
+# nodes as they were (M is capped by the tree: 16 nodes x 4 heads). Its only loss, 1-request
+# 512-token prefixes, is ~4 us. D = 16, 32 and 256 are still untimed (register notes in
+# _tile_config).
 _TILES = {
-    **{("half", d): (64, 64, 4, 8) for d in (16, 32, 64)},
-    ("half", 128): (64, 64, 8, 8),
+    **{("half", d): (64, 64, 4, 8) for d in (16, 32)},
+    ("half", 64): (128, 64, 8, 8),
+    ("half", 128): (128, 64, 8, 8),
     # D = 256 at M = 64, 64-wide key tiles spilled 776 B per thread on sm_90 (2.4 KB on sm_80);
     # M = 32, 32-wide tiles: 64 B (sm_90), 0 (sm_80); split-KV variant 144 B, 32 B.
     ("half", 256): (32, 32, 8, 8),
@@ -337,13 +343,16 @@ def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_quer
     """Tile sizes and launch options from `_TILES` (or `tiles`, the same four numbers, where a
     caller sweeps them: scripts/bench_gpu.py's kernel tiles). Register use below was read with cuobjdump
     from sm_90 / sm_80 cubins compiled on a machine without a GPU (Triton 3.9,
-    `scripts/bench_tree_attention.py --compile-only`); not yet timed on a device.
+    `scripts/bench_tree_attention.py --compile-only`); the bf16 D = 64 / 128 rows were then
+    timed on an H200 (notes at `_TILES`).
 
     Rows per program M = BLOCK_Q * GROUP_PAD: at least 16 (tl.dot's minimum), no more tree nodes
-    than the largest tree has, and at most the table's M: 64 for half inputs up to D = 128 (bf16,
-    D = 128, M = 64 already needs 8 warps to stay at 255 registers without spilling on sm_90, 120 B
-    on sm_80; 4 warps spill 1.4 KB). Fewer rows per program means more programs re-reading the
-    same prefix, so M is not made smaller than that.
+    than the largest tree has, and at most the table's M: 128 for bf16 D = 64 and 128 (timed
+    faster, with 8 warps, although at D = 128 it spills 192-240 B per thread on sm_90 with
+    Triton 3.9; at M = 64, D = 128 already needed 8 warps to stay at 255 registers without
+    spilling on sm_90, 120 B on sm_80, and 4 warps spilled 1.4 KB), 64 for smaller half head dims.
+    Fewer rows per program means more programs re-reading the same prefix, so M is not made
+    smaller than that.
     fp32 runs its dots as 3xTF32 (about fp32 accuracy on the tensor cores): IEEE fp32 dots compile
     to a scalar FMA loop that spills 3-9 KB per thread, and plain TF32 (10-bit mantissa) is too
     coarse for fp32 parity checks. fp32 tiles are kept small (M = 16, 32-wide key tiles) for the same reason.
@@ -485,121 +494,162 @@ def tree_attention(
     `tiles` (Triton only): this call's `_TILES` entry (check_tiles), for measuring candidates;
     None: the table's.
     """
-    if backend not in ("auto", "triton", "torch", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton', 'torch' or 'reference', got {backend!r}")
-    if num_splits is not None and (type(num_splits) is not int or not 1 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    if max_prefix_len is not None and (type(max_prefix_len) is not int or max_prefix_len < 0):
-        raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
-    if tiles is not None:
-        check_tiles(tiles)
-    device = q.device
-    floats = (torch.float32, torch.float16, torch.bfloat16)
-    _check("q", q, 3, floats, device)
-    _check("k_cache", k_cache, 4, (q.dtype,), device)
-    _check("v_cache", v_cache, 4, (q.dtype,), device)
-    _check("block_table", block_table, 2, (torch.int32,), device)
-    _check("prefix_lens", prefix_lens, 1, (torch.int32,), device)
-    _check("query_start", query_start, 1, (torch.int32,), device)
-    _check("tree_mask", tree_mask, 1, (torch.int64,), device)
-    num_tokens, hq, head_dim = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    batch = block_table.shape[0]
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    if head_dim > 256:
-        raise ValueError(f"head dim {head_dim} > 256 is not supported")
-    if prefix_lens.shape[0] != batch or query_start.shape[0] != batch + 1:
-        raise ValueError(
-            f"block_table has {batch} rows: prefix_lens must have {batch} entries (got "
-            f"{prefix_lens.shape[0]}) and query_start {batch + 1} (got {query_start.shape[0]})")
-    if tree_mask.shape[0] != num_tokens:
-        raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows, q has {num_tokens}")
-    kernel, reason = (None, f"backend={backend!r}") if backend in ("torch", "reference") \
-        else _pick_kernel(device)
-    # The torch paths read any strides (vLLM's CPU cache stores keys d-major); Triton needs a unit
-    # head-dim stride.
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if kernel is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head dim) axis, strides {t.stride()}")
-    for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens),
-                    ("query_start", query_start), ("tree_mask", tree_mask)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last axis, strides {t.stride()}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        _check("out", out, 3, (q.dtype,), device)
-        if out.shape != q.shape or out.stride(-1) != 1:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)} and a unit last stride, got "
-                             f"shape {tuple(out.shape)} strides {out.stride()}")
-    if num_tokens == 0 or batch == 0:
-        return out
+    return TreeAttentionPlan(q, k_cache, v_cache, block_table, prefix_lens, query_start, tree_mask,
+                             scale, max_query_len, backend, num_splits, max_prefix_len, tiles)(
+        q, k_cache, v_cache, out)
 
-    if kernel is None:
-        if backend == "triton":
-            raise RuntimeError(f"tree_attention: Triton cannot run: {reason}")
-        if backend == "auto":
-            _log_once(reason)
-        fallback = tree_attention_reference if backend == "reference" else tree_attention_torch
-        out.copy_(fallback(q, k_cache, v_cache, block_table, prefix_lens, query_start, tree_mask,
-                           scale))
-        return out
 
-    if max_query_len is None:
-        max_query_len = int((query_start[1:] - query_start[:-1]).max())  # syncs
-    if max_query_len > MAX_TREE_NODES:
-        raise ValueError(f"a request has {max_query_len} tree nodes; at most {MAX_TREE_NODES} are supported")
-    if max_query_len <= 0:
-        return out
+class TreeAttentionPlan:
+    """`tree_attention`'s checks and launch decisions for one batch of trees, made once; calling
+    the plan with a layer's (q, k_cache, v_cache[, out]) checks only that they have the shapes,
+    dtype and device of the ones it was made with, and launches.
 
-    group = hq // hkv
-    prefix_bound = block_table.shape[1] * block_size if max_prefix_len is None else max_prefix_len
-    cfg, num_q_blocks, num_splits = _launch_plan(q.dtype, hq, hkv, head_dim, batch, max_query_len,
-                                                 prefix_bound, device, num_splits, tiles)
-    split = num_splits > 1
-    if split:
-        # One allocation for both partial arrays (acc, then (m, l) from ml_offset): each
-        # torch.empty is host time on every call.
-        ml_offset = num_tokens * hq * num_splits * head_dim
-        part = torch.empty(ml_offset + num_tokens * hq * num_splits * 2, dtype=torch.float32,
-                           device=device)
-    else:
-        ml_offset, part = 0, out  # never touched: SPLIT_KV=False compiles the partial stores away
-    # The q block is the fastest grid axis: the programs that stream the same request's K/V (same
-    # b, same kv head, same split) are launched together and share those reads through L2.
-    grid = (num_q_blocks * num_splits, hkv, batch)
-    launch = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with launch:  # Triton launches on the current CUDA device
-        kernel[grid](
-            q, k_cache, v_cache, out,
-            block_table, prefix_lens, query_start, tree_mask,
-            part,
-            float(scale) * math.log2(math.e),
-            num_splits, ml_offset,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1),
-            block_table.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=split,
-            UPCAST_DOT=q.dtype == torch.bfloat16 and _is_interpreted(kernel),
-            **cfg,
-        )
-        if split:
-            splits_pad = _next_pow2(num_splits)
-            tree_attention_merge_kernel[(num_tokens, hq)](
-                part, out, query_start,
-                num_splits, ml_offset, batch,
+    The arguments are tree_attention's; q, k_cache and v_cache stand for every layer's (one
+    layer's tensors or any of the same shape). A target forward's layers share one plan (the
+    attention patch makes it at the first layer), where tree_attention would check the same
+    metadata in each: some 14 us of host time per layer, on the host-bound path of a GPU step.
+    """
+
+    def __init__(self, q, k_cache, v_cache, block_table, prefix_lens, query_start, tree_mask,
+                 scale: float, max_query_len: int | None = None, backend: str = "auto",
+                 num_splits: int | None = None, max_prefix_len: int | None = None,
+                 tiles: tuple[int, int, int, int] | None = None):
+        if backend not in ("auto", "triton", "torch", "reference"):
+            raise ValueError(f"backend must be 'auto', 'triton', 'torch' or 'reference', got {backend!r}")
+        if num_splits is not None and (type(num_splits) is not int or not 1 <= num_splits <= MAX_SPLITS):
+            raise ValueError(f"num_splits must be None or an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+        if max_prefix_len is not None and (type(max_prefix_len) is not int or max_prefix_len < 0):
+            raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
+        if tiles is not None:
+            check_tiles(tiles)
+        device = q.device
+        floats = (torch.float32, torch.float16, torch.bfloat16)
+        _check("q", q, 3, floats, device)
+        _check("k_cache", k_cache, 4, (q.dtype,), device)
+        _check("v_cache", v_cache, 4, (q.dtype,), device)
+        _check("block_table", block_table, 2, (torch.int32,), device)
+        _check("prefix_lens", prefix_lens, 1, (torch.int32,), device)
+        _check("query_start", query_start, 1, (torch.int32,), device)
+        _check("tree_mask", tree_mask, 1, (torch.int64,), device)
+        num_tokens, hq, head_dim = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        batch = block_table.shape[0]
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        if k_cache.shape[3] != head_dim:
+            raise ValueError(f"head dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
+        if hq % hkv != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+        if head_dim > 256:
+            raise ValueError(f"head dim {head_dim} > 256 is not supported")
+        if prefix_lens.shape[0] != batch or query_start.shape[0] != batch + 1:
+            raise ValueError(
+                f"block_table has {batch} rows: prefix_lens must have {batch} entries (got "
+                f"{prefix_lens.shape[0]}) and query_start {batch + 1} (got {query_start.shape[0]})")
+        if tree_mask.shape[0] != num_tokens:
+            raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows, q has {num_tokens}")
+        kernel, reason = (None, f"backend={backend!r}") if backend in ("torch", "reference") \
+            else _pick_kernel(device)
+        for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens),
+                        ("query_start", query_start), ("tree_mask", tree_mask)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last axis, strides {t.stride()}")
+        self.q_shape, self.kv_shape, self.dtype, self.device = q.shape, k_cache.shape, q.dtype, device
+        self.meta = (block_table, prefix_lens, query_start, tree_mask)
+        self.scale, self.kernel, self.empty = scale, kernel, num_tokens == 0 or batch == 0
+        self._check_strides(q, k_cache, v_cache)
+        self.fallback = None
+        if kernel is None:
+            if backend == "triton" and not self.empty:
+                raise RuntimeError(f"tree_attention: Triton cannot run: {reason}")
+            if backend == "auto":
+                _log_once(reason)
+            self.fallback = tree_attention_reference if backend == "reference" else tree_attention_torch
+            return
+        if self.empty:
+            return
+        if max_query_len is None:
+            max_query_len = int((query_start[1:] - query_start[:-1]).max())  # syncs
+        if max_query_len > MAX_TREE_NODES:
+            raise ValueError(f"a request has {max_query_len} tree nodes; at most {MAX_TREE_NODES} are supported")
+        self.empty = max_query_len <= 0
+        prefix_bound = block_table.shape[1] * block_size if max_prefix_len is None else max_prefix_len
+        cfg, num_q_blocks, self.num_splits = _launch_plan(q.dtype, hq, hkv, head_dim, batch, max_query_len,
+                                                          prefix_bound, device, num_splits, tiles)
+        cfg.update(GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=self.num_splits > 1,
+                   UPCAST_DOT=q.dtype == torch.bfloat16 and _is_interpreted(kernel))
+        self.cfg = cfg
+        # The q block is the fastest grid axis: the programs that stream the same request's K/V
+        # (same b, same kv head, same split) are launched together and share those reads through L2.
+        self.grid = (num_q_blocks * self.num_splits, hkv, batch)
+        # One allocation for both partial arrays (acc, then (m, l) from ml_offset) per call.
+        self.ml_offset = num_tokens * hq * self.num_splits * head_dim
+        self.part_size = self.ml_offset + num_tokens * hq * self.num_splits * 2
+        self.scale_log2e = float(scale) * math.log2(math.e)
+
+    def _check_strides(self, q, k_cache, v_cache) -> None:
+        # The torch paths read any strides (vLLM's CPU cache stores keys d-major); Triton needs a
+        # unit head-dim stride.
+        if self.kernel is None:
+            return
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last (head dim) axis, strides {t.stride()}")
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention for one layer: q [T, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D]
+        of the plan's shapes, dtype and device; out [T, Hq, D] (optional), returned."""
+        if (q.shape != self.q_shape or k_cache.shape != self.kv_shape or v_cache.shape != self.kv_shape
+                or q.dtype != self.dtype or k_cache.dtype != self.dtype or v_cache.dtype != self.dtype
+                or q.device != self.device or k_cache.device != self.device or v_cache.device != self.device):
+            raise ValueError(
+                f"q {tuple(q.shape)} {q.dtype}, k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+                f"{tuple(v_cache.shape)} {v_cache.dtype} ({q.device}) must match the plan's q "
+                f"{tuple(self.q_shape)}, caches {tuple(self.kv_shape)}, {self.dtype} on {self.device}")
+        self._check_strides(q, k_cache, v_cache)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            _check("out", out, 3, (q.dtype,), self.device)
+            if out.shape != q.shape or out.stride(-1) != 1:
+                raise ValueError(f"out must have q's shape {tuple(q.shape)} and a unit last stride, got "
+                                 f"shape {tuple(out.shape)} strides {out.stride()}")
+        if self.fallback is not None:
+            if not self.empty:
+                out.copy_(self.fallback(q, k_cache, v_cache, *self.meta, self.scale))
+            return out
+        if self.empty:
+            return out
+        block_table, prefix_lens, query_start, tree_mask = self.meta
+        S, split, cfg = self.num_splits, self.num_splits > 1, self.cfg
+        # Never touched where S = 1: SPLIT_KV=False compiles the partial stores away.
+        part = torch.empty(self.part_size, dtype=torch.float32, device=self.device) if split else out
+        launch = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with launch:  # Triton launches on the current CUDA device
+            self.kernel[self.grid](
+                q, k_cache, v_cache, out,
+                block_table, prefix_lens, query_start, tree_mask,
+                part,
+                self.scale_log2e,
+                S, self.ml_offset,
+                q.stride(0), q.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], SPLITS_PAD=splits_pad,
-                num_warps=_merge_warps(splits_pad, cfg["HEAD_DIM_PAD"]),
+                block_table.stride(0),
+                **cfg,
             )
-    return out
+            if split:
+                splits_pad = _next_pow2(S)
+                tree_attention_merge_kernel[(q.shape[0], q.shape[1])](
+                    part, out, query_start,
+                    S, self.ml_offset, block_table.shape[0],
+                    out.stride(0), out.stride(1),
+                    HEAD_DIM=cfg["HEAD_DIM"], HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], SPLITS_PAD=splits_pad,
+                    num_warps=_merge_warps(splits_pad, cfg["HEAD_DIM_PAD"]),
+                )
+        return out
 
 
 # ----------------------------------------------------------------------------------------------

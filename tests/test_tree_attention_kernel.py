@@ -810,13 +810,17 @@ def test_target_layer_check_and_fallback(monkeypatch):
     reason = pta.check_layer_kernel(layer, max_nodes=4)
     assert "ZeroDivisionError" in reason
     pta._wrap(layer.impl, "torch")
-    backends = []
+    backends, calls = [], []
 
-    def spy(q, *args, backend, **kwargs):
-        backends.append(backend)
-        return torch.ones_like(q)
+    class Spy:  # a plan per step and layer shape, called by every layer
+        def __init__(self, q, *args, backend, **kwargs):
+            backends.append(backend)
 
-    monkeypatch.setattr(pta, "tree_attention", spy)
+        def __call__(self, q, k_cache, v_cache):
+            calls.append(q.shape)
+            return torch.ones_like(q)
+
+    monkeypatch.setattr(pta, "TreeAttentionPlan", Spy)
     rows = torch.tensor([1, 2], device=DEVICE)
     step = pta.TreeAttentionStep(
         q_rows=rows, q_start=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE),
@@ -828,11 +832,13 @@ def test_target_layer_check_and_fallback(monkeypatch):
     out = torch.zeros(3, 4 * 32, device=DEVICE)
     pta.set_active(step)
     try:
-        layer.impl.forward(layer, torch.randn(3, 4 * 32, device=DEVICE), None, None, layer.kv_cache,
-                           object(), output=out)
+        for _ in range(2):  # two layers of one forward: one plan
+            layer.impl.forward(layer, torch.randn(3, 4 * 32, device=DEVICE), None, None, layer.kv_cache,
+                               object(), output=out)
     finally:
         pta.set_active(None)
-    assert backends == ["torch"] and out[2].eq(1).all() and not out[:2].any()
+    assert backends == ["torch"] and len(calls) == 2
+    assert out[2].eq(1).all() and not out[:2].any()
 
 
 def test_tree_refused_where_only_the_last_stage_or_other_positions_would_see_it():
@@ -896,3 +902,29 @@ def test_triton_path_is_active():
         assert not _TRITON_WAS_IMPORTED or ta._is_interpreted(triton.language.zeros), \
             "triton was imported before this module without TRITON_INTERPRET=1"
     assert ta._pick_kernel(torch.device(DEVICE)) == (ta.tree_attention_kernel, None)
+
+
+def test_plan_serves_every_layer_of_a_step():
+    """TreeAttentionPlan: the checks and launch plan made once (at the first layer, as the
+    attention patch and the draft make it) give each layer what tree_attention gives it, split
+    and not; a layer whose tensors differ from the plan's is refused, not run."""
+    rng = random.Random(11)
+    trees = [random_parents("ouroboros", 10, rng), random_parents("chain", 3, rng)]
+    batch, _, _ = make_batch([40, 9], trees, hkv=2, group=2, head_dim=32, block_size=16, seed=11)
+    batch = on_device(batch)
+    meta = [batch[k] for k in ("block_table", "prefix_lens", "query_start", "tree_mask")]
+    layers = [(batch["q"], batch["k_cache"], batch["v_cache"])]
+    layers += [(torch.randn_like(batch["q"]), torch.randn_like(batch["k_cache"]), torch.randn_like(batch["v_cache"]))
+               for _ in range(2)]
+    for splits in (1, 3):
+        plan = ta.TreeAttentionPlan(*layers[0], *meta, batch["scale"], max_query_len=10, num_splits=splits)
+        for q, k, v in layers:
+            want = tree_attention(q, k, v, *meta, batch["scale"], max_query_len=10, num_splits=splits)
+            assert torch.equal(plan(q, k, v), want)
+    q, k, v = layers[0]
+    with pytest.raises(ValueError, match="must match the plan's"):
+        plan(q[:-1], k, v)
+    with pytest.raises(ValueError, match="must match the plan's"):
+        plan(q, k[:-1], v[:-1])
+    with pytest.raises(ValueError, match="must match the plan's"):
+        plan(q.double(), k.double(), v.double())

@@ -19,7 +19,7 @@ on the layer (block-table rows, write indices, the dense mask or the bitmask) li
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ class DraftAttentionMetadata:
     write_index: torch.Tensor  # [B, Q] int64: page * page_size + row of new token j's K/V
     kv_len: int  # max(cache_lens) + Q: the tokens [0, kv_len) any row can read
     use_kernel: bool = False  # masked_attention runs the Triton tree-attention kernel
+    # The kernel's checks and launch plan (kernels.tree_attention.TreeAttentionPlan), made at the
+    # first layer and reused by the others, by (dtype, heads, head dim, cache shape).
+    kernel_plans: dict = field(default_factory=dict)
 
     @functools.cached_property
     def dense_mask(self) -> torch.Tensor:
@@ -197,13 +200,16 @@ def masked_attention(
     """
     if not meta.use_kernel:
         return prefix_and_masked_attention(q.transpose(1, 2), k_cache, v_cache, meta, scale).transpose(1, 2)
-    from vllm_ouroboros.kernels.tree_attention import tree_attention
+    from vllm_ouroboros.kernels.tree_attention import TreeAttentionPlan
 
     B, Q, Hq, D = q.shape
-    block_table, prefix_lens, query_start, tree_mask = meta.kernel_inputs
-    # kv_len - Q bounds every row's prefix (the whole slot inside a CUDA graph): it sizes the
-    # split-KV grid; a loose bound only leaves the last splits empty.
-    out = tree_attention(q.reshape(B * Q, Hq, D), k_cache, v_cache, block_table, prefix_lens,
-                         query_start, tree_mask, scale, max_query_len=Q,
-                         max_prefix_len=meta.kv_len - Q, backend="triton")
-    return out.view(B, Q, Hq, D)
+    q = q.reshape(B * Q, Hq, D)
+    key = (q.dtype, Hq, D, tuple(k_cache.shape), scale)
+    plan = meta.kernel_plans.get(key)
+    if plan is None:
+        # kv_len - Q bounds every row's prefix (the whole slot inside a CUDA graph): it sizes the
+        # split-KV grid; a loose bound only leaves the last splits empty.
+        plan = meta.kernel_plans[key] = TreeAttentionPlan(
+            q, k_cache, v_cache, *meta.kernel_inputs, scale, max_query_len=Q,
+            max_prefix_len=meta.kv_len - Q, backend="triton")
+    return plan(q, k_cache, v_cache).view(B, Q, Hq, D)

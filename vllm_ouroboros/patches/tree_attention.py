@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from vllm_ouroboros import LOGGER_NAME
-from vllm_ouroboros.kernels.tree_attention import MAX_TREE_NODES, check_kernel, tree_attention
+from vllm_ouroboros.kernels.tree_attention import MAX_TREE_NODES, TreeAttentionPlan, check_kernel
 from vllm_ouroboros.patches._util import require
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -39,6 +39,9 @@ class TreeAttentionStep:
     write_rows: torch.Tensor   # [W] int64, their query rows
     max_rows: int
     max_prefix: int = 0        # max(prefix_lens), known on the host: sizes the split-KV grid
+    # The kernel's checks and launch plan, made at the first layer of the forward and reused by
+    # the others (kernels.tree_attention.TreeAttentionPlan), by the layer's shapes and backend.
+    plans: dict = field(default_factory=dict)
 
 
 _active: TreeAttentionStep | None = None
@@ -240,8 +243,13 @@ def _wrap(impl, backend: str = "auto") -> None:
 def _tree_rows(impl, query, kv_cache, output, step: TreeAttentionStep) -> None:
     k_cache, v_cache = _LAYOUTS[type(impl).__name__](kv_cache, impl.head_size)
     q = query.view(query.shape[0], impl.num_heads, impl.head_size)[step.q_rows]
-    o = tree_attention(q, k_cache, v_cache, step.block_table, step.prefix_lens, step.q_start,
-                       step.bits, impl.scale, max_query_len=step.max_rows,
-                       max_prefix_len=step.max_prefix, backend=impl._ouroboros_backend)
+    key = (q.dtype, tuple(q.shape), tuple(k_cache.shape), impl.scale, impl._ouroboros_backend)
+    plan = step.plans.get(key)
+    if plan is None:
+        plan = step.plans[key] = TreeAttentionPlan(
+            q, k_cache, v_cache, step.block_table, step.prefix_lens, step.q_start, step.bits,
+            impl.scale, max_query_len=step.max_rows, max_prefix_len=step.max_prefix,
+            backend=impl._ouroboros_backend)
+    o = plan(q, k_cache, v_cache)
     out = output.view(output.shape[0], impl.num_heads, -1)
     out[step.write_rows] = o[step.write_local].to(out.dtype)

@@ -210,7 +210,8 @@ class OuroborosProposer:
             dtype = _DTYPES[cfg.draft_dtype]
         model = DraftModel.from_pretrained(cfg.draft_model, dtype=dtype, device=self.device)
         model.attention_backend = cfg.draft_attention
-        model.fused_ops = cfg.draft_fused_ops
+        model.fused_ops = (self.device.type == "cuda" if cfg.draft_fused_ops is None
+                           else cfg.draft_fused_ops)
         if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
             from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
 

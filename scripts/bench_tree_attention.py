@@ -9,7 +9,8 @@ chain of N/2 plus suffix chains off its last node, the Ouroboros shape). The ker
 cache; the baselines get the same N query tokens per request over the same P + N keys as dense
 [B, L, H, D] tensors with a bottom-right causal mask: torch SDPA, and flash-attn when importable.
 Timed with CUDA events after warmup (mean of a batch of back-to-back calls, best of 5); the kernel's
-time includes its host wrapper (shape checks, launches). Per configuration: S, the number of
+time includes its host wrapper (shape checks, launches). `--graph` adds both replayed from CUDA
+graphs: device time alone, what a captured forward pays. Per configuration: S, the number of
 prefix splits (split-KV) the wrapper's heuristic picked (or `--splits S`), the kernel's time with
 it, and, where S > 1, the single-pass (S = 1) time beside it, so the heuristic can be checked.
 Each configuration is also checked against the plain-torch reference. Without a GPU, runs one tiny
@@ -91,6 +92,32 @@ def time_ms(fn, warmup=10, reps=50, rounds=5) -> float:
         end.record()
         torch.cuda.synchronize()
         best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+def time_graph_ms(fn, calls=20, rounds=5) -> float | None:
+    """Device time per call: `calls` calls captured in one CUDA graph, replayed (best of
+    `rounds` replays, ms per call); None where fn cannot be captured. The host's part of a call
+    (the Python wrapper, Triton's launcher) drops out: what a call costs inside a captured
+    forward, or wherever the GPU, not the host, is the bottleneck. time_ms keeps the host."""
+    from vllm_ouroboros.cuda_graph import capture_graph
+
+    try:
+        graph = capture_graph(lambda _: [fn() for _ in range(calls)],
+                              torch.device("cuda", torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - a baseline torch cannot capture: no graph column
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
     return best
 
 
@@ -238,13 +265,19 @@ def bench_one(b: int, p: int, n: int, d: int, a: argparse.Namespace, dtype: torc
     t_sdpa = time_ms(sdpa)
     fl = flash_fn(dq, dk, dv, args["scale"])
     t_flash = time_ms(fl) if fl is not None else float("nan")
+    graph = ""
+    if a.graph:
+        g_kernel = time_graph_ms(lambda: tree_attention(**args, out=out, max_query_len=n, num_splits=a.splits))
+        g_sdpa = time_graph_ms(sdpa)
+        ratio = g_kernel / g_sdpa if g_kernel and g_sdpa else float("nan")
+        graph = f" {g_kernel or float('nan'):>9.4f} {g_sdpa or float('nan'):>9.4f} {ratio:>6.2f}"
     err = float("nan")
     if not a.no_check:
         tree_attention(**args, out=out, max_query_len=n, num_splits=a.splits)
         ref = tree_attention_reference(**args)
         err = (out.float() - ref.float()).abs().max().item()
     return (f"{b:>5} {p:>6} {n:>4} {d:>4} {splits:>3} {t_kernel:>10.4f} {t_single:>9.4f} {t_sdpa:>9.4f} "
-            f"{t_kernel / t_sdpa:>6.2f} {t_flash:>9.4f} {t_kernel / t_flash:>6.2f} {err:>8.1e}  {mode}")
+            f"{t_kernel / t_sdpa:>6.2f} {t_flash:>9.4f} {t_kernel / t_flash:>6.2f}{graph} {err:>8.1e}  {mode}")
 
 
 def main() -> int:
@@ -260,6 +293,9 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the reference")
     ap.add_argument("--splits", type=int, default=None, metavar="S",
                     help="force S prefix splits (1 = single pass) instead of the wrapper's heuristic")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time kernel and SDPA replayed from CUDA graphs (device time, no host "
+                         "wrapper): three more columns")
     ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM",
                     help="no GPU needed: compile for these sm versions (default 80 90), print register use")
     a = ap.parse_args()
@@ -275,9 +311,11 @@ def main() -> int:
     flash_note = "" if importlib.util.find_spec("flash_attn") else " (flash-attn not importable)"
     print(f"# ms: CUDA events, best of 5 rounds of 50 calls after 10 warmup{flash_note}")
     print("# S: prefix splits used (heuristic unless --splits); ms S=1: the single pass, timed "
-          "where S > 1; ratio: kernel / SDPA, then kernel / flash-attn")
+          "where S > 1; ratio: kernel / SDPA, then kernel / flash-attn"
+          + ("; graph: 20 calls in one CUDA graph, ms per call (device time)" if a.graph else ""))
+    graph_cols = f" {'graph krn':>9} {'graph SDPA':>9} {'ratio':>6}" if a.graph else ""
     header = (f"{'batch':>5} {'prefix':>6} {'tree':>4} {'D':>4} {'S':>3} {'ms kernel':>10} {'ms S=1':>9} "
-              f"{'ms SDPA':>9} {'ratio':>6} {'ms flash':>9} {'ratio':>6} {'max err':>8}  sdpa mode")
+              f"{'ms SDPA':>9} {'ratio':>6} {'ms flash':>9} {'ratio':>6}{graph_cols} {'max err':>8}  sdpa mode")
     print(header)
     for d in a.head_dim:
         for b in a.batch:

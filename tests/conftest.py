@@ -76,6 +76,28 @@ def set_triton_interpret(on: bool) -> None:
         os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
 
 
+def import_kernel_module(name: str):
+    """A kernels/ module imported with the interpreter on where there is no CUDA device (its
+    @triton.jit functions are decorated at import)."""
+    import importlib
+
+    set_triton_interpret(True)
+    try:
+        return importlib.import_module(name)
+    finally:
+        set_triton_interpret(False)
+
+
+def needs_triton(module, kernel):
+    """The mark a kernel test module carries: skip, saying why, where Triton cannot run `kernel`
+    (from kernels/`module`, which has pick_kernel and _TRITON_IMPORT_ERROR) in this process."""
+    reason = module.pick_kernel(kernel, torch.device(DEVICE), module._TRITON_IMPORT_ERROR)[1]
+    return pytest.mark.skipif(
+        reason is not None,
+        reason=f"Triton cannot run the kernel in this process: {reason}. Usually an earlier test "
+               "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
+
+
 @pytest.fixture(scope="module")
 def triton_interpreter():
     set_triton_interpret(True)

@@ -6,22 +6,13 @@ tests/test_fused_ops.py)."""
 import pytest
 import torch
 
-from conftest import DEVICE, set_triton_interpret
+from conftest import DEVICE, import_kernel_module, needs_triton
 
-set_triton_interpret(True)
-try:
-    from vllm_ouroboros.kernels import kv_move as km
-finally:
-    set_triton_interpret(False)
+km = import_kernel_module("vllm_ouroboros.kernels.kv_move")
 
 from vllm_ouroboros.kv_relocate import move_kv  # noqa: E402
 
-_REASON = km.pick_kernel(km.kv_slots_kernel, torch.device(DEVICE), km._TRITON_IMPORT_ERROR)[1]
-needs_triton = pytest.mark.skipif(
-    _REASON is not None,
-    reason=f"Triton cannot run the kernel in this process: {_REASON}. Usually an earlier test "
-           "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
-pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton]
+pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton(km, km.kv_slots_kernel)]
 
 
 def layers_of(kind, n, blocks, bs, H, D, dtype, g):
@@ -95,43 +86,3 @@ def test_nothing_to_move_and_bad_backend():
 
 def test_check_kernel_passes_where_triton_runs():
     assert km.check_kernel(torch.device(DEVICE)) is None
-
-
-def test_engine_start_picks_the_move_on_a_gpu(monkeypatch, caplog):
-    """tree_verify's start-up decision: on a CUDA runner a winning suffix's KV moves through the
-    kernel once check_kernel passes, else in torch, with the reason logged; off CUDA nothing is
-    checked."""
-    import logging
-    from types import SimpleNamespace
-
-    from vllm_ouroboros import LOGGER_NAME
-    from vllm_ouroboros.kernels import sampled_walk
-    from vllm_ouroboros.patches import tree_verify
-
-    asked = []
-
-    def check(device):
-        asked.append(device.type)
-        return verdict
-
-    monkeypatch.setattr(km, "check_kernel", check)
-    monkeypatch.setattr(sampled_walk, "check_kernel", lambda *a: None)
-    drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
-                              set_tree_available=lambda reason: None)
-
-    def start(device):
-        runner = SimpleNamespace(device=SimpleNamespace(type=device),
-                                 model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
-        return tree_verify.prepare(runner, drafter).kv_move
-
-    verdict = None
-    assert start("cuda") == "triton" and asked == ["cuda"]
-    verdict = "the kernel failed its check: boom"
-    log = logging.getLogger(LOGGER_NAME)  # vLLM's logging may stop propagation to the root
-    log.addHandler(caplog.handler)
-    try:
-        assert start("cuda") == "torch"
-    finally:
-        log.removeHandler(caplog.handler)
-    assert "KV is moved in torch: the kernel failed its check: boom" in caplog.text
-    assert start("cpu") == "torch" and len(asked) == 2

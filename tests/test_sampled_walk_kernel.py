@@ -8,30 +8,19 @@ tests/test_fused_ops.py). The two sum in different orders, so a uniform within r
 boundary could split them; the seeds here are fixed, and the counts of decisions compared are
 printed."""
 
-import logging
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, set_triton_interpret
+from conftest import DEVICE, import_kernel_module, needs_triton
 
-set_triton_interpret(True)
-try:
-    from vllm_ouroboros.kernels import sampled_walk as sw
-finally:
-    set_triton_interpret(False)
+sw = import_kernel_module("vllm_ouroboros.kernels.sampled_walk")
 
-from vllm_ouroboros import LOGGER_NAME  # noqa: E402
 from vllm_ouroboros.accept import sampled_walk, walk_steps  # noqa: E402
 from vllm_ouroboros.tree import build_tree  # noqa: E402
 
-_REASON = sw.pick_kernel(sw.sampled_walk_kernel, torch.device(DEVICE), sw._TRITON_IMPORT_ERROR)[1]
-needs_triton = pytest.mark.skipif(
-    _REASON is not None,
-    reason=f"Triton cannot run the kernel in this process: {_REASON}. Usually an earlier test "
-           "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
-pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton]
+pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton(sw, sw.sampled_walk_kernel)]
 
 
 def random_case(seed, B, D, K, L, V, hot=2, placeholder=False):
@@ -151,41 +140,3 @@ def test_verify_walks_with_the_kernel_as_with_torch(seed):
             assert np.array_equal(runs[0].kv_keep_src, runs[1].kv_keep_src)
     with pytest.raises(ValueError, match="walk must be"):
         verify(tree, x, row_start, greedy, process, walk="cuda")
-
-def test_engine_start_picks_the_walk_on_a_gpu(monkeypatch, caplog):
-    """tree_verify's start-up decision: on a CUDA runner the kernel walks sampled steps once
-    check_kernel passes at the engine's K and vocabulary, else the torch walk, with the reason
-    logged; off CUDA nothing is checked."""
-    from types import SimpleNamespace
-
-    from vllm_ouroboros.patches import tree_verify
-
-    asked = []
-
-    def check(device, num_suffixes, vocab_size):
-        asked.append((device.type, num_suffixes, vocab_size))
-        return verdict
-
-    monkeypatch.setattr(sw, "check_kernel", check)
-    from vllm_ouroboros.kernels import kv_move
-
-    monkeypatch.setattr(kv_move, "check_kernel", lambda device: None)  # tests/test_kv_move_kernel.py
-    drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
-                              set_tree_available=lambda reason: None)
-
-    def start(device):
-        runner = SimpleNamespace(device=SimpleNamespace(type=device),
-                                 model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
-        return tree_verify.prepare(runner, drafter).walk
-
-    verdict = None
-    assert start("cuda") == "triton" and asked == [("cuda", 3, 151936)]
-    verdict = "the kernel failed its check: boom"
-    log = logging.getLogger(LOGGER_NAME)  # vLLM's logging may stop propagation to the root
-    log.addHandler(caplog.handler)
-    try:
-        assert start("cuda") == "torch"
-    finally:
-        log.removeHandler(caplog.handler)
-    assert "walk their trees in torch: the kernel failed its check: boom" in caplog.text
-    assert start("cpu") == "torch" and len(asked) == 2

@@ -1,0 +1,60 @@
+"""The engine-start decisions of patches/tree_verify.prepare about its two step kernels: on a
+CUDA runner each serves once its check_kernel passes at the engine's shapes, else the torch path
+serves, with the reason logged; off CUDA nothing is checked. The kernels' own checks are stood in
+for (their tests are tests/test_sampled_walk_kernel.py and tests/test_kv_move_kernel.py)."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import import_kernel_module
+
+from vllm_ouroboros import LOGGER_NAME
+
+# Imported as the kernel tests import them (under the interpreter where there is no GPU): a
+# module imported here first otherwise decides for them, and their kernels would not run.
+kv_move = import_kernel_module("vllm_ouroboros.kernels.kv_move")
+sampled_walk = import_kernel_module("vllm_ouroboros.kernels.sampled_walk")
+
+# (TreeState attribute, the module whose check decides it, what the check is asked, the warning)
+KERNELS = {
+    "walk": (sampled_walk, ("cuda", 3, 151936), "sampled steps walk their trees in torch"),
+    "kv_move": (kv_move, ("cuda",), "a winning suffix's KV is moved in torch"),
+}
+
+
+@pytest.mark.parametrize("attr", list(KERNELS))
+def test_engine_start_picks_the_kernel_on_a_gpu(attr, monkeypatch, caplog):
+    # Imported here, not at collection: patches import kernels/tree_attention, whose tests need
+    # it imported under the interpreter first.
+    from vllm_ouroboros.patches import tree_verify
+
+    module, asked_with, warning = KERNELS[attr]
+    asked = []
+
+    def check(device, *shape):
+        asked.append((device.type, *shape))
+        return verdict
+
+    for name, (other, _, _) in KERNELS.items():
+        monkeypatch.setattr(other, "check_kernel", check if other is module else (lambda *a: None))
+    drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
+                              set_tree_available=lambda reason: None)
+
+    def start(device):
+        runner = SimpleNamespace(device=SimpleNamespace(type=device),
+                                 model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
+        return getattr(tree_verify.prepare(runner, drafter), attr)
+
+    verdict = None
+    assert start("cuda") == "triton" and asked == [asked_with]
+    verdict = "the kernel failed its check: boom"
+    log = logging.getLogger(LOGGER_NAME)  # vLLM's logging may stop propagation to the root
+    log.addHandler(caplog.handler)
+    try:
+        assert start("cuda") == "torch"
+    finally:
+        log.removeHandler(caplog.handler)
+    assert f"{warning}: the kernel failed its check: boom" in caplog.text
+    assert start("cpu") == "torch" and len(asked) == 2

@@ -68,7 +68,8 @@ class TreeState:
                 self.walk = "triton"
             else:
                 logger.warning("ouroboros: sampled steps walk their trees in torch: %s", why)
-            # A winning suffix's KV moved in two launches instead of four per layer.
+            # A winning suffix's KV moved in two launches for all layers instead of four indexing
+            # calls per layer (kernels/kv_move.py), once compared with the torch copy here.
             from vllm_ouroboros.kernels.kv_move import check_kernel as check_kv_move
 
             why = check_kv_move(runner.device)

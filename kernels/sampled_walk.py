@@ -217,7 +217,7 @@ def check_kernel(device: torch.device, num_suffixes: int, vocab_size: int) -> st
     """Compile the kernel for an engine's shapes and compare it with the torch walk on random
     trees, before serving: None if it may serve, else why not (the caller then keeps the
     torch walk). num_suffixes: the trees' K (>= 1); vocab_size: the logits' V."""
-    from vllm_ouroboros.accept import sampled_walk, walk_steps
+    from vllm_ouroboros.accept import sampled_walk, walk_uniforms_shape
     from vllm_ouroboros.tree import build_tree
 
     kernel, reason = pick_kernel(sampled_walk_kernel, device, _TRITON_IMPORT_ERROR)
@@ -231,7 +231,7 @@ def check_kernel(device: torch.device, num_suffixes: int, vocab_size: int) -> st
         x = torch.randn(B * (tree.N + 1), V, generator=g, device=device)
         x[:, :2] += 8.0  # deep walks
         greedy = torch.arange(B, device=device) % 3 == 0
-        u = torch.rand(B, walk_steps(tree), K + 1, generator=g, device=device)
+        u = torch.rand(walk_uniforms_shape(tree), generator=g, device=device)
         tn = x.view(B, tree.N + 1, V).argmax(-1)
         got = sampled_walk_triton(x, tn, greedy, tree.tokens, tree.branch_of, tree.draft_len,
                                   tree.suffix_start, tree.suffix_len, u)

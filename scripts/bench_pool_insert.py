@@ -7,8 +7,8 @@ PhrasePool.insert adds to its tables at indices seven times a call (vllm_ourobor
 runs index_put_(accumulate=True) as a radix sort of the indices and then the add; scatter_add_
 is one kernel. `pool.SCATTER_ADD_DEVICES` picks the form per device (scatter on CUDA, index_put_
 on a CPU, where it is the faster). This times both on one device, in one run, on the same rows:
-ms per insert (eager, best of 3 rounds of `--calls` inserts after warm-up; on CUDA also replayed
-from a CUDA graph, which the drafting round does), the ratio scatter / index_put, and checks
+ms per insert (eager, the median of `--calls` inserts timed one by one, as bench_gpu.time_calls
+times; on CUDA also replayed from a CUDA graph, which the drafting round does), the ratio scatter / index_put, and checks
 that both forms leave the pools equal. Needs no vLLM.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 
 import torch
+from bench_gpu import median, time_calls  # the benchmarks' one timer (scripts/ is on sys.path)
 
 from vllm_ouroboros import pool as pool_module
 from vllm_ouroboros.cuda_graph import capture_graph
@@ -32,23 +32,6 @@ def make_pool(a, device, form: str) -> PhrasePool:
                       PhrasePool.budget_for(a.vocab, a.phrase_len, a.per_key, a.pages), device=device)
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device, calls: int) -> float:
-    best = float("inf")
-    for _ in range(3):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        best = min(best, (time.perf_counter() - t0) / calls * 1e3)
-    return best
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 256])
@@ -56,7 +39,7 @@ def main() -> int:
     ap.add_argument("--phrase-len", type=int, default=4)
     ap.add_argument("--per-key", type=int, default=4)
     ap.add_argument("--pages", type=int, default=4096)
-    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -77,10 +60,10 @@ def main() -> int:
                 pool = make_pool(a, device, form)
                 fn = lambda: pool.insert(keys, phrases, owners)  # noqa: E731
                 fn()
-                eager = time_ms(fn, device, a.calls)
+                eager = median(time_calls(fn, device, 3, a.calls))
                 graph = None
                 if device.type == "cuda":
-                    graph = time_ms(capture_graph(lambda _: fn(), device).replay, device, a.calls)
+                    graph = median(time_calls(capture_graph(lambda _: fn(), device).replay, device, 3, a.calls))
                 times[form] = (eager, graph)
                 states[form] = [getattr(pool, b).clone() for b in pool_module._BUFFERS if b != "clock"]
                 print(f"| {n} | {form} | {eager:.3f} | {'-' if graph is None else f'{graph:.3f}'} |", flush=True)

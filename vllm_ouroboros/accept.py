@@ -134,6 +134,12 @@ def walk_steps(tree: TokenTree) -> int:
     return tree.D + tree.L + 1
 
 
+def walk_uniforms_shape(tree: TokenTree) -> tuple[int, int, int]:
+    """The uniforms a sampled walk reads: [B, walk_steps(tree), max(K, 1) + 1], per request and
+    depth step one per child try and one for the final sample."""
+    return tree.B, walk_steps(tree), max(tree.K, 1) + 1
+
+
 def accept_sampled(tree: TokenTree, probs: torch.Tensor, generator: torch.Generator | None = None,
                    uniforms: torch.Tensor | None = None) -> AcceptResult:
     """Lossless random verification (temperature > 0) for a deterministic draft: sampled_walk
@@ -177,7 +183,7 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
     C = max(K, 1)  # children per step: the draft child alone, or up to K suffix nodes
     S = walk_steps(tree)
     if uniforms is None:
-        uniforms = torch.rand(B, S, C + 1, generator=generator, device=dev)
+        uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=dev)
     n = tree.draft_len
     if K:
         sstart, slen = tree.suffix_start, tree.suffix_len

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .accept import AcceptResult, accept_greedy, assemble_walk, sampled_walk, walk_steps
+from .accept import AcceptResult, accept_greedy, assemble_walk, sampled_walk, walk_uniforms_shape
 from .host_copy import to_device, to_host
 from .tree import TokenTree
 
@@ -94,8 +94,7 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
         out = None
         if walk == "triton":
             if uniforms is None:  # as sampled_walk draws them
-                uniforms = torch.rand(tree.B, walk_steps(tree), max(tree.K, 1) + 1, generator=generator,
-                                      device=logits.device)
+                uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=logits.device)
             out = _kernel_walk(tree, logits, rows, target_next, greedy, process, uniforms, max_table_rows)
         if out is None:
             out = sampled_walk(tree, _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows),
@@ -159,8 +158,8 @@ def draw_uniforms(tree: TokenTree, generators: dict[int, torch.Generator],
 
     Shape: -> [B, walk_steps(tree), max(K, 1) + 1].
     """
-    shape = (walk_steps(tree), max(tree.K, 1) + 1)
-    u = torch.rand(tree.B, *shape, device=device)
+    u = torch.rand(walk_uniforms_shape(tree), device=device)
+    shape = u.shape[1:]
     for i, gen in generators.items():  # seeded requests only, as vLLM's own samplers do
         if i < tree.B:
             u[i] = torch.rand(*shape, device=device, generator=gen)

@@ -542,6 +542,27 @@ def test_draft_cost_calibrated_by_measured_rounds():
     assert plan((1.0, 1.0)).max_tokens < 4 and plan((0.9, 1.2)).max_tokens >= 4
 
 
+def test_curves_taken_as_given_without_calibration():
+    """calibrate_costs=False (another device's curves reproduced here): measured rounds and
+    prefills leave the curves' scales at 1."""
+    import dataclasses
+
+    p = _proposer()
+    p.cfg = dataclasses.replace(p.cfg, calibrate_costs=False)
+    p.prefill_cost = CPU
+    whole = SimpleNamespace(forwards=4, row_forwards=np.array([4, 3]), prefill_seconds=0.5,
+                            prefill_sizes=[64])
+    for _ in range(10):
+        p._calibrate_draft(whole, 12, 3.0)
+        p._calibrate_prefill(whole)
+    assert list(p._draft_scale) == [1.0, 1.0] and p._prefill_scale == 1.0
+    assert list(p._draft_scale_rounds) == [0, 0]
+    p.cfg = dataclasses.replace(p.cfg, calibrate_costs=True)  # the default: both measured
+    p._calibrate_draft(whole, 12, 3.0)
+    p._calibrate_prefill(whole)
+    assert p._draft_scale[0] != 1.0 and p._prefill_scale != 1.0
+
+
 def test_a_round_kind_not_yet_run_borrows_the_measured_ratio():
     """A kind of round not yet measured takes the other kind's ratio. Left at the prior 1.0
     beside chains measured at 0.25 (a draft faster than its configured curve), the whole

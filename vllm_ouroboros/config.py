@@ -116,9 +116,15 @@ class OuroborosConfig:
     max_draft_length: int = 12
     # Cost curves t(n), {tokens per row: ms per forward} (n = 1 required), for the draft and the
     # target, used instead of timing them at load (cost_model.py): the same decisions at every
-    # start, no timing on a busy host, or another device's decisions reproduced here.
+    # start, no timing on a busy host, or another device's decisions reproduced here (with
+    # calibrate_costs off).
     draft_cost_ms: dict[str, float] | None = None
     target_cost_ms: dict[str, float] | None = None
+    # Scale the draft's curves online by what its rounds and prefills measured (the back-off's
+    # calibration: a round costs more than its forwards, the host's and the pool's work). Off:
+    # the curves as given, e.g. another device's, whose decisions this host's timing would
+    # otherwise pull back to its own (a CPU reproducing a GPU's cut its drafts to chains).
+    calibrate_costs: bool = True
 
     @property
     def phrase_len(self) -> int:

@@ -855,7 +855,7 @@ class OuroborosProposer:
         device and host loop err alike, and a kind left at the prior 1.0 beside a measured 0.25
         looked 4x dearer than it was, so the plan never chose it and never measured it (in
         CI, one request after a loaded batch was cut to chains for its whole life)."""
-        if self.cost is None or out.forwards == 0:
+        if self.cost is None or out.forwards == 0 or not self.cfg.calibrate_costs:
             return
         rt = self.runtime
         chain = rt.drafts_chain(cut)
@@ -875,7 +875,7 @@ class OuroborosProposer:
         seconds to what the prefill curve says for their padded sizes. The curve is measured
         up to a few dozen tokens on a CPU and extrapolated linearly past them, where it
         overstated 4- and 16-prompt prefills by 30-45% (scripts/draft_prefill_cost.py)."""
-        if not out.prefill_sizes or self.prefill_cost is None:
+        if not out.prefill_sizes or self.prefill_cost is None or not self.cfg.calibrate_costs:
             return
         modeled = float(self.prefill_cost.at(np.asarray(out.prefill_sizes)).sum())
         ratio = float(np.clip(out.prefill_seconds / max(modeled, 1e-9), 0.1, 10.0))

@@ -16,7 +16,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           eager and replayed from a CUDA graph.
   rounds  DraftRuntime.run_round per round and per draft forward, decode-only and phrase
           drafting, draft_round = host / device / graph (graph-fixed: without the conditional
-          nodes; graph+fused: through kernels/fused_ops.py, OuroborosConfig.draft_fused_ops).
+          nodes; graph+fused: through kernels/fused_ops.py, OuroborosConfig.draft_fused_ops;
+          graph+fused+torch-inserts: the pool inserting in torch, not in kernels/pool_insert.py,
+          which the others use on CUDA; the last two at one request only).
   target step  our patches' work around each target forward, eagerly as vLLM runs it: the plan
           and token trees (target_step.py), the greedy walk (verify.py), the KV move of an
           accepted later suffix in every target layer (kv_relocate.py).
@@ -28,7 +30,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           device round by region of our code (device activities, device and host ms; through the
           fused kernels too on CUDA), the graph round's totals and the device's busy share.
   inserts a step's pool insert (vllm_ouroboros/pool_writer.py) of 16, 64, 256 rows into a pool of
-          the draft's vocabulary: eager vs replayed from a CUDA graph.
+          the draft's vocabulary: eager vs replayed from a CUDA graph, in torch and (CUDA) through
+          the pool's Triton kernels (kernels/pool_insert.py).
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
           runs' counters (results/drafting_modes.json, results/device_round_counters.json).
 What the issue's targets read comes first (curves, the rounds they name, the target step, the
@@ -112,12 +115,12 @@ class Plan:
     def round_cases(self, modes: list[str]) -> list[tuple[str, int, str]]:
         """(setting, requests, mode) of the rounds section, most needed first (the issue's
         targets: the graph round at 1 and 32 requests, decode and W=G=4), so that a run cut
-        short by its --budget-s still has those. graph-fixed (what conditional nodes save) at
-        one request only."""
+        short by its --budget-s still has those; then the wider windows at one request.
+        ONE_REQUEST_MODES (what conditional nodes and the pool's kernels save) at one request only."""
         small = self.round_batches[0]
-        order = self.target_groups() + [("phrases W=G=15", small)]
+        order = self.target_groups() + [("phrases W=G=7", small), ("phrases W=G=15", small)]
         order += [(s, b) for b in self.round_batches for s in ROUND_SETTINGS if (s, b) not in order]
-        return [(s, b, m) for s, b in order for m in modes if m != "graph-fixed" or b == small]
+        return [(s, b, m) for s, b in order for m in modes if m not in ONE_REQUEST_MODES or b == small]
 
     def target_groups(self) -> list[tuple[str, int]]:
         """The (setting, requests) the issue's targets read: decode and W=G=4 at one request
@@ -145,9 +148,18 @@ class Budget:
         return f"skipped: time budget spent (--budget-s {self.seconds:g})"
 
 
+# Round modes timed at one request only: what the conditional nodes save (graph-fixed), and
+# what the pool's insert kernels save (TORCH_INSERTS: the fused graph round with the torch insert).
+TORCH_INSERTS = "graph+fused+torch-inserts"
+ONE_REQUEST_MODES = ("graph-fixed", TORCH_INSERTS)
+
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
 GAMMA, BETA = 4, 5
-ROUND_SETTINGS = {"decode-only": (0, 0), "phrases W=G=4": (4, 4), "phrases W=G=15": (15, 15)}
+# W=G=7: on the CPU runs' counters with GPU-shaped curves it drafts 3% more per target forward
+# than W=G=4 (results/gpu_curves_window.json); whether its longer rows cost less than that on a
+# GPU is what its rounds here say.
+ROUND_SETTINGS = {"decode-only": (0, 0), "phrases W=G=4": (4, 4), "phrases W=G=7": (7, 7),
+                  "phrases W=G=15": (15, 15)}
 POOL_BUDGET = 64 << 20  # OuroborosConfig.pool_budget_mb
 
 
@@ -360,13 +372,15 @@ class RoundRunner:
                  seed: int):
         dev = model.device
         # graph-fixed: the graph round without its conditional nodes; X+fused: the X round
-        # through the fused layer kernels (OuroborosConfig.draft_fused_ops).
+        # through the fused layer kernels (OuroborosConfig.draft_fused_ops); +torch-inserts: the
+        # pool inserts in torch where it would take its kernels (kernels/pool_insert.py).
         draft_round = "graph" if mode.startswith("graph") else mode.split("+")[0]
-        model.fused_ops = mode.endswith("+fused")
+        model.fused_ops = "+fused" in mode
         settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
                                  num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
                                  draft_round=draft_round, round_forwards=GAMMA)
-        pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev)
+        pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev,
+                          insert_kernel="torch" if mode.endswith("+torch-inserts") else "auto")
         rounds = plan.warmup_rounds + plan.timed_rounds
         growth = rounds * (GAMMA + BETA + 1)  # a round adds at most gamma - 1 + beta draft tokens + 1
         max_len = plan.prefix + growth + 64
@@ -459,24 +473,31 @@ def round_section(model: DraftModel, plan: Plan, cases: list[tuple[str, int, str
 def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -> list[dict]:
     """ms per PhrasePool.insert of n host rows (new phrases for random keys, as a step's context
     and inspiration inserts bring them), eager and through PoolWriter's graphs where `graphs`:
-    on a GPU the eager insert is ~150 small kernels launched from the host."""
+    on a GPU the eager torch insert is ~165 small kernels launched from the host. In torch
+    (eager_ms, graph_ms) and, on CUDA, through the pool's Triton kernels (kernels/pool_insert.py:
+    kernel_eager_ms, kernel_graph_ms)."""
     from vllm_ouroboros.pool_writer import PoolWriter
 
     out = []
     rng = np.random.default_rng(0)
+    forms = ("torch", "triton") if device.type == "cuda" else ("torch",)
     for n in (16, 64, 256):
         point = {"rows": n}
-        for mode in ("eager", "graph") if graphs else ("eager",):
-            pool = PhrasePool(vocab, BETA - 1, 4, POOL_BUDGET, device=device)
-            writer = PoolWriter(pool, graphs=mode == "graph")
-            writer.capture([n])
-            batches = itertools.cycle([(rng.integers(0, vocab, n), rng.integers(0, vocab, (n, BETA - 1)),
-                                        rng.integers(-1, 4, n)) for _ in range(8)])
-            point[f"{mode}_ms"] = median(time_calls(lambda: writer.insert(*next(batches)), device,
-                                                    plan.warmup, plan.reps, plan.max_s))
+        for form in forms:
+            for mode in ("eager", "graph") if graphs else ("eager",):
+                pool = PhrasePool(vocab, BETA - 1, 4, POOL_BUDGET, device=device, insert_kernel=form)
+                writer = PoolWriter(pool, graphs=mode == "graph")
+                writer.capture([n])
+                batches = itertools.cycle([(rng.integers(0, vocab, n), rng.integers(0, vocab, (n, BETA - 1)),
+                                            rng.integers(-1, 4, n)) for _ in range(8)])
+                key = f"{mode}_ms" if form == "torch" else f"kernel_{mode}_ms"
+                point[key] = median(time_calls(lambda: writer.insert(*next(batches)), device,
+                                               plan.warmup, plan.reps, plan.max_s))
         out.append(point)
-        print(f"  insert {n:>4} rows: eager {point['eager_ms']:8.3f} ms  graph {_ms(point.get('graph_ms'))} ms",
-              flush=True)
+        kern = (f"; kernels eager {_ms(point.get('kernel_eager_ms'))} ms  graph {_ms(point.get('kernel_graph_ms'))} ms"
+                if "triton" in forms else "")
+        print(f"  insert {n:>4} rows: torch eager {point['eager_ms']:8.3f} ms  graph {_ms(point.get('graph_ms'))} ms"
+              + kern, flush=True)
     return out
 
 
@@ -905,7 +926,7 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
     def graph_round(name, setting, B, key, limit):
         # The graph round as CUDA serving runs it (draft_fused_ops on by default there), the
         # unfused one where the fused was not measured; the other modes beside it.
-        modes = ("host", "device", "graph-fixed", "graph", "graph+fused")
+        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_INSERTS)
         others = {m: find_round(rounds, setting, B, m, key) for m in modes}
         mode = "graph+fused" if others["graph+fused"] is not None else "graph"
         others.pop(mode)
@@ -1010,9 +1031,10 @@ def _md_rounds(res: dict) -> list[str]:
 def _md_inserts(pts: list | None) -> list[str]:
     if not pts:
         return []
-    lines = ["", "## A step's pool insert (pool_writer.py; ms, median)", "", "| rows | eager | CUDA graph |",
-             "|---|---|---|"]
-    return lines + [f"| {p['rows']} | {_ms(p['eager_ms'])} | {_ms(p.get('graph_ms'))} |" for p in pts]
+    lines = ["", "## A step's pool insert (pool_writer.py; ms, median; torch, and the Triton kernels on CUDA)", "",
+             "| rows | torch eager | torch CUDA graph | kernels eager | kernels CUDA graph |", "|---|---|---|---|---|"]
+    return lines + [f"| {p['rows']} | {_ms(p['eager_ms'])} | {_ms(p.get('graph_ms'))} | {_ms(p.get('kernel_eager_ms'))} "
+                    f"| {_ms(p.get('kernel_graph_ms'))} |" for p in pts]
 
 
 def _md_profile(prof: dict | None) -> list[str]:
@@ -1268,8 +1290,10 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
             checkpoint()
     # graph-fixed: the graph round without its conditional nodes, to time what they cost;
     # graph+fused: through the fused layer kernels, to choose OuroborosConfig.draft_fused_ops.
-    modes = (["graph"] if graphs else []) + (["graph+fused"] if graphs and "fused" not in args.skip else []) + (
-        ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + ["host", "device"]
+    fused = graphs and "fused" not in args.skip
+    modes = (["graph"] if graphs else []) + (["graph+fused"] if fused else []) + (
+        ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + (
+        [TORCH_INSERTS] if fused and device.type == "cuda" else []) + ["host", "device"]
     if graphs and "fused" in args.skip:
         skipped["rounds/graph+fused"] = "skipped: --skip fused"
     cases = [] if "rounds" in args.skip else plan.round_cases(modes)

@@ -101,6 +101,7 @@ python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
 GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_fused_ops.py tests/test_draft_model.py tests/test_device_clock.py
            tests/test_draft_attention_layout.py tests/test_draft_runtime.py tests/test_device_round.py
            tests/test_cuda_graph.py tests/test_pool_writer.py tests/test_kv_cache.py tests/test_pool.py
+           tests/test_pool_insert_kernel.py
            tests/test_host_copy.py tests/test_target_step.py tests/test_sampled_walk_kernel.py
            tests/test_accept.py tests/test_kv_move_kernel.py tests/test_kv_relocate.py tests/test_bench_gpu.py)
 
@@ -138,12 +139,14 @@ fi
 # Sampled verification (scripts/bench_sampled_verify.py, 1 and 32 requests): every node's row
 # at once walked by torch and by the Triton kernel, against the rows the walk reads (memory,
 # time; on an H200 the kernel took 0.10x the torch walk's time at 1 request, 0.67x at 32). Then
-# a pool insert's adds as index_put_ and as scatter_add_ (scripts/bench_pool_insert.py: what
-# SCATTER_ADD_DEVICES should hold). Last, in what time is left, after the whole suite only.
+# a pool insert in torch with its adds as index_put_ and as scatter_add_ and through the pool's
+# Triton kernels (scripts/bench_pool_insert.py: what SCATTER_ADD_DEVICES should hold and what the
+# kernels save; bench_gpu.py's inserts section and its graph+fused+torch-inserts round time them
+# too). Last, in what time is left, after the whole suite only.
 if [[ $PART == all ]] && (( ${#SELECTION[@]} == 0 && $(left) >= 60 )); then
     timed sampled_verify $(( $(left) - 40 )) "$OUT/sampled_verify.log" python scripts/bench_sampled_verify.py
     { echo "== sampled verification"; tail -n 12 "$OUT/sampled_verify.log"; } >> "$SUMMARY" 2>/dev/null
     timed pool_insert $(( $(left) - 5 )) "$OUT/pool_insert.log" python scripts/bench_pool_insert.py
-    { echo "== pool insert"; tail -n 8 "$OUT/pool_insert.log"; } >> "$SUMMARY" 2>/dev/null
+    { echo "== pool insert"; tail -n 12 "$OUT/pool_insert.log"; } >> "$SUMMARY" 2>/dev/null
 fi
 cat "$SUMMARY"

@@ -64,11 +64,11 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
-    modes = {"host", "device"} | ({"graph", "graph+fused"} if CUDA else set()) | (
+    modes = {"host", "device"} | ({"graph", "graph+fused", bench_gpu.TORCH_INSERTS} if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
     assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes
-                           if m != "graph-fixed" or b == 1}
+                           if m not in bench_gpu.ONE_REQUEST_MODES or b == 1}
     for (setting, B, mode), r in rounds.items():
         assert len(r["round_ms"]) == plan.timed_rounds and r["ms_per_round"] > 0 and r["ms_per_forward"] > 0
         assert r["prefill_forwards"] == 0 and not r["cache_regrown"], (setting, B, mode)
@@ -255,17 +255,18 @@ def test_round_cases_put_the_targets_first():
     """A budget-cut run keeps what the issue's targets read: the graph round at one request
     (decode and W=G=4) and at the most requests, before the rest."""
     plan = bench_gpu.Plan(tiny=False)
-    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", "host", "device"])
+    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", bench_gpu.TORCH_INSERTS, "host", "device"])
     assert cases[:3] == [("decode-only", 1, "graph"), ("decode-only", 1, "graph+fused"),
                          ("decode-only", 1, "graph-fixed")]
     first = {c: i for i, c in enumerate(cases)}
     assert first[("phrases W=G=4", 1, "graph")] < first[("decode-only", 32, "graph")] < first[
-        ("phrases W=G=15", 1, "graph")] < first[("decode-only", 8, "graph")]
-    assert len(cases) == len(set(cases)) == len(bench_gpu.ROUND_SETTINGS) * (3 * 4 + 1)
+        ("phrases W=G=7", 1, "graph")] < first[("phrases W=G=15", 1, "graph")] < first[("decode-only", 8, "graph")]
+    # 3 request counts x 4 modes, and the 2 one-request modes once
+    assert len(cases) == len(set(cases)) == len(bench_gpu.ROUND_SETTINGS) * (3 * 4 + 2)
     groups = list(dict.fromkeys(c[:2] for c in cases))  # (setting, requests) in order of first case
     assert groups[:4] == plan.target_groups() == [("decode-only", 1), ("phrases W=G=4", 1),
                                                   ("decode-only", 32), ("phrases W=G=4", 32)]
-    assert all(b == 1 for s, b, m in cases if m == "graph-fixed")
+    assert all(b == 1 for s, b, m in cases if m in bench_gpu.ONE_REQUEST_MODES)
 
 
 def test_counters_from_generate_json(tmp_path):

@@ -23,7 +23,12 @@ from vllm_ouroboros.draft import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
 
+from conftest import import_kernel_module
 from tiny_models import acceptance_head
+
+# Imported before anything here imports triton, so that Triton's interpreter can run the pool's
+# kernels where there is no CUDA device (test_device_round_with_the_pool_kernels).
+pi = import_kernel_module("vllm_ouroboros.kernels.pool_insert")
 
 GAMMA, BETA, W, G, K = 4, 4, 3, 3, 2
 L = BETA - 1
@@ -42,10 +47,11 @@ CONFIGS = {
 }
 
 
-def make(draft_path, device, draft_round, shared=True, **kw):
+def make(draft_path, device, draft_round, shared=True, insert_kernel="auto", **kw):
     model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
     V = model.vocab_size
-    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 48), device=device, shared=shared)
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 48), device=device, shared=shared,
+                      insert_kernel=insert_kernel)
     settings = DraftSettings(**{**dict(gamma=GAMMA, beta=BETA, window_size=W, num_guesses=G,
                                        num_suffixes=K, draft_round=draft_round), **kw})
     head = acceptance_head(model.hidden_size).to(device) if kw.get("draft_length") == "adaptive" else None
@@ -115,6 +121,26 @@ def drive(runtimes, rounds, rng, V, forwards_check=None):
                 rt.reset_slot(slots[1])
                 rt.pool.release(torch.tensor([slots[1]]))
             contexts[1] = rng.integers(2, V, 40).tolist()
+
+
+def test_device_round_with_the_pool_kernels(tiny_models, device, request):
+    """The round's inserts through kernels/pool_insert.py (as a CUDA device runs them; here under
+    Triton's interpreter) leave every table of the pool as the torch insert does, the round's
+    drafts included."""
+    why = pi.pick_kernel(pi.place_kernel, torch.device(device), pi._TRITON_IMPORT_ERROR)[1]
+    if why is not None:
+        pytest.skip(f"Triton cannot run the pool's kernels in this process: {why}")
+    request.getfixturevalue("triton_interpreter")
+    path = str(tiny_models["draft"])
+    ref = make(path, device, "device", round_forwards=99, insert_kernel="torch")
+    got = make(path, device, "device", round_forwards=99, insert_kernel="triton")
+    assert got.pool.insert_backend == "triton"
+    rng = np.random.default_rng(11)
+    for outs, _ in drive([ref, got], 6, rng, ref.model.vocab_size):
+        compare(outs[0], outs[1], "pool kernels")
+        for name in ("key_to_page", "page_key", "page_last_used", "tokens", "stamp", "owner", "counters", "clock"):
+            assert torch.equal(getattr(ref.pool, name), getattr(got.pool, name)), name
+    assert ref.pool.num_phrases() > 0
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

@@ -4,9 +4,13 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, import_kernel_module
 
-from vllm_ouroboros.pool import PhrasePool
+# Triton's interpreter must be on when triton is first imported (no CUDA device): the "triton"
+# insert form below runs the pool's kernels.
+pool_insert = import_kernel_module("vllm_ouroboros.kernels.pool_insert")
+
+from vllm_ouroboros.pool import PhrasePool  # noqa: E402
 
 
 def T(x):
@@ -19,10 +23,14 @@ A, B, C, D, E = (1, 1), (2, 2), (3, 3), (4, 4), (5, 5)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# How `make`'s pools insert: set by the autouse `forms` fixture for every test of this file.
+INSERT_KERNEL = "torch"
+
+
 def make(vocab=16, L=2, W=2, pages=None, shared=True):
     pages = vocab if pages is None else pages
     return PhrasePool(vocab, L, W, PhrasePool.budget_for(vocab, L, W, pages), device=DEVICE,
-                      shared=shared)
+                      shared=shared, insert_kernel=INSERT_KERNEL)
 
 
 def ins(pool, key, phrases, owner=0):
@@ -267,13 +275,22 @@ class RefPool:
         return (own + ([p for p, o in items if o != slot] if self.shared else []))[:n]
 
 
-@pytest.fixture(autouse=True, params=["index_put", "scatter_add"])
-def adds(request, monkeypatch):
-    """Both ways a pool adds at indices (pool.SCATTER_ADD_DEVICES picks one per device), here."""
+@pytest.fixture(autouse=True, params=["index_put", "scatter_add", "triton"])
+def forms(request, monkeypatch):
+    """Every way a pool inserts, here: torch with either form of its adds at indices
+    (pool.SCATTER_ADD_DEVICES picks one per device), and the Triton kernels (kernels/pool_insert.py;
+    compiled on CUDA, else under the interpreter)."""
     from vllm_ouroboros import pool as pool_module
 
+    if request.param == "triton":
+        why = pool_insert.pick_kernel(pool_insert.place_kernel, torch.device(DEVICE),
+                                      pool_insert._TRITON_IMPORT_ERROR)[1]
+        if why is not None:
+            pytest.skip(f"Triton cannot run the pool's kernels in this process: {why}")
+        request.getfixturevalue("triton_interpreter")  # the interpreter reads it while running
     devices = {DEVICE, "meta"} if request.param == "scatter_add" else set()
     monkeypatch.setattr(pool_module, "SCATTER_ADD_DEVICES", devices)
+    monkeypatch.setitem(globals(), "INSERT_KERNEL", "triton" if request.param == "triton" else "torch")
     return request.param
 
 

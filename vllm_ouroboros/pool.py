@@ -10,11 +10,16 @@ persistence may sync. Masked rows go through the
 same scatter as real rows with a no-op value (a zero delta, or a value that loses a min/max).
 """
 import contextlib
+import logging
 import os
 import tempfile
 from typing import Optional
 
 import torch
+
+from vllm_ouroboros import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 _NEVER = torch.iinfo(torch.int64).max  # loses every amin; marks pages that may not be evicted
 _OWN = 1 << 62  # added to an own phrase's stamp so it outranks every other phrase
@@ -61,10 +66,15 @@ class PhrasePool:
     visible to every request, own phrases ranked first, and `release` hands a finished request's
     phrases to nobody (warm start); with `shared=False` a request sees only its own phrases and
     `release` deletes them.
+
+    `insert_kernel` picks how inserts run: "torch" (the reference, ~165 launches), "triton"
+    (kernels/pool_insert.py, four kernels; raises where Triton cannot run on `device`), or
+    "auto": the kernels on a CUDA device once they have matched the torch insert there
+    (`pool_insert.check_kernel`), else torch. The chosen one is `insert_backend`.
     """
 
     def __init__(self, vocab_size: int, phrase_len: int, phrases_per_key: int, budget_bytes: int,
-                 device="cpu", shared: bool = True):
+                 device="cpu", shared: bool = True, insert_kernel: str = "auto"):
         if min(vocab_size, phrase_len, phrases_per_key) < 1:
             raise ValueError("vocab_size, phrase_len and phrases_per_key must all be >= 1")
         self.vocab_size, self.L, self.W = vocab_size, phrase_len, phrases_per_key
@@ -90,6 +100,30 @@ class PhrasePool:
         # a replayed CUDA graph advances it; only the order of stamps matters.
         self.clock = torch.zeros((), dtype=torch.int64, **kw)
         self._add_at = _scatter_add if self.device.type in SCATTER_ADD_DEVICES else _index_put_add
+        self._insert_kernels = None  # kernels/pool_insert.insert_triton where the kernels insert
+        self.insert_backend, self.insert_backend_reason = self._pick_insert(insert_kernel)
+
+    def _pick_insert(self, insert_kernel: str) -> tuple[str, Optional[str]]:
+        """(backend, why not the kernels or None); sets _insert_kernels for "triton"."""
+        if insert_kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"insert_kernel={insert_kernel!r}: expected 'auto', 'torch' or 'triton'")
+        if insert_kernel == "torch" or (insert_kernel == "auto" and self.device.type != "cuda"):
+            return "torch", None
+        # imported only here: importing triton early would keep its CPU interpreter off for good
+        from vllm_ouroboros.kernels import pool_insert
+
+        if insert_kernel == "triton":
+            why = pool_insert.pick_kernel(pool_insert.place_kernel, self.device,
+                                          pool_insert._TRITON_IMPORT_ERROR)[1]
+            if why is not None:
+                raise ValueError(f"insert_kernel='triton' cannot run here: {why}")
+        else:
+            why = pool_insert.check_kernel(self.device)
+            if why is not None:
+                logger.warning("phrase pool inserts run in torch on %s: %s", self.device, why)
+                return "torch", why
+        self._insert_kernels = pool_insert.insert_triton
+        return "triton", None
 
     @staticmethod
     def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
@@ -151,7 +185,9 @@ class PhrasePool:
     @torch.no_grad()
     def insert(self, keys: torch.Tensor, phrases: torch.Tensor, owners: torch.Tensor,
                valid: Optional[torch.Tensor] = None):
-        """Insert phrases as newest; later rows are newer than earlier ones.
+        """Insert phrases as newest; later rows are newer than earlier ones. This torch body is
+        the reference of kernels/pool_insert.py, which runs instead where `insert_backend` is
+        "triton" (up to its MAX_ROWS rows a call).
 
         Shape: keys [N] (int), phrases [N, L] (int), owners [N] (int), valid [N] (bool) or None.
         Rows with valid False or a key outside [0, vocab_size) are ignored.
@@ -159,6 +195,8 @@ class PhrasePool:
         N, V, W, dev = keys.shape[0], self.vocab_size, self.W, self.device
         self._check_rows(keys, phrases)
         if N == 0:
+            return
+        if self._insert_kernels is not None and self._insert_kernels(self, keys, phrases, owners, valid):
             return
         keys, owners = keys.to(dev).long(), owners.to(dev).long()
         phrases = phrases.to(dev).long()
@@ -388,12 +426,12 @@ class PhrasePool:
 
     @classmethod
     def load(cls, path, device="cpu", budget_bytes: Optional[int] = None,
-             shared: Optional[bool] = None) -> "PhrasePool":
+             shared: Optional[bool] = None, insert_kernel: str = "auto") -> "PhrasePool":
         """A pool with the saved config and pages; budget and sharing mode may be overridden.
         Raises PoolFileError for a file that is not a complete saved pool."""
         sd = cls.read_state(path)
         pool = cls(sd["vocab_size"], sd["phrase_len"], sd["phrases_per_key"],
                    sd["budget_bytes"] if budget_bytes is None else budget_bytes, device=device,
-                   shared=sd["shared"] if shared is None else shared)
+                   shared=sd["shared"] if shared is None else shared, insert_kernel=insert_kernel)
         pool.load_state_dict(sd)
         return pool

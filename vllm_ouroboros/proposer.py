@@ -284,6 +284,9 @@ class OuroborosProposer:
         else:
             self.pool = PhrasePool(model.vocab_size, cfg.phrase_len, cfg.window_size, budget,
                                    device=self.device, shared=cfg.warm_start)
+        logger.info("ouroboros: phrase pool inserts %s", "through its Triton kernels (kernels/pool_insert.py)"
+                    if self.pool.insert_backend == "triton" else
+                    f"in torch ({self.pool.insert_backend_reason or 'the kernels run on CUDA only'})")
         head, threshold = None, 0.5
         if cfg.draft_length == "adaptive":
             loaded = load_head(cfg.acceptance_head, cfg.draft_model, self.device)

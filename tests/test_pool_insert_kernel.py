@@ -1,0 +1,120 @@
+"""The pool's insert kernels (kernels/pool_insert.py) against PhrasePool's torch insert, their
+reference: every table of the pool equal after every call, through repeats, masked rows, keys
+out of range, groups larger than a page, page evictions and the other operations in between.
+Compiled on a CUDA device when there is one, else run by Triton's CPU interpreter
+(TRITON_INTERPRET handled as in tests/test_fused_ops.py). tests/test_pool.py runs its behaviour
+tests through the kernels as well."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import DEVICE, import_kernel_module, needs_triton
+
+pi = import_kernel_module("vllm_ouroboros.kernels.pool_insert")
+
+from vllm_ouroboros.pool import _BUFFERS, PhrasePool  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton(pi, pi.place_kernel)]
+
+
+def pair(V, L, W, pages, shared=True):
+    budget = PhrasePool.budget_for(V, L, W, pages)
+    return [PhrasePool(V, L, W, budget, device=DEVICE, shared=shared, insert_kernel=b) for b in ("torch", "triton")]
+
+
+def assert_same(ref, got, where):
+    for name in _BUFFERS + ("clock",):
+        assert torch.equal(getattr(ref, name), getattr(got, name)), (where, name)
+
+
+@pytest.mark.parametrize("trial", range(10))
+def test_kernels_leave_the_torch_inserts_pool(trial):
+    rng = random.Random(trial)
+    V, L, W = rng.choice([9, 24, 60]), rng.randint(1, 4), rng.randint(1, 5)
+    pools = pair(V, L, W, pages=rng.randint(1, max(1, V // 3)), shared=trial % 2 == 0)
+    g = torch.Generator(DEVICE).manual_seed(trial)
+    rnd = lambda hi, *shape, lo=0: torch.randint(lo, hi, shape, generator=g, device=DEVICE)  # noqa: E731
+    for step in range(10):
+        n = rng.choice([1, 2, rng.randint(3, 40), rng.randint(40, 100)])
+        keys = rnd(V + 2, n, lo=-2)  # -2, -1, V and V + 1 are ignored rows
+        if rng.random() < 0.5:  # few keys: groups larger than W, more repeats
+            keys = keys % 3
+        phrases = rnd(3, n, L)
+        owners = rnd(4, n, lo=-1)
+        valid = None if rng.random() < 0.3 else torch.rand(n, generator=g, device=DEVICE) < 0.8
+        op, new, m = rng.random(), rnd(3, n, L), rng.randint(1, W)
+        for p in pools:
+            if op < 0.6:
+                p.insert(keys, phrases, owners, valid)
+            elif op < 0.75:
+                p.replace(keys, phrases, new, owners, valid)
+            elif op < 0.85:
+                p.lookup(keys.clamp(min=0), owners, m)  # moves pages' recency
+            elif op < 0.93:
+                p.remove(keys, phrases, valid)
+            else:
+                p.release(torch.tensor([0, 2], device=DEVICE))
+        assert_same(*pools, (trial, step, op))
+
+
+def test_evictions_go_through_the_kernels():
+    # more keys than pages in one call and across calls: the newest keys win, LRU pages go
+    ref, got = pair(V=50, L=2, W=2, pages=4)
+    g = torch.Generator(DEVICE).manual_seed(5)
+    for n in (3, 9, 2, 30, 5):
+        keys = torch.randint(0, 50, (n,), generator=g, device=DEVICE)
+        phrases = torch.randint(0, 4, (n, 2), generator=g, device=DEVICE)
+        owners = torch.zeros(n, dtype=torch.long, device=DEVICE)
+        for p in (ref, got):
+            p.insert(keys, phrases, owners)
+            p.lookup(keys[:1], owners[:1], 1)
+        assert_same(ref, got, n)
+    assert got.stats()["page_evictions"] >= 5
+
+
+def test_rows_past_the_limit_insert_in_torch(monkeypatch):
+    monkeypatch.setattr(pi, "MAX_ROWS", 5)
+    ref, got = pair(V=20, L=2, W=3, pages=20)
+    keys = torch.arange(8, device=DEVICE) % 4
+    phrases = torch.arange(16, device=DEVICE).view(8, 2)
+    owners = torch.zeros(8, dtype=torch.long, device=DEVICE)
+    assert not pi.insert_triton(got, keys, phrases, owners, None)
+    assert_same(ref, got, "declined")  # nothing done
+    for p in (ref, got):
+        p.insert(keys, phrases, owners)  # the pool falls back to torch: the same pool
+    assert_same(ref, got, "fallback")
+    assert pi.insert_triton(got, keys[:5], phrases[:5], owners[:5], None)
+
+
+def test_check_and_choice():
+    assert pi.check_kernel(torch.device(DEVICE)) is None
+    auto = PhrasePool(20, 2, 2, PhrasePool.budget_for(20, 2, 2, 4), device=DEVICE)
+    # auto: the kernels where they run compiled (CUDA), torch elsewhere (the interpreter is for tests)
+    assert auto.insert_backend == ("triton" if DEVICE == "cuda" else "torch")
+    with pytest.raises(ValueError, match="insert_kernel='cuda'"):
+        PhrasePool(20, 2, 2, PhrasePool.budget_for(20, 2, 2, 4), device=DEVICE, insert_kernel="cuda")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and CUDA's sync debug mode need a CUDA device")
+def test_kernels_replay_from_a_cuda_graph_without_host_sync():
+    from vllm_ouroboros.cuda_graph import capture_graph
+
+    ref, got = pair(V=1000, L=4, W=4, pages=64)
+    g = torch.Generator(DEVICE).manual_seed(0)
+    keys = torch.randint(0, 100, (48,), generator=g, device=DEVICE)
+    phrases = torch.randint(0, 5, (48, 4), generator=g, device=DEVICE)
+    owners = torch.zeros(48, dtype=torch.long, device=DEVICE)
+    valid = torch.rand(48, generator=g, device=DEVICE) < 0.9
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = capture_graph(lambda _: got.insert(keys, phrases, owners, valid), DEVICE)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref.insert(keys, phrases, owners, valid)  # capture_graph's one warm-up ran the insert once
+    for step in range(3):
+        keys.random_(0, 100, generator=g)
+        graph.replay()
+        ref.insert(keys, phrases, owners, valid)
+        assert_same(ref, got, step)

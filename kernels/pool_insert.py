@@ -50,7 +50,7 @@ except ImportError as e:  # pragma: no cover - triton ships with torch on every 
 MAX_ROWS = 4096
 
 # Rows per program of the pairwise kernels (64 would hold 150-250 registers a thread at 4 warps
-# on sm_80/sm_90; 32 holds 48-80, no spills: `scripts/bench_pool_insert.py --compile-only`),
+# on sm_80/sm_90; 32 holds 48-80, no spills: `scripts/bench_pool_ops.py --compile-only`),
 # pages per program of the scores.
 _ROWS = 32
 _PAGES = 1024
@@ -287,7 +287,7 @@ def check_kernel(device: torch.device) -> str | None:
     try:
         V, L, W, pages = 40, 3, 4, 6
         budget = PhrasePool.budget_for(V, L, W, pages)
-        pools = [PhrasePool(V, L, W, budget, device=device, insert_kernel=b) for b in ("torch", "triton")]
+        pools = [PhrasePool(V, L, W, budget, device=device, kernels=b) for b in ("torch", "triton")]
         g = torch.Generator(device).manual_seed(0)
         for n in (5, 37, 70, 12):
             keys = torch.randint(-2, V + 2, (n,), generator=g, device=device)

@@ -17,8 +17,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   rounds  DraftRuntime.run_round per round and per draft forward, decode-only and phrase
           drafting, draft_round = host / device / graph (graph-fixed: without the conditional
           nodes; graph+fused: through kernels/fused_ops.py, OuroborosConfig.draft_fused_ops;
-          graph+fused+torch-inserts: the pool inserting in torch, not in kernels/pool_insert.py,
-          which the others use on CUDA; the last two at one request only).
+          graph+fused+torch-pool: the pool inserting and looking up in torch, not through
+          kernels/pool_insert.py and pool_lookup.py, which the others use on CUDA; the last two
+          at one request only).
   target step  our patches' work around each target forward, eagerly as vLLM runs it: the plan
           and token trees (target_step.py), the greedy walk (verify.py), the KV move of an
           accepted later suffix in every target layer (kv_relocate.py).
@@ -149,9 +150,9 @@ class Budget:
 
 
 # Round modes timed at one request only: what the conditional nodes save (graph-fixed), and
-# what the pool's insert kernels save (TORCH_INSERTS: the fused graph round with the torch insert).
-TORCH_INSERTS = "graph+fused+torch-inserts"
-ONE_REQUEST_MODES = ("graph-fixed", TORCH_INSERTS)
+# what the pool's kernels save (TORCH_POOL: the fused graph round with the torch insert and lookup).
+TORCH_POOL = "graph+fused+torch-pool"
+ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL)
 
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
 GAMMA, BETA = 4, 5
@@ -372,15 +373,15 @@ class RoundRunner:
                  seed: int):
         dev = model.device
         # graph-fixed: the graph round without its conditional nodes; X+fused: the X round
-        # through the fused layer kernels (OuroborosConfig.draft_fused_ops); +torch-inserts: the
-        # pool inserts in torch where it would take its kernels (kernels/pool_insert.py).
+        # through the fused layer kernels (OuroborosConfig.draft_fused_ops); +torch-pool: the
+        # pool inserts and looks up in torch where it would take its kernels (kernels/pool_*.py).
         draft_round = "graph" if mode.startswith("graph") else mode.split("+")[0]
         model.fused_ops = "+fused" in mode
         settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
                                  num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
                                  draft_round=draft_round, round_forwards=GAMMA)
         pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev,
-                          insert_kernel="torch" if mode.endswith("+torch-inserts") else "auto")
+                          kernels="torch" if mode.endswith("+torch-pool") else "auto")
         rounds = plan.warmup_rounds + plan.timed_rounds
         growth = rounds * (GAMMA + BETA + 1)  # a round adds at most gamma - 1 + beta draft tokens + 1
         max_len = plan.prefix + growth + 64
@@ -485,7 +486,7 @@ def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -
         point = {"rows": n}
         for form in forms:
             for mode in ("eager", "graph") if graphs else ("eager",):
-                pool = PhrasePool(vocab, BETA - 1, 4, POOL_BUDGET, device=device, insert_kernel=form)
+                pool = PhrasePool(vocab, BETA - 1, 4, POOL_BUDGET, device=device, kernels=form)
                 writer = PoolWriter(pool, graphs=mode == "graph")
                 writer.capture([n])
                 batches = itertools.cycle([(rng.integers(0, vocab, n), rng.integers(0, vocab, (n, BETA - 1)),
@@ -926,7 +927,7 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
     def graph_round(name, setting, B, key, limit):
         # The graph round as CUDA serving runs it (draft_fused_ops on by default there), the
         # unfused one where the fused was not measured; the other modes beside it.
-        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_INSERTS)
+        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL)
         others = {m: find_round(rounds, setting, B, m, key) for m in modes}
         mode = "graph+fused" if others["graph+fused"] is not None else "graph"
         others.pop(mode)
@@ -1293,7 +1294,7 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     fused = graphs and "fused" not in args.skip
     modes = (["graph"] if graphs else []) + (["graph+fused"] if fused else []) + (
         ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + (
-        [TORCH_INSERTS] if fused and device.type == "cuda" else []) + ["host", "device"]
+        [TORCH_POOL] if fused and device.type == "cuda" else []) + ["host", "device"]
     if graphs and "fused" in args.skip:
         skipped["rounds/graph+fused"] = "skipped: --skip fused"
     cases = [] if "rounds" in args.skip else plan.round_cases(modes)

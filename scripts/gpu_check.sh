@@ -14,7 +14,7 @@
 # runtime, rounds, graphs, pool), then the others, each in its own log, so a cut leaves the first.
 # What comes back from $OUT (the tool returns 8 files at most): summary.txt (machine, install,
 # how each part ended, the acceptance lines, the round profile, failures), bench.log, bench_gpu.json, bench_gpu.md,
-# tests_gpu.log, tests_rest.log (tests.log for a selection), sampled_verify.log, pool_insert.log. Outside the device tool $OUT defaults
+# tests_gpu.log, tests_rest.log (tests.log for a selection), sampled_verify.log, pool_ops.log. Outside the device tool $OUT defaults
 # to results/gpu_check. Runs on a CPU too (the tests then run on the CPU; the benchmark needs
 # CUDA unless GPU_CHECK_BENCH_ARGS=--tiny).
 set -uo pipefail
@@ -101,7 +101,7 @@ python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
 GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_fused_ops.py tests/test_draft_model.py tests/test_device_clock.py
            tests/test_draft_attention_layout.py tests/test_draft_runtime.py tests/test_device_round.py
            tests/test_cuda_graph.py tests/test_pool_writer.py tests/test_kv_cache.py tests/test_pool.py
-           tests/test_pool_insert_kernel.py
+           tests/test_pool_kernels.py
            tests/test_host_copy.py tests/test_target_step.py tests/test_sampled_walk_kernel.py
            tests/test_accept.py tests/test_kv_move_kernel.py tests/test_kv_relocate.py tests/test_bench_gpu.py)
 
@@ -140,13 +140,13 @@ fi
 # at once walked by torch and by the Triton kernel, against the rows the walk reads (memory,
 # time; on an H200 the kernel took 0.10x the torch walk's time at 1 request, 0.67x at 32). Then
 # a pool insert in torch with its adds as index_put_ and as scatter_add_ and through the pool's
-# Triton kernels (scripts/bench_pool_insert.py: what SCATTER_ADD_DEVICES should hold and what the
+# Triton kernels (scripts/bench_pool_ops.py: what SCATTER_ADD_DEVICES should hold and what the
 # kernels save; bench_gpu.py's inserts section and its graph+fused+torch-inserts round time them
 # too). Last, in what time is left, after the whole suite only.
 if [[ $PART == all ]] && (( ${#SELECTION[@]} == 0 && $(left) >= 60 )); then
     timed sampled_verify $(( $(left) - 40 )) "$OUT/sampled_verify.log" python scripts/bench_sampled_verify.py
     { echo "== sampled verification"; tail -n 12 "$OUT/sampled_verify.log"; } >> "$SUMMARY" 2>/dev/null
-    timed pool_insert $(( $(left) - 5 )) "$OUT/pool_insert.log" python scripts/bench_pool_insert.py
-    { echo "== pool insert"; tail -n 12 "$OUT/pool_insert.log"; } >> "$SUMMARY" 2>/dev/null
+    timed pool_ops $(( $(left) - 5 )) "$OUT/pool_ops.log" python scripts/bench_pool_ops.py
+    { echo "== pool insert and lookup"; tail -n 20 "$OUT/pool_ops.log"; } >> "$SUMMARY" 2>/dev/null
 fi
 cat "$SUMMARY"

@@ -64,7 +64,7 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
-    modes = {"host", "device"} | ({"graph", "graph+fused", bench_gpu.TORCH_INSERTS} if CUDA else set()) | (
+    modes = {"host", "device"} | ({"graph", "graph+fused", bench_gpu.TORCH_POOL} if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
     assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes
@@ -255,7 +255,7 @@ def test_round_cases_put_the_targets_first():
     """A budget-cut run keeps what the issue's targets read: the graph round at one request
     (decode and W=G=4) and at the most requests, before the rest."""
     plan = bench_gpu.Plan(tiny=False)
-    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", bench_gpu.TORCH_INSERTS, "host", "device"])
+    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", bench_gpu.TORCH_POOL, "host", "device"])
     assert cases[:3] == [("decode-only", 1, "graph"), ("decode-only", 1, "graph+fused"),
                          ("decode-only", 1, "graph-fixed")]
     first = {c: i for i, c in enumerate(cases)}

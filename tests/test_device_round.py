@@ -29,6 +29,7 @@ from tiny_models import acceptance_head
 # Imported before anything here imports triton, so that Triton's interpreter can run the pool's
 # kernels where there is no CUDA device (test_device_round_with_the_pool_kernels).
 pi = import_kernel_module("vllm_ouroboros.kernels.pool_insert")
+import_kernel_module("vllm_ouroboros.kernels.pool_lookup")
 
 GAMMA, BETA, W, G, K = 4, 4, 3, 3, 2
 L = BETA - 1
@@ -47,11 +48,11 @@ CONFIGS = {
 }
 
 
-def make(draft_path, device, draft_round, shared=True, insert_kernel="auto", **kw):
+def make(draft_path, device, draft_round, shared=True, pool_kernels="auto", **kw):
     model = DraftModel.from_pretrained(draft_path, dtype=torch.float32, device=device)
     V = model.vocab_size
     pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 48), device=device, shared=shared,
-                      insert_kernel=insert_kernel)
+                      kernels=pool_kernels)
     settings = DraftSettings(**{**dict(gamma=GAMMA, beta=BETA, window_size=W, num_guesses=G,
                                        num_suffixes=K, draft_round=draft_round), **kw})
     head = acceptance_head(model.hidden_size).to(device) if kw.get("draft_length") == "adaptive" else None
@@ -132,9 +133,9 @@ def test_device_round_with_the_pool_kernels(tiny_models, device, request):
         pytest.skip(f"Triton cannot run the pool's kernels in this process: {why}")
     request.getfixturevalue("triton_interpreter")
     path = str(tiny_models["draft"])
-    ref = make(path, device, "device", round_forwards=99, insert_kernel="torch")
-    got = make(path, device, "device", round_forwards=99, insert_kernel="triton")
-    assert got.pool.insert_backend == "triton"
+    ref = make(path, device, "device", round_forwards=99, pool_kernels="torch")
+    got = make(path, device, "device", round_forwards=99, pool_kernels="triton")
+    assert got.pool.insert_backend == got.pool.lookup_backend == "triton"
     rng = np.random.default_rng(11)
     for outs, _ in drive([ref, got], 6, rng, ref.model.vocab_size):
         compare(outs[0], outs[1], "pool kernels")

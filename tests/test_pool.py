@@ -7,8 +7,9 @@ import torch
 from conftest import DEVICE, import_kernel_module
 
 # Triton's interpreter must be on when triton is first imported (no CUDA device): the "triton"
-# insert form below runs the pool's kernels.
+# form below runs the pool's kernels.
 pool_insert = import_kernel_module("vllm_ouroboros.kernels.pool_insert")
+pool_lookup = import_kernel_module("vllm_ouroboros.kernels.pool_lookup")
 
 from vllm_ouroboros.pool import PhrasePool  # noqa: E402
 
@@ -23,14 +24,14 @@ A, B, C, D, E = (1, 1), (2, 2), (3, 3), (4, 4), (5, 5)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# How `make`'s pools insert: set by the autouse `forms` fixture for every test of this file.
-INSERT_KERNEL = "torch"
+# How `make`'s pools insert and look up: set by the autouse `forms` fixture for every test here.
+POOL_KERNELS = "torch"
 
 
 def make(vocab=16, L=2, W=2, pages=None, shared=True):
     pages = vocab if pages is None else pages
     return PhrasePool(vocab, L, W, PhrasePool.budget_for(vocab, L, W, pages), device=DEVICE,
-                      shared=shared, insert_kernel=INSERT_KERNEL)
+                      shared=shared, kernels=POOL_KERNELS)
 
 
 def ins(pool, key, phrases, owner=0):
@@ -277,26 +278,30 @@ class RefPool:
 
 @pytest.fixture(autouse=True, params=["index_put", "scatter_add", "triton"])
 def forms(request, monkeypatch):
-    """Every way a pool inserts, here: torch with either form of its adds at indices
-    (pool.SCATTER_ADD_DEVICES picks one per device), and the Triton kernels (kernels/pool_insert.py;
-    compiled on CUDA, else under the interpreter)."""
+    """Every way a pool inserts and looks up, here: torch with either form of its adds at indices
+    (pool.SCATTER_ADD_DEVICES picks one per device), and the Triton kernels (kernels/pool_insert.py,
+    kernels/pool_lookup.py; compiled on CUDA, else under the interpreter)."""
     from vllm_ouroboros import pool as pool_module
 
     if request.param == "triton":
         why = pool_insert.pick_kernel(pool_insert.place_kernel, torch.device(DEVICE),
-                                      pool_insert._TRITON_IMPORT_ERROR)[1]
+                                      pool_insert._TRITON_IMPORT_ERROR)[1] or pool_lookup.pick_kernel(
+            pool_lookup.lookup_kernel, torch.device(DEVICE), pool_lookup._TRITON_IMPORT_ERROR)[1]
         if why is not None:
             pytest.skip(f"Triton cannot run the pool's kernels in this process: {why}")
         request.getfixturevalue("triton_interpreter")  # the interpreter reads it while running
     devices = {DEVICE, "meta"} if request.param == "scatter_add" else set()
     monkeypatch.setattr(pool_module, "SCATTER_ADD_DEVICES", devices)
-    monkeypatch.setitem(globals(), "INSERT_KERNEL", "triton" if request.param == "triton" else "torch")
+    monkeypatch.setitem(globals(), "POOL_KERNELS", "triton" if request.param == "triton" else "torch")
     return request.param
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_randomized_against_reference(shared):
+def test_randomized_against_reference(shared, forms):
     V, L, W, slots = 12, 2, 3, 4
+    # Triton's interpreter runs the kernels one program at a time: fewer steps there
+    # (tests/test_pool_kernels.py compares the kernels with torch at length)
+    steps = 60 if forms == "triton" and DEVICE != "cuda" else 300
     rng = random.Random(shared)
     pool, ref = make(vocab=V, L=L, W=W, shared=shared), RefPool(W, shared)
 
@@ -309,7 +314,7 @@ def test_randomized_against_reference(shared):
 
     all_keys = torch.arange(V).repeat(slots + 1)
     all_slots = torch.arange(-1, slots).repeat_interleave(V)
-    for step in range(300):
+    for step in range(steps):
         op = rng.random()
         if op < 0.55:
             keys, phrases, owners, valid = rows(rng.randrange(1, 25))

@@ -67,14 +67,15 @@ class PhrasePool:
     phrases to nobody (warm start); with `shared=False` a request sees only its own phrases and
     `release` deletes them.
 
-    `insert_kernel` picks how inserts run: "torch" (the reference, ~165 launches), "triton"
-    (kernels/pool_insert.py, four kernels; raises where Triton cannot run on `device`), or
-    "auto": the kernels on a CUDA device once they have matched the torch insert there
-    (`pool_insert.check_kernel`), else torch. The chosen one is `insert_backend`.
+    `kernels` picks how inserts and lookups run: "torch" (the reference: ~165 and ~44 launches),
+    "triton" (kernels/pool_insert.py, four kernels, and kernels/pool_lookup.py, one; raises where
+    Triton cannot run on `device`), or "auto": each op through its kernels on a CUDA device once
+    they have matched torch there (their `check_kernel`), else torch. The chosen ones are
+    `insert_backend` and `lookup_backend` ("torch" or "triton"; why not "triton" in `backend_reasons`).
     """
 
     def __init__(self, vocab_size: int, phrase_len: int, phrases_per_key: int, budget_bytes: int,
-                 device="cpu", shared: bool = True, insert_kernel: str = "auto"):
+                 device="cpu", shared: bool = True, kernels: str = "auto"):
         if min(vocab_size, phrase_len, phrases_per_key) < 1:
             raise ValueError("vocab_size, phrase_len and phrases_per_key must all be >= 1")
         self.vocab_size, self.L, self.W = vocab_size, phrase_len, phrases_per_key
@@ -100,30 +101,39 @@ class PhrasePool:
         # a replayed CUDA graph advances it; only the order of stamps matters.
         self.clock = torch.zeros((), dtype=torch.int64, **kw)
         self._add_at = _scatter_add if self.device.type in SCATTER_ADD_DEVICES else _index_put_add
-        self._insert_kernels = None  # kernels/pool_insert.insert_triton where the kernels insert
-        self.insert_backend, self.insert_backend_reason = self._pick_insert(insert_kernel)
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels={kernels!r}: expected 'auto', 'torch' or 'triton'")
+        self.backend_reasons: dict[str, str] = {}
+        # kernels/pool_insert.insert_triton and kernels/pool_lookup.lookup_triton where they run
+        self._insert_kernels = self._pick_kernel("insert", kernels)
+        self._lookup_kernel = self._pick_kernel("lookup", kernels)
+        self.insert_backend = "torch" if self._insert_kernels is None else "triton"
+        self.lookup_backend = "torch" if self._lookup_kernel is None else "triton"
 
-    def _pick_insert(self, insert_kernel: str) -> tuple[str, Optional[str]]:
-        """(backend, why not the kernels or None); sets _insert_kernels for "triton"."""
-        if insert_kernel not in ("auto", "torch", "triton"):
-            raise ValueError(f"insert_kernel={insert_kernel!r}: expected 'auto', 'torch' or 'triton'")
-        if insert_kernel == "torch" or (insert_kernel == "auto" and self.device.type != "cuda"):
-            return "torch", None
+    def _pick_kernel(self, op: str, kernels: str):
+        """The host function of `op`'s kernels where they are to run, else None (torch)."""
+        if kernels == "torch" or (kernels == "auto" and self.device.type != "cuda"):
+            return None
         # imported only here: importing triton early would keep its CPU interpreter off for good
-        from vllm_ouroboros.kernels import pool_insert
+        if op == "insert":
+            from vllm_ouroboros.kernels import pool_insert as module
 
-        if insert_kernel == "triton":
-            why = pool_insert.pick_kernel(pool_insert.place_kernel, self.device,
-                                          pool_insert._TRITON_IMPORT_ERROR)[1]
-            if why is not None:
-                raise ValueError(f"insert_kernel='triton' cannot run here: {why}")
+            kernel, fn = module.place_kernel, module.insert_triton
         else:
-            why = pool_insert.check_kernel(self.device)
+            from vllm_ouroboros.kernels import pool_lookup as module
+
+            kernel, fn = module.lookup_kernel, module.lookup_triton
+        if kernels == "triton":
+            why = module.pick_kernel(kernel, self.device, module._TRITON_IMPORT_ERROR)[1]
             if why is not None:
-                logger.warning("phrase pool inserts run in torch on %s: %s", self.device, why)
-                return "torch", why
-        self._insert_kernels = pool_insert.insert_triton
-        return "triton", None
+                raise ValueError(f"kernels='triton': the pool's {op} kernels cannot run here: {why}")
+            return fn
+        why = module.check_kernel(self.device)
+        if why is not None:
+            logger.warning("phrase pool %ss run in torch on %s: %s", op, self.device, why)
+            self.backend_reasons[op] = why
+            return None
+        return fn
 
     @staticmethod
     def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
@@ -152,9 +162,15 @@ class PhrasePool:
         or None: rows with False (padding, finished rows of a fixed-shape round) get phrases
         too but touch neither the pages' recency nor the counters.
         Returns phrases [B, n, L] (long, 0 where not valid) and valid [B, n] (bool).
+        This torch body is the reference of kernels/pool_lookup.py, which runs instead where
+        `lookup_backend` is "triton".
         """
         if not 1 <= n <= self.W:
             raise ValueError(f"n={n} must be in [1, phrases_per_key={self.W}]")
+        if self._lookup_kernel is not None:
+            out = self._lookup_kernel(self, keys, slots, n, rows)
+            if out is not None:
+                return out
         keys, slots = keys.to(self.device).long(), slots.to(self.device).long()
         page = self._pages_of(keys)
         pg = page.clamp(min=0)
@@ -426,12 +442,12 @@ class PhrasePool:
 
     @classmethod
     def load(cls, path, device="cpu", budget_bytes: Optional[int] = None,
-             shared: Optional[bool] = None, insert_kernel: str = "auto") -> "PhrasePool":
+             shared: Optional[bool] = None, kernels: str = "auto") -> "PhrasePool":
         """A pool with the saved config and pages; budget and sharing mode may be overridden.
         Raises PoolFileError for a file that is not a complete saved pool."""
         sd = cls.read_state(path)
         pool = cls(sd["vocab_size"], sd["phrase_len"], sd["phrases_per_key"],
                    sd["budget_bytes"] if budget_bytes is None else budget_bytes, device=device,
-                   shared=sd["shared"] if shared is None else shared, insert_kernel=insert_kernel)
+                   shared=sd["shared"] if shared is None else shared, kernels=kernels)
         pool.load_state_dict(sd)
         return pool

@@ -284,9 +284,10 @@ class OuroborosProposer:
         else:
             self.pool = PhrasePool(model.vocab_size, cfg.phrase_len, cfg.window_size, budget,
                                    device=self.device, shared=cfg.warm_start)
-        logger.info("ouroboros: phrase pool inserts %s", "through its Triton kernels (kernels/pool_insert.py)"
-                    if self.pool.insert_backend == "triton" else
-                    f"in torch ({self.pool.insert_backend_reason or 'the kernels run on CUDA only'})")
+        logger.info("ouroboros: phrase pool inserts and lookups through %s and %s", *(
+            "Triton kernels" if b == "triton" else
+            f"torch ({self.pool.backend_reasons.get(op, 'its kernels serve CUDA only')})"
+            for op, b in (("insert", self.pool.insert_backend), ("lookup", self.pool.lookup_backend))))
         head, threshold = None, 0.5
         if cfg.draft_length == "adaptive":
             loaded = load_head(cfg.acceptance_head, cfg.draft_model, self.device)

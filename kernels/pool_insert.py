@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 
-from .triton_runtime import pick_kernel
+from .triton_runtime import check_once, pick_kernel
 
 try:
     import triton
@@ -57,6 +57,17 @@ _PAGES = 1024
 
 if triton is not None:
 
+    @triton.jit
+    def _kept_rows(keys_ptr, valid_ptr, idx, N, V, HAS_VALID: tl.constexpr):
+        """(keys, whether each row counts) at row indices idx: in range, key in the vocabulary,
+        valid where given."""
+        inside = idx < N
+        key = tl.load(keys_ptr + idx, mask=inside, other=-1)
+        keep = inside & (key >= 0) & (key < V)
+        if HAS_VALID:
+            keep = keep & (tl.load(valid_ptr + idx, mask=inside, other=0) != 0)
+        return key, keep
+
     @triton.jit(do_not_specialize=["N"])
     def rows_kernel(
         keys_ptr,              # [N] int64
@@ -72,20 +83,14 @@ if triton is not None:
         start = tl.program_id(0) * BLOCK
         i = start + tl.arange(0, BLOCK)
         in_i = i < N
-        key_i = tl.load(keys_ptr + i, mask=in_i, other=-1)
-        keep_i = in_i & (key_i >= 0) & (key_i < V)
-        if HAS_VALID:
-            keep_i = keep_i & (tl.load(valid_ptr + i, mask=in_i, other=0) != 0)
+        key_i, keep_i = _kept_rows(keys_ptr, valid_ptr, i, N, V, HAS_VALID)
         dup = tl.zeros([BLOCK], dtype=tl.int32)
         # Later rows are newer; only they can make this row a repeat, so blocks before this one
         # are skipped.
         for j0 in range(start, N, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             in_j = j < N
-            key_j = tl.load(keys_ptr + j, mask=in_j, other=-1)
-            keep_j = in_j & (key_j >= 0) & (key_j < V)
-            if HAS_VALID:
-                keep_j = keep_j & (tl.load(valid_ptr + j, mask=in_j, other=0) != 0)
+            key_j, keep_j = _kept_rows(keys_ptr, valid_ptr, j, N, V, HAS_VALID)
             # token ids and keys fit int32: half the registers of the [BLOCK, BLOCK] compares
             eq = ((key_i.to(tl.int32)[:, None] == key_j.to(tl.int32)[None, :]) & keep_j[None, :]
                   & (j[None, :] > i[:, None]))
@@ -271,38 +276,30 @@ def insert_triton(pool, keys: torch.Tensor, phrases: torch.Tensor, owners: torch
 _CHECKED: dict[str, str | None] = {}
 
 
+def _differs(device: torch.device) -> str | None:
+    """Where the kernels' inserts leave a pool unlike torch's on `device` (None: nowhere)."""
+    from vllm_ouroboros.pool import _BUFFERS, PhrasePool
+
+    V, L, W, pages = 40, 3, 4, 6
+    budget = PhrasePool.budget_for(V, L, W, pages)
+    ref, got = (PhrasePool(V, L, W, budget, device=device, kernels=b) for b in ("torch", "triton"))
+    g = torch.Generator(device).manual_seed(0)
+    for n in (5, 37, 70, 12):
+        keys = torch.randint(-2, V + 2, (n,), generator=g, device=device)
+        keys[n // 2:] = keys[:n - n // 2] % 7  # repeated keys: groups larger than W
+        phrases = torch.randint(0, 3, (n, L), generator=g, device=device)
+        owners = torch.randint(-1, 3, (n,), generator=g, device=device)
+        valid = torch.rand(n, generator=g, device=device) < 0.85
+        for p in (ref, got):
+            p.insert(keys, phrases, owners, valid)
+    for b in _BUFFERS + ("clock",):
+        if not torch.equal(getattr(ref, b), getattr(got, b)):
+            return f"the kernels' insert left the pool's {b} unlike the torch insert's"
+    return None
+
+
 def check_kernel(device: torch.device) -> str | None:
     """None if the kernels may insert into pools on `device` (compiled and compared with the
     torch insert on a small pool: repeats, masked rows, more rows per key than slots, evictions),
     else why not (the pool then inserts in torch). Checked once per device and process."""
-    device = torch.device(device)
-    name = str(device)
-    if name in _CHECKED:
-        return _CHECKED[name]
-    kernel, reason = pick_kernel(place_kernel, device, _TRITON_IMPORT_ERROR)
-    if kernel is None:
-        return reason
-    from vllm_ouroboros.pool import _BUFFERS, PhrasePool
-
-    try:
-        V, L, W, pages = 40, 3, 4, 6
-        budget = PhrasePool.budget_for(V, L, W, pages)
-        pools = [PhrasePool(V, L, W, budget, device=device, kernels=b) for b in ("torch", "triton")]
-        g = torch.Generator(device).manual_seed(0)
-        for n in (5, 37, 70, 12):
-            keys = torch.randint(-2, V + 2, (n,), generator=g, device=device)
-            keys[n // 2:] = keys[:n - n // 2] % 7  # repeated keys: groups larger than W
-            phrases = torch.randint(0, 3, (n, L), generator=g, device=device)
-            owners = torch.randint(-1, 3, (n,), generator=g, device=device)
-            valid = torch.rand(n, generator=g, device=device) < 0.85
-            for p in pools:
-                p.insert(keys, phrases, owners, valid)
-        for b in _BUFFERS + ("clock",):
-            if not torch.equal(getattr(pools[0], b), getattr(pools[1], b)):
-                _CHECKED[name] = f"the kernels' insert left the pool's {b} unlike the torch insert's"
-                return _CHECKED[name]
-    except Exception as e:  # noqa: BLE001 - any failure means: keep the torch insert
-        _CHECKED[name] = f"the kernels failed their check: {type(e).__name__}: {e}"
-        return _CHECKED[name]
-    _CHECKED[name] = None
-    return None
+    return check_once(_CHECKED, place_kernel, device, _TRITON_IMPORT_ERROR, _differs)

@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from .triton_runtime import pick_kernel
+from .triton_runtime import check_once, pick_kernel
 
 try:
     import triton
@@ -160,16 +160,4 @@ def check_kernel(device: torch.device) -> str | None:
     lookup, shared and not, with and without masked rows, on a pool with repeated keys, unseen
     keys and keys out of range), else why not (the pool then looks up in torch). Once per device
     and process."""
-    device = torch.device(device)
-    name = str(device)
-    if name in _CHECKED:
-        return _CHECKED[name]
-    kernel, reason = pick_kernel(lookup_kernel, device, _TRITON_IMPORT_ERROR)
-    if kernel is None:
-        return reason
-    try:
-        why = _differs(device)
-    except Exception as e:  # noqa: BLE001 - any failure means: keep the torch lookup
-        why = f"the kernel failed its check: {type(e).__name__}: {e}"
-    _CHECKED[name] = why
-    return why
+    return check_once(_CHECKED, lookup_kernel, device, _TRITON_IMPORT_ERROR, _differs)

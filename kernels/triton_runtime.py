@@ -59,3 +59,24 @@ def compile_for_nvidia(fn, signature: dict, constexprs: dict, options: dict, arc
                               text=True).stdout
     usage = " ".join(next((ln for ln in dump.splitlines() if "REG:" in ln), "?").split()[:2])
     return compiled, usage
+
+
+def check_once(cache: dict, kernel, device, import_error: str | None, differs) -> str | None:
+    """None if `kernel` may serve on `device`, else why not: Triton cannot run it there, or
+    differs(device) (its comparison with the torch path: None where they agree, else how they
+    differ) found a difference or raised. A verdict is kept in `cache` per device, so each
+    process compiles and compares once."""
+    import torch
+
+    device = torch.device(device)
+    name = str(device)
+    if name in cache:
+        return cache[name]
+    if pick_kernel(kernel, device, import_error)[0] is None:
+        return pick_kernel(kernel, device, import_error)[1]
+    try:
+        why = differs(device)
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the torch path
+        why = f"the kernel failed its check: {type(e).__name__}: {e}"
+    cache[name] = why
+    return why

@@ -1,7 +1,7 @@
 """The phrase pool's insert and lookup in each form, side by side: torch (inserts with index_put_ or scatter_add_ adds) and the Triton kernels.
 
     python scripts/bench_pool_ops.py [--rows 16 256] [--vocab 151936] [--phrase-len 4] [--per-key 4]
-        [--pages 4096] [--calls 100] [--device cuda|cpu] [--compile-only [SM ...]]
+        [--pages 4096] [--calls 100] [--device cuda|cpu] [--compile-only [SM ...]] [--launches]
 
 (Named bench_pool_insert.py until 2026-11-27; the same flags.) PhrasePool.insert
 (vllm_ouroboros/pool.py) is ~165 launches in torch, seven of them adds at indices: CUDA runs
@@ -19,7 +19,9 @@ phrases). Lookups: n keys, half of them stored, into a pool filled by inserts of
 The kernels are timed on CUDA only (on a CPU Triton's interpreter runs them, far slower than
 anything real: they are checked for equality there, not timed). `--compile-only` compiles the
 kernels for NVIDIA targets without a GPU (Triton's bundled ptxas) and prints registers and stack
-(spills) per thread. Needs no vLLM.
+(spills) per thread. `--launches` counts, per call and form, the ATen calls that are not views
+or allocations and the Triton launches (what a GPU's host launches one by one outside a graph;
+on a CPU the kernels need TRITON_INTERPRET=1 for this). Needs no vLLM.
 """
 
 from __future__ import annotations
@@ -84,6 +86,78 @@ def compile_only(archs: list[int], L: int, W: int) -> int:
     return rc
 
 
+# ATen calls that launch nothing: views and allocations
+_NO_LAUNCH = {"view", "expand", "slice", "select", "unsqueeze", "squeeze", "alias", "_unsafe_view", "t",
+              "permute", "detach", "unbind", "scalar_tensor", "empty", "empty_like", "empty_strided"}
+
+
+def launches(fn) -> tuple[int, int]:
+    """(ATen calls that launch, Triton kernel launches) of one fn() call. A Triton launch is
+    counted once and what runs inside it (the interpreter's own tensor calls) not at all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_ouroboros.kernels import pool_insert as pi
+    from vllm_ouroboros.kernels import pool_lookup as pl
+
+    counts = {"aten": 0, "triton": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _NO_LAUNCH:
+                counts["aten"] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Counted:  # a @triton.jit kernel whose launches are counted and run outside the count
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                counts["triton"] += 1
+                with torch.utils._python_dispatch._disable_current_modes():
+                    return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    def pick(kernel, device, error, _pick=pi.pick_kernel):  # whether Triton runs the counted kernel
+        ok, why = _pick(getattr(kernel, "kernel", kernel), device, error)
+        return (kernel if ok is not None else None), why
+
+    names = [(pi, n) for n in ("rows_kernel", "groups_kernel", "page_scores_kernel", "place_kernel",
+                               "pick_kernel")] + [(pl, "lookup_kernel"), (pl, "pick_kernel")]
+    saved = [(m, n, getattr(m, n)) for m, n in names]
+    try:
+        for m, n, k in saved:
+            setattr(m, n, pick if n == "pick_kernel" else Counted(k))
+        with Count():
+            fn()
+    finally:
+        for m, n, k in saved:
+            setattr(m, n, k)
+    return counts["aten"], counts["triton"]
+
+
+def count_section(a, device, why_not: str | None) -> None:
+    """Launches per insert and per lookup of each row count, in torch and through the kernels."""
+    print("| op | rows | form | ATen calls (launching) | Triton launches |")
+    print("|---|---:|---|---:|---:|")
+    for n in a.rows:
+        g = torch.Generator(device).manual_seed(n)
+        keys = torch.randint(0, a.vocab, (n,), generator=g, device=device)
+        phrases = torch.randint(0, a.vocab, (n, a.phrase_len), generator=g, device=device)
+        owners = torch.zeros(n, dtype=torch.long, device=device)
+        valid = torch.ones(n, dtype=torch.bool, device=device)
+        for form in ("torch", "triton"):
+            if form == "triton" and why_not is not None:
+                print(f"| - | {n} | triton | skipped: {why_not} | - |")
+                continue
+            pool = make_pool(a, device, "scatter_add" if form == "torch" else form)
+            pool.insert(keys, phrases, owners, valid)  # pages taken: the counted insert is a steady one
+            for op, fn in (("insert", lambda: pool.insert(keys, phrases, owners, valid)),
+                           ("lookup", lambda: pool.lookup(keys, owners, a.per_key, valid))):
+                aten, kern = launches(fn)
+                print(f"| {op} | {n} | {form} | {aten} | {kern} |", flush=True)
+
+
 def timed(fn, device, a, untimed: bool):
     """(eager ms, graph ms or None) of fn; untimed: the same number of calls, no times."""
     if untimed:  # as many calls as a timed form makes (time_calls: 3 warm-ups, then the calls)
@@ -120,6 +194,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM",
                     help="compile the kernels for these NVIDIA archs (default 80 90) without a GPU")
+    ap.add_argument("--launches", action="store_true",
+                    help="count the launches per call of each form instead of timing them")
     a = ap.parse_args()
     print("# " + " ".join(shlex.quote(x) for x in [sys.executable] + sys.argv))
     if a.compile_only is not None:
@@ -133,6 +209,9 @@ def main() -> int:
     untimed = device.type != "cuda"
     print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
           f"vocab {a.vocab}, L {a.phrase_len}, W {a.per_key}, {a.pages} pages")
+    if a.launches:
+        count_section(a, device, why_not)
+        return 0
     if why_not is not None:
         print(f"# the Triton kernels are skipped: {why_not}")
     elif untimed:

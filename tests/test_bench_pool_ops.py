@@ -46,3 +46,11 @@ def test_kernels_compile_for_nvidia_without_spills():
     out = run("--compile-only", "90", interpret=False)
     usage = [ln for ln in out.splitlines() if ln.startswith("sm_90 ")]
     assert len(usage) == 5 and all("STACK:0" in ln for ln in usage), out
+
+
+def test_launch_counts():
+    out = run("--launches", "--rows", "16", "--vocab", "300", "--pages", "64", interpret=True)
+    rows = {tuple(c.strip() for c in ln.split("|")[1:4]): tuple(int(c) for c in ln.split("|")[4:6])
+            for ln in out.splitlines() if ln.startswith(("| insert", "| lookup"))}
+    assert rows[("insert", "16", "triton")] == (3, 4) and rows[("lookup", "16", "triton")] == (1, 1), out
+    assert rows[("insert", "16", "torch")][0] > 100 and rows[("lookup", "16", "torch")][0] > 30, out

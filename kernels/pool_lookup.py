@@ -1,9 +1,9 @@
-"""A phrase pool lookup in one launch instead of ~44: the drafting round's guesses and suffixes.
+"""A phrase pool lookup in one kernel instead of 39 launches: the drafting round's guesses and suffixes.
 
 `PhrasePool.lookup` (vllm_ouroboros/pool.py) is the reference: each row's key's page, its
 visible phrases ranked (own phrases first where the pool is shared, then newest first), the n
 best returned, the page's recency and the pool's counters advanced. In torch that is gathers,
-a topk, a scatter_reduce and the counters' sums, ~44 launches; the drafting round looks up once
+a topk, a scatter_reduce and the counters' sums, 39 launches; the drafting round looks up once
 per forward and once for its suffixes (5 lookups, 218 device activities per W = G = 4 round on an
 H200: results/README.md, "Session of 2026-11-27 (fourth)"). Here one program per row ranks its
 page's W slots by pairwise comparison (stamps are unique, so the order is topk's), writes the

@@ -474,7 +474,7 @@ def round_section(model: DraftModel, plan: Plan, cases: list[tuple[str, int, str
 def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -> list[dict]:
     """ms per PhrasePool.insert of n host rows (new phrases for random keys, as a step's context
     and inspiration inserts bring them), eager and through PoolWriter's graphs where `graphs`:
-    on a GPU the eager torch insert is ~165 small kernels launched from the host. In torch
+    on a GPU the eager torch insert is 159 small kernels launched from the host. In torch
     (eager_ms, graph_ms) and, on CUDA, through the pool's Triton kernels (kernels/pool_insert.py:
     kernel_eager_ms, kernel_graph_ms)."""
     from vllm_ouroboros.pool_writer import PoolWriter

@@ -4,11 +4,11 @@
         [--pages 4096] [--calls 100] [--device cuda|cpu] [--compile-only [SM ...]] [--launches]
 
 (Named bench_pool_insert.py until 2026-11-27; the same flags.) PhrasePool.insert
-(vllm_ouroboros/pool.py) is ~165 launches in torch, seven of them adds at indices: CUDA runs
+(vllm_ouroboros/pool.py) is 159 launches in torch (`--launches`), seven of them adds at indices: CUDA runs
 index_put_(accumulate=True) as a radix sort of the indices and then the add, scatter_add_ as one
 kernel, so `pool.SCATTER_ADD_DEVICES` picks scatter on CUDA and index_put_ on a CPU, where it is
 the faster. kernels/pool_insert.py does the whole insert in four kernels and a topk;
-PhrasePool.lookup is ~44 launches in torch, one kernel in kernels/pool_lookup.py
+PhrasePool.lookup is 39 launches in torch, one kernel in kernels/pool_lookup.py
 (`PhrasePool(kernels=...)`: "auto" takes the kernels on CUDA).
 
 This times each form on one device, in one run, on the same rows: ms per call (eager, the median

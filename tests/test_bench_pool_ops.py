@@ -43,6 +43,14 @@ def test_kernel_forms_are_checked_under_the_interpreter():
 def test_kernels_compile_for_nvidia_without_spills():
     # Triton's bundled ptxas compiles for sm_90 here, no GPU needed; a spill (STACK > 0) means a
     # block size too large for the registers (kernels/pool_insert._ROWS)
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("triton")
+    tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin" if spec else None
+    if tools is None or not all((tools / t).exists() for t in ("ptxas", "cuobjdump")):
+        pytest.skip(f"this Triton has no bundled ptxas and cuobjdump (looked in {tools})")
     out = run("--compile-only", "90", interpret=False)
     usage = [ln for ln in out.splitlines() if ln.startswith("sm_90 ")]
     assert len(usage) == 5 and all("STACK:0" in ln for ln in usage), out

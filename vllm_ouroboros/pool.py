@@ -67,7 +67,7 @@ class PhrasePool:
     phrases to nobody (warm start); with `shared=False` a request sees only its own phrases and
     `release` deletes them.
 
-    `kernels` picks how inserts and lookups run: "torch" (the reference: ~165 and ~44 launches),
+    `kernels` picks how inserts and lookups run: "torch" (the reference: 159 and 39 launches),
     "triton" (kernels/pool_insert.py, four kernels, and kernels/pool_lookup.py, one; raises where
     Triton cannot run on `device`), or "auto": each op through its kernels on a CUDA device once
     they have matched torch there (their `check_kernel`), else torch. The chosen ones are

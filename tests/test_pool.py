@@ -213,10 +213,45 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
         assert torch.equal(a, b)
     assert loaded.stats() == pool.stats()
     for kw, name in ((dict(vocab=33, L=3, W=4), "vocab_size"),
-                     (dict(vocab=32, L=2, W=4), "phrase_len"),
-                     (dict(vocab=32, L=3, W=5), "phrases_per_key")):
+                     (dict(vocab=32, L=2, W=4), "phrase_len")):
         with pytest.raises(ValueError, match=name):
             make(**kw).load_state_dict(pool.state_dict())
+
+
+@pytest.mark.parametrize("W", [1, 2, 6])
+def test_load_into_another_window_size(tmp_path, W):
+    """A pool saved with 4 phrases per key loads into W: each key keeps its newest min(W, 4)
+    phrases, ranked as before (own first), and takes new ones as a W-pool does."""
+    pool = make(vocab=32, L=3, W=4, shared=True)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        pool.insert(torch.randint(0, 32, (20,), generator=g), torch.randint(0, 5, (20, 3), generator=g),
+                    torch.randint(-1, 3, (20,), generator=g))
+    pool.release(torch.tensor([2]))  # some phrases belong to nobody now
+    pool.save(tmp_path / "pool.pt")
+    # a budget for every page at the new width (with less, the least recently used pages go:
+    # test_load_into_smaller_budget_keeps_recent_pages)
+    loaded = PhrasePool.load(tmp_path / "pool.pt", device=DEVICE, phrases_per_key=W, kernels=POOL_KERNELS,
+                             budget_bytes=PhrasePool.budget_for(32, 3, W, 32))
+    assert loaded.W == W and loaded.memory_bytes() <= loaded.budget_bytes
+    keys = torch.arange(32).repeat(4)
+    slots = torch.arange(-1, 3).repeat_interleave(32)
+    n = min(W, 4)
+    # the newest phrases of every key in the old pool, as every owner ranks them: newest first,
+    # own first; the re-cut pool holds each key's n newest, so it ranks those the same
+    stamp = pool.stamp[pool.key_to_page.long().clamp(min=0)]        # [32, 4]
+    newest = stamp.argsort(dim=1, descending=True)[:, :n]
+    got = loaded.lookup(T(keys), T(slots), n)
+    for k, s, phr, ok in zip(keys.tolist(), slots.tolist(), got[0].tolist(), got[1].tolist()):
+        page = int(pool.key_to_page[k])
+        kept = [] if page < 0 else [(int(pool.stamp[page, j]), int(pool.owner[page, j]), tuple(pool.tokens[page, j].tolist()))
+                                    for j in newest[k].tolist() if pool.stamp[page, j] > 0]
+        want = sorted(kept, key=lambda e: (e[1] != s, -e[0]))
+        assert [tuple(p) for p, v in zip(phr, ok) if v] == [e[2] for e in want], (k, s)
+    assert loaded.num_phrases() == sum(min(int((pool.stamp[p] > 0).sum()), n) for p in range(pool.num_pages)
+                                       if pool.page_key[p] >= 0)
+    ins(loaded, 5, [(9, 9, 9)])  # a new phrase is the key's newest; the oldest goes where the page is full
+    assert get(loaded, 5, slot=9)[0] == (9, 9, 9)  # slot 9 owns nothing: newest first
 
 
 def test_load_into_smaller_budget_keeps_recent_pages():

@@ -83,7 +83,8 @@ def test_config_refuses_bad_pool_files_naming_the_key(tmp_path):
         check(tmp_path / "cut.pt")
     with pytest.raises(OuroborosConfigError, match="saved with beta=5, but this deployment has beta=4"):
         check(good, beta=4)
-    with pytest.raises(OuroborosConfigError, match="saved with window_size=4, .* window_size=6"):
+    # another window_size loads, re-cut (tests/test_pool.py::test_load_into_another_window_size)
+    with pytest.raises(OuroborosConfigError, match="the draft model is missing"):
         check(good, window_size=6)
     with pytest.raises(OuroborosConfigError, match="vocabulary of 384 tokens; the target has 500"):
         validate(OuroborosConfig(draft_model="", pool_load_path=str(good)), 500)

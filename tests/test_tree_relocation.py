@@ -58,7 +58,9 @@ def setting(tiny_models, tmp_path_factory):
     right = torch.stack([seq[j + 1 + i] for i in range(L)], 1)
     wrong = right.clone()
     wrong[:, 0] = (wrong[:, 0] + 1) % vocab
-    pool = PhrasePool(vocab, L, W, 2**20, shared=True)
+    # Saved 6 phrases wide, served with window_size 4: the engine loads it re-cut (each key
+    # keeps its newest 4 of its 2 phrases, so the same phrases rank the same).
+    pool = PhrasePool(vocab, L, W + 2, 2**20, shared=True)
     owners = torch.zeros(len(keys), dtype=torch.long)
     pool.insert(keys, right, owners)
     pool.insert(keys, wrong, owners)  # newest: the first suffix looked up

@@ -327,12 +327,12 @@ def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> 
         sd = PhrasePool.read_state(path, mmap=True)
     except PoolFileError as e:
         raise OuroborosConfigError(f"ouroboros: 'pool_load_path' {path!r} {e}") from e
-    for key, saved, mine in (("beta", sd["phrase_len"] + 1, cfg.beta),
-                             ("window_size", sd["phrases_per_key"], cfg.window_size)):
-        if saved != mine:
-            raise OuroborosConfigError(
-                f"ouroboros: 'pool_load_path' {path!r} holds a pool saved with {key}={saved}, "
-                f"but this deployment has {key}={mine}; use the same {key} or another pool file")
+    # Another window_size loads (each key keeps its newest phrases, PhrasePool.load_state_dict);
+    # another beta cannot: its phrases have another length.
+    if sd["phrase_len"] + 1 != cfg.beta:
+        raise OuroborosConfigError(
+            f"ouroboros: 'pool_load_path' {path!r} holds a pool saved with beta={sd['phrase_len'] + 1}, "
+            f"but this deployment has beta={cfg.beta}; use the same beta or another pool file")
     if target_vocab_size is not None and sd["vocab_size"] != target_vocab_size:
         raise OuroborosConfigError(
             f"ouroboros: 'pool_load_path' {path!r} holds a pool for a vocabulary of "

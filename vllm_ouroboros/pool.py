@@ -59,6 +59,22 @@ def _scatter_add(buf: torch.Tensor, index: tuple[torch.Tensor, ...], delta: torc
     flat.scatter_add_(0, idx, delta.to(buf.dtype).expand_as(idx))
 
 
+def _recut(tokens: torch.Tensor, stamp: torch.Tensor, owner: torch.Tensor, W: int) -> dict:
+    """Pages of another width as pages of W slots: each page's newest phrases (highest stamps;
+    empty slots have stamp 0) first, cut to W or padded with empty slots.
+
+    Shape: tokens [P, W0, L], stamp [P, W0], owner [P, W0] -> the same with W for W0."""
+    order = torch.argsort(stamp, dim=1, descending=True, stable=True)[:, :W]
+    tokens = tokens.gather(1, order[..., None].expand(-1, -1, tokens.shape[2]))
+    stamp, owner = stamp.gather(1, order), owner.gather(1, order)
+    pad = W - order.shape[1]
+    if pad > 0:
+        tokens = torch.nn.functional.pad(tokens, (0, 0, 0, pad))
+        stamp = torch.nn.functional.pad(stamp, (0, pad))
+        owner = torch.nn.functional.pad(owner, (0, pad), value=-1)
+    return {"tokens": tokens, "stamp": stamp, "owner": owner}
+
+
 class PhrasePool:
     """Paged LRU phrase pool (see module docstring).
 
@@ -373,11 +389,14 @@ class PhrasePool:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict):
-        """Load pages; if this pool has fewer pages, the most recently used ones are kept."""
-        for name, mine in (("vocab_size", self.vocab_size), ("phrase_len", self.L),
-                           ("phrases_per_key", self.W)):
+        """Load pages; if this pool has fewer pages, the most recently used ones are kept. A
+        state saved with another phrases_per_key (window size) is re-cut to this pool's: each
+        key keeps its newest phrases, as many as a page of this pool holds."""
+        for name, mine in (("vocab_size", self.vocab_size), ("phrase_len", self.L)):
             if sd[name] != mine:
                 raise ValueError(f"pool state has {name}={sd[name]}, this pool has {name}={mine}")
+        if sd["phrases_per_key"] != self.W:
+            sd = {**sd, **_recut(sd["tokens"], sd["stamp"], sd["owner"], self.W)}
         used = torch.nonzero(sd["page_key"] >= 0).squeeze(1)
         used = used[torch.argsort(sd["page_last_used"][used], descending=True)][:self.num_pages]
         n, dev = used.numel(), self.device
@@ -442,11 +461,14 @@ class PhrasePool:
 
     @classmethod
     def load(cls, path, device="cpu", budget_bytes: Optional[int] = None,
-             shared: Optional[bool] = None, kernels: str = "auto") -> "PhrasePool":
-        """A pool with the saved config and pages; budget and sharing mode may be overridden.
+             shared: Optional[bool] = None, kernels: str = "auto",
+             phrases_per_key: Optional[int] = None) -> "PhrasePool":
+        """A pool with the saved config and pages; budget, sharing mode and phrases per key (the
+        window size: pages re-cut, each key's newest phrases kept) may be overridden.
         Raises PoolFileError for a file that is not a complete saved pool."""
         sd = cls.read_state(path)
-        pool = cls(sd["vocab_size"], sd["phrase_len"], sd["phrases_per_key"],
+        pool = cls(sd["vocab_size"], sd["phrase_len"],
+                   sd["phrases_per_key"] if phrases_per_key is None else phrases_per_key,
                    sd["budget_bytes"] if budget_bytes is None else budget_bytes, device=device,
                    shared=sd["shared"] if shared is None else shared, kernels=kernels)
         pool.load_state_dict(sd)

@@ -279,7 +279,7 @@ class OuroborosProposer:
         budget = int(cfg.pool_budget_mb * 2**20)
         if cfg.pool_load_path:
             self.pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
-                                        shared=cfg.warm_start)
+                                        shared=cfg.warm_start, phrases_per_key=cfg.window_size)
             logger.info("ouroboros: loaded phrase pool from %s", cfg.pool_load_path)
         else:
             self.pool = PhrasePool(model.vocab_size, cfg.phrase_len, cfg.window_size, budget,

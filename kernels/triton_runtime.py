@@ -72,8 +72,9 @@ def check_once(cache: dict, kernel, device, import_error: str | None, differs) -
     name = str(device)
     if name in cache:
         return cache[name]
-    if pick_kernel(kernel, device, import_error)[0] is None:
-        return pick_kernel(kernel, device, import_error)[1]
+    runnable, why_not = pick_kernel(kernel, device, import_error)
+    if runnable is None:
+        return why_not
     try:
         why = differs(device)
     except Exception as e:  # noqa: BLE001 - any failure means: keep the torch path

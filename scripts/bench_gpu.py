@@ -149,10 +149,13 @@ class Budget:
         return f"skipped: time budget spent (--budget-s {self.seconds:g})"
 
 
-# Round modes timed at one request only: what the conditional nodes save (graph-fixed), and
-# what the pool's kernels save (TORCH_POOL: the fused graph round with the torch insert and lookup).
+# Round modes timed at one request only: what the conditional nodes save (graph-fixed), what
+# the pool's kernels save (TORCH_POOL: the fused graph round with the torch insert and lookup),
+# and what the round's own kernels save (TORCH_ROUND: with its inputs and bookkeeping in torch,
+# kernels/round_steps.py).
 TORCH_POOL = "graph+fused+torch-pool"
-ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL)
+TORCH_ROUND = "graph+fused+torch-round"
+ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND)
 
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
 GAMMA, BETA = 4, 5
@@ -374,12 +377,14 @@ class RoundRunner:
         dev = model.device
         # graph-fixed: the graph round without its conditional nodes; X+fused: the X round
         # through the fused layer kernels (OuroborosConfig.draft_fused_ops); +torch-pool: the
-        # pool inserts and looks up in torch where it would take its kernels (kernels/pool_*.py).
+        # pool inserts and looks up in torch where it would take its kernels (kernels/pool_*.py);
+        # +torch-round: the work around each forward in torch (kernels/round_steps.py).
         draft_round = "graph" if mode.startswith("graph") else mode.split("+")[0]
         model.fused_ops = "+fused" in mode
         settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
                                  num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
-                                 draft_round=draft_round, round_forwards=GAMMA)
+                                 draft_round=draft_round, round_forwards=GAMMA,
+                                 round_kernels="torch" if mode.endswith("+torch-round") else "auto")
         pool = PhrasePool(model.vocab_size, BETA - 1, max(window, 1), POOL_BUDGET, device=dev,
                           kernels="torch" if mode.endswith("+torch-pool") else "auto")
         rounds = plan.warmup_rounds + plan.timed_rounds
@@ -927,7 +932,7 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
     def graph_round(name, setting, B, key, limit):
         # The graph round as CUDA serving runs it (draft_fused_ops on by default there), the
         # unfused one where the fused was not measured; the other modes beside it.
-        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL)
+        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL, TORCH_ROUND)
         others = {m: find_round(rounds, setting, B, m, key) for m in modes}
         mode = "graph+fused" if others["graph+fused"] is not None else "graph"
         others.pop(mode)
@@ -1294,7 +1299,7 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     fused = graphs and "fused" not in args.skip
     modes = (["graph"] if graphs else []) + (["graph+fused"] if fused else []) + (
         ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + (
-        [TORCH_POOL] if fused and device.type == "cuda" else []) + ["host", "device"]
+        [TORCH_POOL, TORCH_ROUND] if fused and device.type == "cuda" else []) + ["host", "device"]
     if graphs and "fused" in args.skip:
         skipped["rounds/graph+fused"] = "skipped: --skip fused"
     cases = [] if "rounds" in args.skip else plan.round_cases(modes)

@@ -34,6 +34,7 @@ REGIONS = (
     ("round, rest", "vllm_ouroboros.draft.device_round:DeviceRound", "run"),
     ("round: row inputs (masks, positions)", "vllm_ouroboros.draft.device_round", "row_inputs"),
     ("round: read output (window, guesses)", "vllm_ouroboros.draft.device_round", "read_output"),
+    ("round: bookkeeping (torch)", "vllm_ouroboros.draft.device_round", "commit_torch"),
     ("pool: lookup", "vllm_ouroboros.pool:PhrasePool", "lookup"),
     ("pool: insert", "vllm_ouroboros.pool:PhrasePool", "insert"),
     ("draft forward, rest (embedding, RoPE tables)", "vllm_ouroboros.draft.model:DraftModel", "forward"),

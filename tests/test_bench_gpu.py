@@ -64,7 +64,8 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
-    modes = {"host", "device"} | ({"graph", "graph+fused", bench_gpu.TORCH_POOL} if CUDA else set()) | (
+    cuda_modes = {"graph", "graph+fused", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND}
+    modes = {"host", "device"} | (cuda_modes if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
     assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes
@@ -255,14 +256,15 @@ def test_round_cases_put_the_targets_first():
     """A budget-cut run keeps what the issue's targets read: the graph round at one request
     (decode and W=G=4) and at the most requests, before the rest."""
     plan = bench_gpu.Plan(tiny=False)
-    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", bench_gpu.TORCH_POOL, "host", "device"])
+    cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND,
+                             "host", "device"])
     assert cases[:3] == [("decode-only", 1, "graph"), ("decode-only", 1, "graph+fused"),
                          ("decode-only", 1, "graph-fixed")]
     first = {c: i for i, c in enumerate(cases)}
     assert first[("phrases W=G=4", 1, "graph")] < first[("decode-only", 32, "graph")] < first[
         ("phrases W=G=7", 1, "graph")] < first[("phrases W=G=15", 1, "graph")] < first[("decode-only", 8, "graph")]
-    # 3 request counts x 4 modes, and the 2 one-request modes once
-    assert len(cases) == len(set(cases)) == len(bench_gpu.ROUND_SETTINGS) * (3 * 4 + 2)
+    # 3 request counts x 4 modes, and the 3 one-request modes once
+    assert len(cases) == len(set(cases)) == len(bench_gpu.ROUND_SETTINGS) * (3 * 4 + 3)
     groups = list(dict.fromkeys(c[:2] for c in cases))  # (setting, requests) in order of first case
     assert groups[:4] == plan.target_groups() == [("decode-only", 1), ("phrases W=G=4", 1),
                                                   ("decode-only", 32), ("phrases W=G=4", 32)]

@@ -30,6 +30,8 @@ from tiny_models import acceptance_head
 # kernels where there is no CUDA device (test_device_round_with_the_pool_kernels).
 pi = import_kernel_module("vllm_ouroboros.kernels.pool_insert")
 import_kernel_module("vllm_ouroboros.kernels.pool_lookup")
+rs = import_kernel_module("vllm_ouroboros.kernels.round_steps")
+import_kernel_module("vllm_ouroboros.kernels.tree_attention")
 
 GAMMA, BETA, W, G, K = 4, 4, 3, 3, 2
 L = BETA - 1
@@ -142,6 +144,47 @@ def test_device_round_with_the_pool_kernels(tiny_models, device, request):
         for name in ("key_to_page", "page_key", "page_last_used", "tokens", "stamp", "owner", "counters", "clock"):
             assert torch.equal(getattr(ref.pool, name), getattr(got.pool, name)), name
     assert ref.pool.num_phrases() > 0
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_device_round_with_the_round_kernels(config, tiny_models, device, request):
+    """The work around each forward through kernels/round_steps.py (as a CUDA device runs it;
+    here under Triton's interpreter) gives the torch path's drafts, counters, windows, cache
+    bookkeeping and pool, token for token. Both attend through the same path (the tree-attention
+    kernel on CUDA, SDPA on a CPU, from the prepared bitmasks). Adaptive rounds prepare in the
+    kernel and commit in torch."""
+    why = rs.pick_kernel(rs.commit_kernel, torch.device(device), rs._TRITON_IMPORT_ERROR)[1]
+    if why is not None:
+        pytest.skip(f"Triton cannot run the round's kernels in this process: {why}")
+    request.getfixturevalue("triton_interpreter")
+    path, kw = str(tiny_models["draft"]), CONFIGS[config]
+    ref = make(path, device, "device", round_forwards=99, round_kernels="torch", **kw)
+    got = make(path, device, "device", round_forwards=99, round_kernels="triton", **kw)
+    assert got.device_round.kernels == "triton" and ref.device_round.kernels == "torch"
+    assert (got.device_round._commit is None) == (config == "adaptive")
+    prepared = []
+    real_prepare = got.device_round._prepare
+    got.device_round._prepare = lambda *a: prepared.append(1) or real_prepare(*a)
+    rng = np.random.default_rng(23 + sorted(CONFIGS).index(config))
+    for outs, slots in drive([ref, got], 5, rng, ref.model.vocab_size):
+        compare(outs[0], outs[1], config)
+        assert np.array_equal(ref.kv_len[slots], got.kv_len[slots])
+        for s in slots:
+            assert torch.equal(ref.window[s], got.window[s])
+        for a, b in zip(pool_view(ref.pool, [-1, *slots.tolist()]), pool_view(got.pool, [-1, *slots.tolist()])):
+            assert torch.equal(a, b), config
+    assert prepared, "no forward went through the prepared inputs"
+
+
+def test_round_kernels_refuse_where_triton_cannot_run(tiny_models, device):
+    """round_kernels='triton' where Triton cannot run raises, saying why; 'auto' on a CPU and
+    'torch' keep the torch path; a bad name is refused."""
+    path = str(tiny_models["draft"])
+    assert make(path, device, "device", round_kernels="torch").device_round.kernels == "torch"
+    if device == "cpu":
+        assert make(path, device, "device").device_round.kernels == "torch"
+    with pytest.raises(ValueError, match="round_kernels must be"):
+        make(path, device, "device", round_kernels="cuda")
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

@@ -89,6 +89,8 @@ class OuroborosConfig:
     # kernels/fused_ops.py): fewer kernel launches per layer. None (auto): on CUDA, where
     # scripts/bench_gpu.py measured a graph-replayed draft forward at half the time (H200, bf16,
     # 1 request: 1.48 vs 2.91 ms); off on CPU, where they would run as the torch fallback.
+    # False also keeps the device round's work around each forward (inputs, masks, bookkeeping)
+    # in torch instead of its two kernels (kernels/round_steps.py, on CUDA after a check).
     draft_fused_ops: bool | None = None
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16

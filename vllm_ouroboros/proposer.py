@@ -303,9 +303,16 @@ class OuroborosProposer:
             draft_length=cfg.draft_length, acceptance_threshold=threshold,
             max_draft_length=cfg.max_draft_length,
             draft_round=draft_round,
+            round_kernels="torch" if cfg.draft_fused_ops is False else "auto",
         )
         self.runtime = DraftRuntime(model, self.pool, settings, init_slots, self.max_model_len,
                                     self.device, head=head)
+        rnd = self.runtime.device_round
+        if rnd is not None:
+            logger.info("ouroboros: the drafting round's inputs and bookkeeping through %s", (
+                "Triton kernels" + (" (the adaptive rule's commit in torch)" if rnd._commit is None else "")
+                if rnd.kernels == "triton" else
+                f"torch ({rnd.kernel_reason or 'as configured, or the kernels serve CUDA only'})"))
         self.runtime.prefill_cost = self.prefill_cost
         if settings.draft_round == "graph":
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.

@@ -30,7 +30,8 @@ class DraftAttentionMetadata:
     """Per-forward attention inputs, shared by every layer."""
 
     cache_lens: torch.Tensor  # [B] int64: committed prefix length of each row's slot
-    new_mask: torch.Tensor  # [B, Q, Q] bool: query j sees new token j' iff new_mask[b, j, j']
+    # [B, Q, Q] bool: query j sees new token j' iff new_mask[b, j, j'] (None: `prepared`)
+    new_mask: torch.Tensor | None
     block_rows: torch.Tensor  # [B, max_pages] int32: each row's block-table row
     page_size: int
     write_index: torch.Tensor  # [B, Q] int64: page * page_size + row of new token j's K/V
@@ -40,6 +41,26 @@ class DraftAttentionMetadata:
     # first layer and reused by the others, by (dtype, heads, head dim, cache shape).
     kernel_plans: dict = field(default_factory=dict)
 
+    @classmethod
+    def prepared(cls, cache_lens: torch.Tensor, write_index: torch.Tensor, page_size: int, kv_len: int,
+                 kernel_inputs: tuple, use_kernel: bool) -> DraftAttentionMetadata:
+        """Metadata from inputs made elsewhere (one launch in the device round:
+        kernels/round_steps.prepare): kernel_inputs as `kernel_inputs` returns them (block rows,
+        prefix lengths, query starts, bitmasks). The torch path reads the mask from the bits."""
+        meta = cls(cache_lens, None, kernel_inputs[0], page_size, write_index, kv_len, use_kernel)
+        meta.__dict__["kernel_inputs"] = tuple(kernel_inputs)  # the cached_property's slot
+        return meta
+
+    def _new_mask(self) -> torch.Tensor:
+        """new_mask, or for `prepared` metadata the same [B, Q, Q] bool from the bitmasks."""
+        if self.new_mask is not None:
+            return self.new_mask
+        bits = self.kernel_inputs[3]
+        B = self.cache_lens.shape[0]
+        Q = bits.shape[0] // B
+        shift = torch.arange(Q, device=bits.device)
+        return ((bits.view(B, Q, 1) >> shift) & 1).bool()
+
     @functools.cached_property
     def dense_mask(self) -> torch.Tensor:
         """[B, 1, Q, kv_len] bool: True where query j of row b sees cache column c.
@@ -47,12 +68,13 @@ class DraftAttentionMetadata:
         Column c is visible iff c < cache_lens[b] (committed prefix), or c = cache_lens[b] + j' with
         new_mask[b, j, j'] (a new token). Columns past cache_lens[b] + Q are stale or empty: never visible.
         """
-        B, Q, _ = self.new_mask.shape
+        new_mask = self._new_mask()
+        B, Q, _ = new_mask.shape
         cols = torch.arange(self.kv_len, device=self.cache_lens.device)  # [kv_len]
         rel = cols[None, :] - self.cache_lens[:, None]  # [B, kv_len]: index among new tokens
         in_new = (rel >= 0) & (rel < Q)  # [B, kv_len]
         rel_idx = rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, self.kv_len)  # [B, Q, kv_len]
-        sees_new = torch.gather(self.new_mask, 2, rel_idx) & in_new[:, None, :]  # [B, Q, kv_len]
+        sees_new = torch.gather(new_mask, 2, rel_idx) & in_new[:, None, :]  # [B, Q, kv_len]
         return ((rel < 0)[:, None, :] | sees_new)[:, None]
 
     @functools.cached_property
@@ -103,8 +125,7 @@ def build_attention_metadata(
     if backend == "triton" and Q > MAX_KERNEL_QUERIES:
         raise ValueError(f"the tree-attention kernel takes at most {MAX_KERNEL_QUERIES} new tokens per "
                          f"row, got {Q}")
-    use_kernel = backend == "triton" or (
-        backend == "auto" and new_mask.is_cuda and Q <= MAX_KERNEL_QUERIES and kernel_importable())
+    use_kernel = kernel_chosen(backend, new_mask.device, Q)
     block_rows = block_table[slots]  # [B, max_pages]
     write_pos = cache_lens[:, None] + torch.arange(Q, device=cache_lens.device)  # [B, Q]
     # A position past the table (a caller bug) lands on the last entry instead of faulting.
@@ -116,6 +137,14 @@ def build_attention_metadata(
 
 # The kernel's ancestor bitmask is one int64 per query (kernels/tree_attention.MAX_TREE_NODES).
 MAX_KERNEL_QUERIES = 64
+
+
+def kernel_chosen(backend: str, device: torch.device, Q: int) -> bool:
+    """Whether a forward of Q new tokens per row on `device` runs through the tree-attention
+    kernel under `backend` (build_attention_metadata's choice; "triton" past the kernel's
+    limit raises there)."""
+    return backend == "triton" or (backend == "auto" and device.type == "cuda" and Q <= MAX_KERNEL_QUERIES
+                                   and kernel_importable())
 
 
 @functools.cache

@@ -44,6 +44,7 @@ import torch
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.acceptance_head import stop_rule
+from vllm_ouroboros.draft.attention import DraftAttentionMetadata, build_attention_metadata
 from vllm_ouroboros.draft.lookahead import read_output, row_inputs
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -99,6 +100,25 @@ class RoundState:
     staging: dict[int, torch.Tensor] = field(default_factory=dict)  # host side of each inbox
     graphs: dict[str, object] = field(default_factory=dict)
 
+    @classmethod
+    def empty(cls, A: int, L: int, Dw: int, width: int, device) -> RoundState:
+        """Zeroed state of A rows: Dw draft columns (the last a write sink), outbox columns
+        `width`, phrases of L tokens."""
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), active=z(A, dtype=torch.bool),
+                   drafts=z(A, Dw), dlen=z(A), row_forwards=z(A), guess_tokens=z(A), guess_hits=z(A),
+                   last_take=z(A), prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
+                   next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=device),
+                   outbox=z(A, width), limit=z(()))
+
+    def same(self, other: RoundState) -> bool:
+        """Whether every state tensor of the two equals (inboxes, staging and graphs aside)."""
+        return all(torch.equal(getattr(self, f), getattr(other, f)) for f in _STATE_TENSORS)
+
+
+_STATE_TENSORS = ("slots", "kv", "real", "active", "drafts", "dlen", "row_forwards", "guess_tokens",
+                  "guess_hits", "last_take", "prod", "by_rule", "next_unc", "next_u", "outbox", "limit")
+
 
 @dataclass
 class DeviceRoundOutput:
@@ -150,6 +170,11 @@ class DeviceRound:
         # Draft columns a row may fill; the host loop's bound (fixed: gamma + beta).
         self.max_draft = s.max_draft_length if self.adaptive else s.gamma + s.beta
         self.K = s.num_suffixes
+        # The work around each forward: kernels/round_steps.py's host functions, or None (torch);
+        # kernel_reason: why "auto" kept torch on a CUDA device (the kernels' check failed).
+        self.kernel_reason: str | None = None
+        self._prepare, self._commit = self._pick_kernels(s.round_kernels)
+        self.kernels = "torch" if self._prepare is None else "triton"
         self._states: dict[int, RoundState] = {}
         self._generation = -1  # runtime.generation the states (and graphs) were built for
         self._pool = None  # CUDA graph memory pool shared by all captures (never run concurrently)
@@ -161,6 +186,29 @@ class DeviceRound:
         kv = runtime.kv
         per_slot = (kv.num_pages - 1) * kv.page_size // max(kv.num_seqs - 1, 1)
         self.graph_len = min(runtime.model.max_len, max(per_slot, 256))
+
+    def _pick_kernels(self, kernels: str):
+        """(prepare, commit) of kernels/round_steps.py where they are to run, else (None, None).
+        The adaptive rule stays in torch (commit None)."""
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"round_kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+        dev = self.rt.device
+        if kernels == "torch" or (kernels == "auto" and dev.type != "cuda"):
+            return None, None
+        # imported only here: importing triton early would keep its CPU interpreter off for good
+        from vllm_ouroboros.kernels import round_steps
+
+        if kernels == "triton":
+            why = round_steps.pick_kernel(round_steps.commit_kernel, dev, round_steps._TRITON_IMPORT_ERROR)[1]
+            if why is not None:
+                raise ValueError(f"round_kernels='triton': the round's kernels cannot run here: {why}")
+        else:
+            why = round_steps.check_kernel(dev)
+            if why is not None:
+                logger.warning("ouroboros: the drafting round's bookkeeping runs in torch on %s: %s", dev, why)
+                self.kernel_reason = why
+                return None, None
+        return round_steps.prepare, None if self.adaptive else round_steps.commit
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -190,16 +238,9 @@ class DeviceRound:
             self._generation = rt.generation
         st = self._states.get(A)
         if st is None:
-            dev, L, K = rt.device, rt.L, self.K
-            z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-            Dw = self.max_draft + L + 2
-            width = self.max_draft + 7 + K * L + K
-            st = self._states[A] = RoundState(
-                A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), active=z(A, dtype=torch.bool),
-                drafts=z(A, Dw), dlen=z(A), row_forwards=z(A), guess_tokens=z(A), guess_hits=z(A),
-                last_take=z(A), prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
-                next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=dev),
-                outbox=z(A, width), limit=z(()))
+            L, K = rt.L, self.K
+            st = self._states[A] = RoundState.empty(A, L, self.max_draft + L + 2,
+                                                    self.max_draft + 7 + K * L + K, rt.device)
         return st
 
     def _drop_graphs(self) -> None:
@@ -322,62 +363,55 @@ class DeviceRound:
 
     def _forward(self, st: RoundState, unc: torch.Tensor, u: torch.Tensor, U: int, bound: int) -> None:
         """One lookahead forward for every row of the bucket; inactive rows change nothing.
-        Same arithmetic as DraftRuntime._lookahead_forward, on device tensors.
+        Same arithmetic as DraftRuntime._lookahead_forward, on device tensors. The work around
+        the model runs in torch (`fed_tokens_torch`, `row_inputs`, `commit_torch`) or, where the
+        round took them, in two kernels (kernels/round_steps.py).
 
         Shape: unc [A, U] int64 (first u[b] real), u [A] int64 >= 1."""
         rt, A, L, W, G = self.rt, st.A, self.rt.L, self.rt.W, self.rt.G
         dev = rt.device
         act, slots, kv = st.active, st.slots, st.kv
-        rows = torch.arange(A, device=dev)
-        parts = [unc]
-        window = rt.window[slots][:, :, :W] if W else torch.zeros(A, L, 0, dtype=torch.long, device=dev)
-        if W:
-            parts.append(window.reshape(A, -1))
         if G:
             key = unc.gather(1, (u - 1)[:, None])[:, 0]
             guesses, gvalid = rt.pool.lookup(key, slots, G, rows=act)
-            parts.append(guesses.reshape(A, -1))
         else:
             guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
             gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
         layout = rt.layout(U, G)
-        mask, positions = row_inputs(layout, u, kv)
         model = rt.model
-        hidden = model.forward(torch.cat(parts, dim=1), positions, slots, kv, mask,
-                               max_cache_len=min(bound, model.max_len - layout.Q))
-        out = torch.zeros(A, layout.Q, dtype=torch.long, device=dev)
-        out[rows, u - 1] = model.greedy_tokens(hidden[rows, u - 1])
-        if layout.Q > U:
-            out[:, U:] = model.greedy_tokens(hidden[:, U:])
-        res = read_output(layout, out, u, window, guesses, gvalid)
-        num = res.num_new
-        room = self.max_draft - st.dlen
+        max_cache_len = min(bound, model.max_len - layout.Q)
+        if self._prepare is not None and layout.static_bits is not None:
+            ids, positions, write_index, *kernel_inputs = self._prepare(
+                layout, unc, u, kv, slots, rt.window, guesses, model.kv.block_table, model.kv.page_size)
+            # kernel_inputs: tree bitmasks, prefix lengths, query starts, block rows
+            tree_mask, lens, query_start, block_rows = kernel_inputs
+            meta = DraftAttentionMetadata.prepared(kv, write_index, model.kv.page_size,
+                                                   max_cache_len + layout.Q,
+                                                   (block_rows, lens, query_start, tree_mask),
+                                                   model.uses_attention_kernel(layout.Q))
+            hidden = model.forward(ids, positions, slots, kv, None, max_cache_len=max_cache_len, meta=meta)
+        else:
+            ids = fed_tokens_torch(layout, unc, slots, rt.window, guesses)
+            mask, positions = row_inputs(layout, u, kv)
+            hidden = model.forward(ids, positions, slots, kv, mask, max_cache_len=max_cache_len)
+        t1 = model.greedy_tokens(hidden[torch.arange(A, device=dev), u - 1])
+        rest = model.greedy_tokens(hidden[:, U:]) if layout.Q > U else None
         if self.adaptive:
-            p = rt.head(rt._token_hidden(hidden, res, u, layout, guesses, gvalid))
-            valid = torch.arange(L + 1, device=dev)[None, :] < num[:, None]
-            rule_take, fired, after = stop_rule(p, valid, st.prod, rt.s.acceptance_threshold)
-            num = torch.minimum(num, rule_take)
-            st.by_rule.logical_or_(act & fired & (rule_take <= room))
-            st.prod.copy_(torch.where(act, after, st.prod))
-        take = torch.where(act, torch.minimum(num, room), 0)
-        cols = st.dlen[:, None] + torch.arange(L + 1, device=dev)[None, :]
-        ok = torch.arange(L + 1, device=dev)[None, :] < take[:, None]
-        sink = st.drafts.shape[1] - 1
-        st.drafts.scatter_(1, torch.where(ok, cols, sink), torch.where(ok, res.new_tokens, 0))
-        if W:
-            rt.window[slots, :, :W] = torch.where(act[:, None, None], res.next_window, window)
-            rt.pool.insert(res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L),
-                           slots.repeat_interleave(W), valid=act.repeat_interleave(W))
-        st.kv.copy_(torch.where(act, kv + u, kv))
-        st.dlen.add_(take)
-        st.row_forwards.add_(act.long())
-        st.guess_tokens.add_(torch.where(act, take - 1, 0))
-        st.guess_hits.add_((act & (take > 1)).long())
-        st.last_take.copy_(torch.where(act, take, st.last_take))
-        st.next_unc.copy_(res.new_tokens)
-        st.next_u.copy_(torch.where(act, take, 1))
-        going = (st.dlen < self.max_draft) & ~st.by_rule if self.adaptive else st.dlen < rt.s.gamma
-        st.active.logical_and_(going)
+            def adapt(res):
+                p = rt.head(rt._token_hidden(hidden, res, u, layout, guesses, gvalid))
+                valid = torch.arange(L + 1, device=dev)[None, :] < res.num_new[:, None]
+                return stop_rule(p, valid, st.prod, rt.s.acceptance_threshold)
+
+            rows = commit_torch(st, layout, ids, t1, rest, guesses, gvalid, u, rt.window, self.max_draft,
+                                self.max_draft, adapt)
+        elif self._commit is not None:
+            rows = self._commit(st, layout, ids, t1, rest, gvalid, u, rt.window, self.max_draft, rt.s.gamma)
+        else:
+            rows = commit_torch(st, layout, ids, t1, rest, guesses, gvalid, u, rt.window, self.max_draft,
+                                rt.s.gamma)
+        if rows is not None:  # the window's fresh phrases
+            keys, phrases, owners, valid = rows
+            rt.pool.insert(keys, phrases, owners, valid=valid)
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def _graph_names(self, widths) -> list[str]:
@@ -481,6 +515,91 @@ class DeviceRound:
             fn(if_node)
 
         st.graphs[name] = capture_graph(run, rt.device, self._pool, inference=True)
+
+
+def fed_tokens_torch(layout, unc: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
+                     guesses: torch.Tensor) -> torch.Tensor:
+    """A forward's token ids [A, Q]: [uncached | window (levels x columns) | guesses].
+
+    Shape: unc [A, >= U] int64 (first U columns fed); slots [A] int64; window [S, L, WA] int64
+    (the runtime's windows: columns [0, W) fed); guesses [A, G, L] int64."""
+    A, U, W = unc.shape[0], layout.U, layout.W
+    parts = [unc[:, :U]]
+    if W:
+        parts.append(window[slots][:, :, :W].reshape(A, -1))
+    if layout.G:
+        parts.append(guesses.reshape(A, -1))
+    return torch.cat(parts, dim=1)
+
+
+def forward_inputs_torch(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                         window: torch.Tensor, guesses: torch.Tensor, block_table: torch.Tensor,
+                         page_size: int) -> tuple[torch.Tensor, ...]:
+    """The torch reference of kernels/round_steps.prepare (same arguments, same outputs): the
+    token ids, positions and write indices [A, Q] int64, the tree-attention kernel's bitmasks
+    [A * Q] int64, prefix lengths [A] int32, query starts [A + 1] int32 and block rows [A, MP]
+    int32, as the round's torch path and build_attention_metadata make them (Q <= 64)."""
+    ids = fed_tokens_torch(layout, unc, slots, window, guesses)
+    mask, positions = row_inputs(layout, u, kv)
+    meta = build_attention_metadata(slots, kv, mask, block_table, page_size, max_cache_len=0, backend="torch")
+    block_rows, lens, query_start, tree_mask = meta.kernel_inputs
+    return ids, positions, meta.write_index, tree_mask, lens, query_start, block_rows
+
+
+def commit_torch(st: RoundState, layout, ids: torch.Tensor, t1: torch.Tensor, rest: torch.Tensor | None,
+                 guesses: torch.Tensor, gvalid: torch.Tensor, u: torch.Tensor, window: torch.Tensor,
+                 max_draft: int, goal: int, adapt=None):
+    """Read one forward's greedy tokens into the round: each active row takes its new tokens
+    (at most max_draft in all) into its draft columns, slides its window, advances its cache
+    length by the u tokens the forward committed and its counters, and sets the next forward's
+    inputs; a row stops once it holds `goal` tokens (or its adaptive rule fired). Inactive rows
+    change nothing. The reference of kernels/round_steps.commit.
+
+    Shape: ids [A, Q] int64 (the fed tokens); t1 [A] int64 (the draft's token at column u - 1);
+    rest [A, Q - U] int64 (at the window and guess columns; None where Q = U); guesses [A, G, L]
+    int64, gvalid [A, G] bool; u [A] int64; window [S, L, WA] int64 (updated in place).
+    adapt: None, or res (lookahead.LookaheadResult) -> (take cap [A], fired [A] bool, product
+    after [A] float32), the acceptance head's rule (acceptance_head.stop_rule).
+    Returns the pool insert's rows (keys [A * W], phrases [A * W, L], owners [A * W], which
+    count [A * W] bool), or None without a window.
+    """
+    A, U, W, L = ids.shape[0], layout.U, layout.W, layout.L
+    dev = ids.device
+    act, slots, kv = st.active, st.slots, st.kv
+    out = torch.zeros(A, layout.Q, dtype=torch.long, device=dev)
+    out[torch.arange(A, device=dev), u - 1] = t1
+    if rest is not None:
+        out[:, U:] = rest
+    fed_window = ids[:, U:U + W * L].reshape(A, L, W)
+    res = read_output(layout, out, u, fed_window, guesses, gvalid)
+    num = res.num_new
+    room = max_draft - st.dlen
+    if adapt is not None:
+        rule_take, fired, after = adapt(res)
+        num = torch.minimum(num, rule_take)
+        st.by_rule.logical_or_(act & fired & (rule_take <= room))
+        st.prod.copy_(torch.where(act, after, st.prod))
+    take = torch.where(act, torch.minimum(num, room), 0)
+    cols = st.dlen[:, None] + torch.arange(L + 1, device=dev)[None, :]
+    ok = torch.arange(L + 1, device=dev)[None, :] < take[:, None]
+    sink = st.drafts.shape[1] - 1
+    st.drafts.scatter_(1, torch.where(ok, cols, sink), torch.where(ok, res.new_tokens, 0))
+    rows = None
+    if W:
+        window[slots, :, :W] = torch.where(act[:, None, None], res.next_window, fed_window)
+        rows = (res.phrase_keys.reshape(-1), res.phrases.reshape(-1, L), slots.repeat_interleave(W),
+                act.repeat_interleave(W))
+    st.kv.copy_(torch.where(act, kv + u, kv))
+    st.dlen.add_(take)
+    st.row_forwards.add_(act.long())
+    st.guess_tokens.add_(torch.where(act, take - 1, 0))
+    st.guess_hits.add_((act & (take > 1)).long())
+    st.last_take.copy_(torch.where(act, take, st.last_take))
+    st.next_unc.copy_(res.new_tokens)
+    st.next_u.copy_(torch.where(act, take, 1))
+    going = (st.dlen < goal) & ~st.by_rule if adapt is not None else st.dlen < goal
+    st.active.logical_and_(going)
+    return rows
 
 
 def conditional_nodes_supported() -> bool:

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Queries one int64 bitmask row can describe (the tree-attention kernel's MAX_TREE_NODES).
+MAX_BITMASK_QUERIES = 64
+
 
 @dataclass
 class LookaheadLayout:
@@ -35,6 +38,8 @@ class LookaheadLayout:
       static_mask:  [Q, Q] bool, the mask assuming all U uncached tokens are real.
       pos_offset:   [Q] int64, position relative to the last real uncached token for the window
                     and guess columns (>= 1); for uncached columns the offset from the first one.
+      static_bits:  [Q] int64, row j of static_mask as bits (bit j' = static_mask[j, j']), the
+                    tree-attention kernel's form (kernels/round_steps.py); None past 64 columns.
     """
 
     U: int
@@ -43,6 +48,7 @@ class LookaheadLayout:
     G: int
     static_mask: torch.Tensor
     pos_offset: torch.Tensor
+    static_bits: torch.Tensor | None = None
 
     @property
     def Q(self) -> int:
@@ -79,7 +85,10 @@ def build_layout(U: int, W: int, L: int, G: int, device: torch.device | str = "c
         gpos = torch.arange(L).repeat(G)
         mask[U + WL:, U + WL:] = (gid[:, None] == gid[None, :]) & (gpos[None, :] <= gpos[:, None])
         offset[U + WL:] = 1 + gpos
-    return LookaheadLayout(U, W, L, G, mask.to(device), offset.to(device))
+    bits = None
+    if Q <= MAX_BITMASK_QUERIES:  # distinct powers of two: the sum is their OR (bit 63: the sign)
+        bits = (mask.long() * (torch.ones(Q, dtype=torch.long) << torch.arange(Q))).sum(-1).to(device)
+    return LookaheadLayout(U, W, L, G, mask.to(device), offset.to(device), bits)
 
 
 def row_inputs(layout: LookaheadLayout, num_uncached: torch.Tensor, cache_lens: torch.Tensor):

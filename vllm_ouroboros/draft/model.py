@@ -24,7 +24,9 @@ from torch import nn
 
 from vllm_ouroboros.draft.attention import (
     MAX_KERNEL_QUERIES,
+    DraftAttentionMetadata,
     build_attention_metadata,
+    kernel_chosen,
     kernel_importable,
     masked_attention,
     write_kv,
@@ -322,6 +324,11 @@ class DraftModel(nn.Module):
         if full:
             self.kv.reserve(range(num_slots), [max_len] * num_slots)
 
+    def uses_attention_kernel(self, Q: int) -> bool:
+        """Whether a forward of Q new tokens per row runs its attention through the Triton
+        tree-attention kernel (after `check_attention_kernel`, which may turn it off)."""
+        return self.kv is not None and kernel_chosen(self.attention_backend, self.kv.device, Q)
+
     @torch.inference_mode()
     def check_attention_kernel(self) -> str | None:
         """Before the draft serves: run the Triton tree-attention kernel where this model would
@@ -362,8 +369,9 @@ class DraftModel(nn.Module):
         positions: torch.Tensor,
         slots: torch.Tensor,
         cache_lens: torch.Tensor,
-        new_mask: torch.Tensor,
+        new_mask: torch.Tensor | None,
         max_cache_len: int | None = None,
+        meta: DraftAttentionMetadata | None = None,
     ) -> torch.Tensor:
         """Run Q new tokens per row on top of each row's committed prefix; returns final-normed hidden.
 
@@ -374,12 +382,14 @@ class DraftModel(nn.Module):
         (caller guarantees that slot's pages hold cache_lens[b] + Q tokens: self.kv.reserve); query
         j sees tokens [0, cache_lens[b]) and new token j' iff new_mask[b, j, j']. max_cache_len:
         max(cache_lens) if known on the host (saves a device synchronisation); any upper bound
-        is correct.
+        is correct. meta: attention metadata made by the caller (DraftAttentionMetadata.prepared,
+        for the tree-attention kernel: see `uses_attention_kernel`); new_mask is then unused.
         """
         if self.kv is None:
             raise RuntimeError("DraftModel.forward before allocate_cache")
-        meta = build_attention_metadata(slots, cache_lens, new_mask, self.kv.block_table,
-                                        self.kv.page_size, max_cache_len, self.attention_backend)
+        if meta is None:
+            meta = build_attention_metadata(slots, cache_lens, new_mask, self.kv.block_table,
+                                            self.kv.page_size, max_cache_len, self.attention_backend)
         freqs = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)

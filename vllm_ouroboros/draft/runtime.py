@@ -61,6 +61,10 @@ class DraftSettings:
     # "device"/"graph": forwards per round; None adapts to what recent rounds needed (a round
     # that runs out drafts less, still lossless); an int pins it (at most gamma in fixed mode).
     round_forwards: int | None = None
+    # "device"/"graph": the work around each forward (inputs, masks, bookkeeping) in two Triton
+    # kernels (kernels/round_steps.py): "auto" on CUDA after a check against torch, "torch",
+    # or "triton" (wherever Triton runs, e.g. its CPU interpreter in tests).
+    round_kernels: str = "auto"
 
     @property
     def draft_room(self) -> int:

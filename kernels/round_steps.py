@@ -111,8 +111,8 @@ if triton is not None:
     @triton.jit
     def commit_kernel(
         ids_ptr,                  # [A, Q] int64: the forward's fed tokens (window at U, guesses after)
-        t1_ptr,                   # [A] int64: the draft's token after the last real uncached one
-        rest_ptr,                 # [A, Q - U] int64: the draft's tokens after each window/guess column
+        tokens_ptr,               # [A, 1 + Q - U] int64: the draft's token after the last real
+                                  # uncached one, then after each window and guess column
         gvalid_ptr,               # [A, G] bool
         slots_ptr, u_ptr, u_stride,
         active_ptr, kv_ptr, dlen_ptr, row_forwards_ptr, guess_tokens_ptr, guess_hits_ptr,
@@ -125,7 +125,8 @@ if triton is not None:
         BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
-        R = Q - U
+        R = 1 + Q - U
+        rest_ptr = tokens_ptr + 1  # the window and guess columns' tokens: row b at b * R
         # Every read of a tensor this program writes comes first, then a barrier: u may be
         # next_u itself (the round's later forwards), and all threads must read before any writes.
         act = tl.load(active_ptr + b) != 0
@@ -137,7 +138,7 @@ if triton is not None:
         guess_tokens = tl.load(guess_tokens_ptr + b)
         guess_hits = tl.load(guess_hits_ptr + b)
         last_take = tl.load(last_take_ptr + b)
-        t1 = tl.load(t1_ptr + b)
+        t1 = tl.load(tokens_ptr + b * R)
         k = tl.arange(0, BLOCK_T)  # token k of the forward's chain, 0..L
         if G > 0:
             g = tl.arange(0, BLOCK_G)
@@ -235,16 +236,16 @@ def prepare(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.Tensor, slots:
     return ids, positions, write_index, tree_mask, lens, query_start, block_rows
 
 
-def commit(st, layout, ids: torch.Tensor, t1: torch.Tensor, rest: torch.Tensor | None,
-           gvalid: torch.Tensor, u: torch.Tensor, window: torch.Tensor, max_draft: int, goal: int):
+def commit(st, layout, ids: torch.Tensor, tokens: torch.Tensor, gvalid: torch.Tensor, u: torch.Tensor,
+           window: torch.Tensor, max_draft: int, goal: int):
     """`device_round.commit_torch` without the adaptive rule, in one launch: reads the forward's
     greedy tokens, updates the round state `st` (device_round.RoundState) and the windows in
     place, and returns the pool insert's rows (keys [A * W], phrases [A * W, L], their slots
     [A * W] and which count [A * W] bool), or None without a window.
 
-    Shape: ids [A, Q] int64 (the fed tokens); t1 [A] int64; rest [A, Q - U] int64 (None where
-    Q = U); gvalid [A, G] bool; u [A] int64 (may be st.next_u, may be strided); window [S, L,
-    WA] int64. goal: a row stops drafting once it holds this many tokens.
+    Shape: ids [A, Q] int64 (the fed tokens); tokens [A, 1 + Q - U] int64 (contiguous:
+    lookahead.output_rows' tokens); gvalid [A, G] bool; u [A] int64 (may be st.next_u, may be
+    strided); window [S, L, WA] int64. goal: a row stops drafting once it holds this many tokens.
     """
     dev = ids.device
     A, U, W, L, G, Q = ids.shape[0], layout.U, layout.W, layout.L, layout.G, layout.Q
@@ -253,7 +254,7 @@ def commit(st, layout, ids: torch.Tensor, t1: torch.Tensor, rest: torch.Tensor |
                                 torch.empty(A * W, dtype=torch.int64, device=dev))
     ins_valid = torch.empty(A * W, dtype=torch.bool, device=dev)
     with _launch(dev):
-        commit_kernel[(A,)](ids, t1, t1 if rest is None else rest, gvalid, st.slots, u, u.stride(0),
+        commit_kernel[(A,)](ids, tokens.contiguous(), gvalid, st.slots, u, u.stride(0),
                             st.active, st.kv, st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits,
                             st.last_take, st.drafts, st.drafts.stride(0), st.next_unc, st.next_u, window,
                             keys, phrases, ins_slots, ins_valid, U=U, W=W, WA=window.shape[2], L=L, G=G,
@@ -286,7 +287,7 @@ def _differs(device: torch.device) -> str | None:
         have = prepare(layout, unc, u, kv, slots, window, guesses, block_table, ps)
         if not all(torch.equal(a, b) for a, b in zip(want, have)):
             return f"the prepared forward inputs differ from torch's (U={U}, W={W}, G={G}, L={L})"
-        t1, rest = ri(0, 3, A), ri(0, 3, A, layout.Q - U)
+        tokens = ri(0, 3, A, 1 + layout.Q - U)
         ids = have[0]
         gvalid = gvalid & (ri(0, 4, A, G) > 0)
         states = []
@@ -300,9 +301,8 @@ def _differs(device: torch.device) -> str | None:
             st.last_take.copy_(torch.randint(0, 3, (A,), generator=gen, device=device))
             states.append(st)
         windows = [window.clone(), window.clone()]
-        ref = dr.commit_torch(states[0], layout, ids, t1, rest if W or G else None, guesses, gvalid, u,
-                              windows[0], 7, 4)
-        got = commit(states[1], layout, ids, t1, rest if W or G else None, gvalid, u, windows[1], 7, 4)
+        ref = dr.commit_torch(states[0], layout, ids, tokens, guesses, gvalid, u, windows[0], 7, 4)
+        got = commit(states[1], layout, ids, tokens, gvalid, u, windows[1], 7, 4)
         if not torch.equal(windows[0], windows[1]) or not dr.RoundState.same(states[0], states[1]):
             return f"the kernel's round bookkeeping differs from torch's (U={U}, W={W}, G={G}, L={L})"
         if (ref is None) != (got is None) or (ref is not None and not all(

@@ -99,14 +99,13 @@ def test_commit_matches_torch(U, W, G, L, aliased_u, trial):
     # Two token values: guesses are often right, and several guesses tie for the best.
     guesses = ri(0, 2, A, G, L)
     ids = dr.forward_inputs_torch(layout, unc, u, kv, slots, window, guesses, block_table, 4)[0]
-    t1 = ri(0, 2, A)
-    rest = ri(0, 2, A, layout.Q - U) if layout.Q > U else None
+    tokens = ri(0, 2, A, 1 + layout.Q - U)
     gvalid = ri(0, 4, A, G) > 0
     states = [_state(A, L, max_draft, slots, kv, trial, aliased_u) for _ in range(2)]
     windows = [window.clone(), window.clone()]
     us = [s.next_u if aliased_u else u for s in states]
-    want = dr.commit_torch(states[0], layout, ids, t1, rest, guesses, gvalid, us[0], windows[0], max_draft, goal)
-    have = rs.commit(states[1], layout, ids, t1, rest, gvalid, us[1], windows[1], max_draft, goal)
+    want = dr.commit_torch(states[0], layout, ids, tokens, guesses, gvalid, us[0], windows[0], max_draft, goal)
+    have = rs.commit(states[1], layout, ids, tokens, gvalid, us[1], windows[1], max_draft, goal)
     for f in dr._STATE_TENSORS:
         assert torch.equal(getattr(states[0], f), getattr(states[1], f)), (f, getattr(states[0], f),
                                                                           getattr(states[1], f))

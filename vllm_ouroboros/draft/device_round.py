@@ -45,7 +45,7 @@ from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.attention import DraftAttentionMetadata, build_attention_metadata
-from vllm_ouroboros.draft.lookahead import read_output, row_inputs
+from vllm_ouroboros.draft.lookahead import output_rows, output_tokens, read_output, row_inputs
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -394,20 +394,19 @@ class DeviceRound:
             ids = fed_tokens_torch(layout, unc, slots, rt.window, guesses)
             mask, positions = row_inputs(layout, u, kv)
             hidden = model.forward(ids, positions, slots, kv, mask, max_cache_len=max_cache_len)
-        t1 = model.greedy_tokens(hidden[torch.arange(A, device=dev), u - 1])
-        rest = model.greedy_tokens(hidden[:, U:]) if layout.Q > U else None
+        tokens = model.greedy_tokens(output_rows(hidden, u, U))
         if self.adaptive:
             def adapt(res):
                 p = rt.head(rt._token_hidden(hidden, res, u, layout, guesses, gvalid))
                 valid = torch.arange(L + 1, device=dev)[None, :] < res.num_new[:, None]
                 return stop_rule(p, valid, st.prod, rt.s.acceptance_threshold)
 
-            rows = commit_torch(st, layout, ids, t1, rest, guesses, gvalid, u, rt.window, self.max_draft,
+            rows = commit_torch(st, layout, ids, tokens, guesses, gvalid, u, rt.window, self.max_draft,
                                 self.max_draft, adapt)
         elif self._commit is not None:
-            rows = self._commit(st, layout, ids, t1, rest, gvalid, u, rt.window, self.max_draft, rt.s.gamma)
+            rows = self._commit(st, layout, ids, tokens, gvalid, u, rt.window, self.max_draft, rt.s.gamma)
         else:
-            rows = commit_torch(st, layout, ids, t1, rest, guesses, gvalid, u, rt.window, self.max_draft,
+            rows = commit_torch(st, layout, ids, tokens, guesses, gvalid, u, rt.window, self.max_draft,
                                 rt.s.gamma)
         if rows is not None:  # the window's fresh phrases
             keys, phrases, owners, valid = rows
@@ -546,7 +545,7 @@ def forward_inputs_torch(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.T
     return ids, positions, meta.write_index, tree_mask, lens, query_start, block_rows
 
 
-def commit_torch(st: RoundState, layout, ids: torch.Tensor, t1: torch.Tensor, rest: torch.Tensor | None,
+def commit_torch(st: RoundState, layout, ids: torch.Tensor, tokens: torch.Tensor,
                  guesses: torch.Tensor, gvalid: torch.Tensor, u: torch.Tensor, window: torch.Tensor,
                  max_draft: int, goal: int, adapt=None):
     """Read one forward's greedy tokens into the round: each active row takes its new tokens
@@ -555,9 +554,10 @@ def commit_torch(st: RoundState, layout, ids: torch.Tensor, t1: torch.Tensor, re
     inputs; a row stops once it holds `goal` tokens (or its adaptive rule fired). Inactive rows
     change nothing. The reference of kernels/round_steps.commit.
 
-    Shape: ids [A, Q] int64 (the fed tokens); t1 [A] int64 (the draft's token at column u - 1);
-    rest [A, Q - U] int64 (at the window and guess columns; None where Q = U); guesses [A, G, L]
-    int64, gvalid [A, G] bool; u [A] int64; window [S, L, WA] int64 (updated in place).
+    Shape: ids [A, Q] int64 (the fed tokens); tokens [A, 1 + Q - U] int64 (the draft's tokens
+    after column u - 1, then after each window and guess column: lookahead.output_rows);
+    guesses [A, G, L] int64, gvalid [A, G] bool; u [A] int64; window [S, L, WA] int64 (updated
+    in place).
     adapt: None, or res (lookahead.LookaheadResult) -> (take cap [A], fired [A] bool, product
     after [A] float32), the acceptance head's rule (acceptance_head.stop_rule).
     Returns the pool insert's rows (keys [A * W], phrases [A * W, L], owners [A * W], which
@@ -566,12 +566,8 @@ def commit_torch(st: RoundState, layout, ids: torch.Tensor, t1: torch.Tensor, re
     A, U, W, L = ids.shape[0], layout.U, layout.W, layout.L
     dev = ids.device
     act, slots, kv = st.active, st.slots, st.kv
-    out = torch.zeros(A, layout.Q, dtype=torch.long, device=dev)
-    out[torch.arange(A, device=dev), u - 1] = t1
-    if rest is not None:
-        out[:, U:] = rest
     fed_window = ids[:, U:U + W * L].reshape(A, L, W)
-    res = read_output(layout, out, u, fed_window, guesses, gvalid)
+    res = read_output(layout, output_tokens(tokens, u, layout.Q, U), u, fed_window, guesses, gvalid)
     num = res.num_new
     room = max_draft - st.dlen
     if adapt is not None:

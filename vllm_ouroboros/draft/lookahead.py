@@ -114,6 +114,28 @@ def row_inputs(layout: LookaheadLayout, num_uncached: torch.Tensor, cache_lens: 
     return mask, positions
 
 
+def output_rows(hidden: torch.Tensor, num_uncached: torch.Tensor, U: int) -> torch.Tensor:
+    """The hidden states whose next token a forward reads, for one LM-head product: the last
+    real uncached column's, then every window and guess column's. Uncached tokens whose next
+    token is already known skip the LM head, a large part of a small model's forward; one
+    product instead of two reads its weight once.
+
+    Shape: hidden [A, Q, H]; num_uncached [A] int64 -> [A, 1 + Q - U, H]."""
+    A = hidden.shape[0]
+    last = hidden[torch.arange(A, device=hidden.device), num_uncached - 1][:, None]
+    return last if hidden.shape[1] == U else torch.cat([last, hidden[:, U:]], dim=1)
+
+
+def output_tokens(tokens: torch.Tensor, num_uncached: torch.Tensor, Q: int, U: int) -> torch.Tensor:
+    """`read_output`'s out [A, Q] int64 from the tokens of `output_rows` ([A, 1 + Q - U]):
+    token 0 at column u - 1, the rest at columns U.., 0 at the other uncached columns."""
+    A = tokens.shape[0]
+    out = torch.zeros(A, Q, dtype=torch.long, device=tokens.device)
+    out[torch.arange(A, device=tokens.device), num_uncached - 1] = tokens[:, 0]
+    out[:, U:] = tokens[:, 1:]
+    return out
+
+
 @dataclass
 class LookaheadResult:
     """What one lookahead forward yields per row.

@@ -33,7 +33,14 @@ from vllm_ouroboros.device_clock import DeviceClock
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
-from vllm_ouroboros.draft.lookahead import build_layout, initial_window, read_output, row_inputs
+from vllm_ouroboros.draft.lookahead import (
+    build_layout,
+    initial_window,
+    output_rows,
+    output_tokens,
+    read_output,
+    row_inputs,
+)
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.pool import PhrasePool
 
@@ -494,14 +501,8 @@ class DraftRuntime:
         input_ids = torch.cat(parts, dim=1)
         mask, positions = row_inputs(layout, u_t, kv_t)
         hidden = self.model.forward(input_ids, positions, slots_t, kv_t, mask, max_cache_len=int(kv.max()))
-        # The LM head is a large part of a small model's forward: skip it for uncached tokens
-        # whose next token is already known (all but the last real one).
-        rows_a = torch.arange(A, device=dev)
-        out = torch.zeros(A, layout.Q, dtype=torch.long, device=dev)
-        out[rows_a, u_t - 1] = self.model.greedy_tokens(hidden[rows_a, u_t - 1])
-        if layout.Q > U:
-            out[:, U:] = self.model.greedy_tokens(hidden[:, U:])
-        res = read_output(layout, out, u_t, window if W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
+        tokens = self.model.greedy_tokens(output_rows(hidden, u_t, U))
+        res = read_output(layout, output_tokens(tokens, u_t, layout.Q, U), u_t, window if W else torch.zeros(A, L, 0, dtype=torch.long, device=dev),
                           guesses, gvalid)
         self._commit(slots, unc, u)
         if W:

@@ -35,20 +35,16 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .triton_runtime import import_triton, pick_kernel
 from .triton_runtime import is_interpreted as _is_interpreted
-from .triton_runtime import pick_kernel
 
 logger = logging.getLogger("vllm.ouroboros")
 
-try:
-    import triton
-    import triton.language as tl
+triton, tl, _TRITON_IMPORT_ERROR = import_triton()
+if triton is not None:
     from triton.language.extra import libdevice
-
-    _TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
-    triton = tl = libdevice = None
-    _TRITON_IMPORT_ERROR = f"triton is not importable ({e})"
+else:  # pragma: no cover
+    libdevice = None
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NORM_HIDDEN = 16384  # one row per program, held in registers: the block is next_pow2(H)

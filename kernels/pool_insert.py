@@ -33,16 +33,11 @@ import contextlib
 
 import torch
 
-from .triton_runtime import check_once, pick_kernel
+from vllm_ouroboros.pool import _NEVER
 
-try:
-    import triton
-    import triton.language as tl
+from .triton_runtime import check_once, import_triton, pick_kernel
 
-    _TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
-    triton = tl = None
-    _TRITON_IMPORT_ERROR = f"triton is not importable ({e})"
+triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 
 # The kernels compare rows pairwise (N^2 / 2 compares where torch sorts): past this many rows
 # (a long prompt's context phrases, once per request) the torch insert runs instead. The
@@ -241,8 +236,6 @@ def insert_triton(pool, keys: torch.Tensor, phrases: torch.Tensor, owners: torch
     kernel, _ = pick_kernel(place_kernel, dev, _TRITON_IMPORT_ERROR)
     if kernel is None or keys.shape[0] > MAX_ROWS:
         return False
-    from vllm_ouroboros.pool import _NEVER
-
     N, L, W, P = keys.shape[0], pool.L, pool.W, pool.num_pages
     keys, owners, phrases = keys.to(dev).long(), owners.to(dev).long(), phrases.to(dev)
     valid = None if valid is None else valid.to(dev, torch.bool)

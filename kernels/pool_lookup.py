@@ -20,16 +20,11 @@ import contextlib
 
 import torch
 
-from .triton_runtime import check_once, pick_kernel
+from vllm_ouroboros.pool import _OWN
 
-try:
-    import triton
-    import triton.language as tl
+from .triton_runtime import check_once, import_triton, pick_kernel
 
-    _TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
-    triton = tl = None
-    _TRITON_IMPORT_ERROR = f"triton is not importable ({e})"
+triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 
 if triton is not None:
 
@@ -108,8 +103,6 @@ def lookup_triton(pool, keys: torch.Tensor, slots: torch.Tensor, n: int, rows: t
     B = keys.shape[0]
     if kernel is None or B == 0:
         return None
-    from vllm_ouroboros.pool import _OWN
-
     keys, slots = keys.to(dev).long(), slots.to(dev).long()
     rows = None if rows is None else rows.to(dev, torch.bool)
     L, W = pool.L, pool.W

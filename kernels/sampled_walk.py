@@ -23,16 +23,9 @@ import contextlib
 
 import torch
 
-from .triton_runtime import pick_kernel
+from .triton_runtime import import_triton, pick_kernel
 
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
-    triton = tl = None
-    _TRITON_IMPORT_ERROR = f"triton is not importable ({e})"
+triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 
 BLOCK_V = 1024  # vocabulary entries per pass tile
 

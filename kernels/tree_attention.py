@@ -29,19 +29,12 @@ import math
 import torch
 
 from .reference import tree_attention_reference
+from .triton_runtime import import_triton, pick_kernel
 from .triton_runtime import is_interpreted as _is_interpreted
-from .triton_runtime import pick_kernel
 
 logger = logging.getLogger("vllm.ouroboros")
 
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
-    triton = tl = None
-    _TRITON_IMPORT_ERROR = f"triton is not importable ({e})"
+triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 
 MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
 

@@ -9,6 +9,18 @@ import os
 import torch
 
 
+def import_triton():
+    """(triton, triton.language, None), or (None, None, why) where triton cannot be imported.
+    Each kernel module binds the first two as its globals `triton` and `tl`, which its
+    @triton.jit functions read, and keeps the third as `_TRITON_IMPORT_ERROR`."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:  # pragma: no cover - triton ships with torch on every platform we use
+        return None, None, f"triton is not importable ({e})"
+    return triton, tl, None
+
+
 def is_interpreted(fn) -> bool:
     """Whether a @triton.jit function was decorated under the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction

@@ -67,7 +67,10 @@ def _offsets(caches: list[torch.Tensor]) -> torch.Tensor | None:
     of caches); None where the caches differ in shape, dtype, strides or device, or one does not
     start on an element boundary of the first."""
     first = caches[0]
-    key = tuple((c.data_ptr(), c.shape, c.stride(), c.dtype, c.device) for c in caches)
+    # Every cache's address, and the first's layout: the others' layouts were checked equal to
+    # it when these addresses were first seen (a key of every cache's layout cost ~56 us per
+    # step for 56 caches on the 2-core CPU here, this one ~9 us).
+    key = (tuple(c.data_ptr() for c in caches), first.shape, first.stride(), first.dtype, first.device)
     hit = _OFFSETS.get(key)
     if hit is not None:
         return hit

@@ -381,10 +381,8 @@ class DeviceRound:
         model = rt.model
         max_cache_len = min(bound, model.max_len - layout.Q)
         if self._prepare is not None and layout.static_bits is not None:
-            ids, positions, write_index, *kernel_inputs = self._prepare(
+            ids, positions, write_index, tree_mask, lens, query_start, block_rows = self._prepare(
                 layout, unc, u, kv, slots, rt.window, guesses, model.kv.block_table, model.kv.page_size)
-            # kernel_inputs: tree bitmasks, prefix lengths, query starts, block rows
-            tree_mask, lens, query_start, block_rows = kernel_inputs
             meta = DraftAttentionMetadata.prepared(kv, write_index, model.kv.page_size,
                                                    max_cache_len + layout.Q,
                                                    (block_rows, lens, query_start, tree_mask),

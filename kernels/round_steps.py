@@ -5,9 +5,9 @@ work: before it, the fed tokens (uncached | window | guesses), the per-row mask 
 (`lookahead.row_inputs`) and the attention metadata (`attention.build_attention_metadata`);
 after it, the lookahead result (`lookahead.read_output`) and the round's bookkeeping (draft
 columns, window, counters, next inputs). In torch that is about 90 launches per forward at
-W = G = 4 (`TRITON_INTERPRET=1 python scripts/bench_pool_ops.py`-style counts: results/README.md,
-"Session of 2026-11-27 (seventh)"), each a CUDA graph node of ~2 us on an H200 while the forward's
-own kernels are ~230. Here:
+W = G = 4, 20 of them in the model's metadata (`python scripts/round_launches.py --tiny`;
+results/README.md, "Session of 2026-11-27 (seventh)"), each a CUDA graph node of ~2 us on an
+H200 while the real draft's own kernels are ~230 per forward. Here:
 
   prepare_kernel   one program per row: the forward's token ids, RoPE positions, write index
                    of each new token's K/V, the tree-attention kernel's ancestor bitmasks, its

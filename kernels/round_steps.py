@@ -19,7 +19,7 @@ H200 while the real draft's own kernels are ~230 per forward. Here:
 Their torch references are the round's own torch path (`device_round.forward_inputs_torch`,
 `device_round.commit_torch`); `check_kernel` compares them once per device before a round uses
 the kernels. The bitmask holds one int64 per query, so the prepared forward serves at most
-MAX_QUERIES new tokens per row and runs through the tree-attention kernel; wider forwards
+MAX_KERNEL_QUERIES (64) new tokens per row and runs through the tree-attention kernel; wider forwards
 (and the torch attention path) keep the torch preparation. The adaptive draft length
 (acceptance head) keeps the torch commit: its rule reads the forward's hidden states.
 
@@ -32,11 +32,12 @@ import contextlib
 
 import torch
 
+from vllm_ouroboros.draft.attention import MAX_KERNEL_QUERIES
+
 from .triton_runtime import check_once, import_triton, pick_kernel
 
 triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 
-MAX_QUERIES = 64  # the tree-attention kernel's ancestor bitmask: one int64 per query (lookahead.py)
 
 if triton is not None:
 
@@ -206,7 +207,7 @@ def prepare(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.Tensor, slots:
 
     Shape: unc [A, >= U] int64 (rows may be strided); u [A] int64 in 1..U (may be strided);
     kv, slots [A] int64; window [S, L, WA] int64 (the runtime's windows); guesses [A, G, L]
-    int64; block_table [S, MP] int32. layout: lookahead.LookaheadLayout with Q <= MAX_QUERIES.
+    int64; block_table [S, MP] int32. layout: lookahead.LookaheadLayout with Q <= MAX_KERNEL_QUERIES.
     Returns ids, positions, write_index [A, Q] int64; tree_mask [A * Q] int64; lens [A] int32;
     query_start [A + 1] int32; block_rows [A, MP] int32 (the same values as the torch path:
     lookahead.row_inputs, attention.build_attention_metadata and its kernel_inputs).
@@ -214,7 +215,7 @@ def prepare(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.Tensor, slots:
     dev = kv.device
     A, U, W, L, G, Q = kv.shape[0], layout.U, layout.W, layout.L, layout.G, layout.Q
     if layout.static_bits is None:
-        raise ValueError(f"a prepared forward carries at most {MAX_QUERIES} tokens per row, got {Q}")
+        raise ValueError(f"a prepared forward carries at most {MAX_KERNEL_QUERIES} tokens per row, got {Q}")
     MP = block_table.shape[1]
     new = lambda *shape, dtype=torch.int64: torch.empty(*shape, dtype=dtype, device=dev)  # noqa: E731
     ids, positions, write_index, tree_mask = new(A, Q), new(A, Q), new(A, Q), new(A * Q)

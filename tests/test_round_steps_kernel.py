@@ -106,7 +106,7 @@ def test_commit_matches_torch(U, W, G, L, aliased_u, trial):
     us = [s.next_u if aliased_u else u for s in states]
     want = dr.commit_torch(states[0], layout, ids, tokens, guesses, gvalid, us[0], windows[0], max_draft, goal)
     have = rs.commit(states[1], layout, ids, tokens, gvalid, us[1], windows[1], max_draft, goal)
-    for f in dr._STATE_TENSORS:
+    for f in dr.RoundState.tensor_fields():
         assert torch.equal(getattr(states[0], f), getattr(states[1], f)), (f, getattr(states[0], f),
                                                                           getattr(states[1], f))
     assert torch.equal(windows[0], windows[1])

@@ -91,9 +91,7 @@ class DraftAttentionMetadata:
         tree_mask [B*Q] int64 (bit j' of query j = new_mask[b, j, j']; Q <= 64)."""
         B, Q, _ = self.new_mask.shape
         dev = self.new_mask.device
-        bit = torch.ones(Q, dtype=torch.int64, device=dev) << torch.arange(Q, device=dev)
-        # Distinct powers of two: the sum is their OR (bit 63 wraps to the sign, as intended).
-        tree_mask = (self.new_mask.long() * bit).sum(-1).reshape(B * Q)
+        tree_mask = ancestor_bits(self.new_mask).reshape(B * Q)
         query_start = torch.arange(B + 1, dtype=torch.int32, device=dev) * Q
         return self.block_rows, self.cache_lens.to(torch.int32), query_start, tree_mask
 
@@ -137,6 +135,15 @@ def build_attention_metadata(
 
 # The kernel's ancestor bitmask is one int64 per query (kernels/tree_attention.MAX_TREE_NODES).
 MAX_KERNEL_QUERIES = 64
+
+
+def ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
+    """The tree-attention kernel's form of a mask: [..., Q, Q] bool -> [..., Q] int64, bit j' of
+    row j = mask[..., j, j'] (Q <= MAX_KERNEL_QUERIES)."""
+    Q = mask.shape[-1]
+    bit = torch.ones(Q, dtype=torch.int64, device=mask.device) << torch.arange(Q, device=mask.device)
+    # Distinct powers of two: the sum is their OR (bit 63 wraps to the sign, as intended).
+    return (mask.long() * bit).sum(-1)
 
 
 def kernel_chosen(backend: str, device: torch.device, Q: int) -> bool:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -113,11 +113,12 @@ class RoundState:
 
     def same(self, other: RoundState) -> bool:
         """Whether every state tensor of the two equals (inboxes, staging and graphs aside)."""
-        return all(torch.equal(getattr(self, f), getattr(other, f)) for f in _STATE_TENSORS)
+        return all(torch.equal(getattr(self, f), getattr(other, f)) for f in self.tensor_fields())
 
-
-_STATE_TENSORS = ("slots", "kv", "real", "active", "drafts", "dlen", "row_forwards", "guess_tokens",
-                  "guess_hits", "last_take", "prod", "by_rule", "next_unc", "next_u", "outbox", "limit")
+    @classmethod
+    def tensor_fields(cls) -> list[str]:
+        """The state's tensor fields (not A, the inboxes, staging or graphs)."""
+        return [f.name for f in fields(cls) if f.type in ("torch.Tensor", torch.Tensor)]
 
 
 @dataclass

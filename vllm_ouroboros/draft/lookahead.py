@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Queries one int64 bitmask row can describe (the tree-attention kernel's MAX_TREE_NODES).
-MAX_BITMASK_QUERIES = 64
+from vllm_ouroboros.draft.attention import MAX_KERNEL_QUERIES, ancestor_bits
 
 
 @dataclass
@@ -85,9 +84,7 @@ def build_layout(U: int, W: int, L: int, G: int, device: torch.device | str = "c
         gpos = torch.arange(L).repeat(G)
         mask[U + WL:, U + WL:] = (gid[:, None] == gid[None, :]) & (gpos[None, :] <= gpos[:, None])
         offset[U + WL:] = 1 + gpos
-    bits = None
-    if Q <= MAX_BITMASK_QUERIES:  # distinct powers of two: the sum is their OR (bit 63: the sign)
-        bits = (mask.long() * (torch.ones(Q, dtype=torch.long) << torch.arange(Q))).sum(-1).to(device)
+    bits = ancestor_bits(mask).to(device) if Q <= MAX_KERNEL_QUERIES else None
     return LookaheadLayout(U, W, L, G, mask.to(device), offset.to(device), bits)
 
 

@@ -93,3 +93,25 @@ def check_once(cache: dict, kernel, device, import_error: str | None, differs) -
         why = f"the kernel failed its check: {type(e).__name__}: {e}"
     cache[name] = why
     return why
+
+
+def choose_kernels(mode: str, device, module_name: str, kernel_name: str, what: str) -> str | None:
+    """Whether `what` runs through the kernels of kernels/<module_name>.py on `device`: None if
+    it does, else why not ("" where nothing was tried). mode "torch": never; "auto": on a CUDA
+    device once the module's `check_kernel` matched torch there; "triton": wherever Triton can
+    run `kernel_name` (e.g. its CPU interpreter), else ValueError saying why. The module is
+    imported only when needed: importing triton early would keep its interpreter off for good."""
+    import importlib
+
+    import torch
+
+    device = torch.device(device)
+    if mode == "torch" or (mode == "auto" and device.type != "cuda"):
+        return ""
+    module = importlib.import_module(f"vllm_ouroboros.kernels.{module_name}")
+    if mode == "triton":
+        why = pick_kernel(getattr(module, kernel_name), device, module._TRITON_IMPORT_ERROR)[1]
+        if why is not None:
+            raise ValueError(f"{what}: kernels asked for ('triton'), but they cannot run here: {why}")
+        return None
+    return module.check_kernel(device)

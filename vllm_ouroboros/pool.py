@@ -128,27 +128,20 @@ class PhrasePool:
 
     def _pick_kernel(self, op: str, kernels: str):
         """The host function of `op`'s kernels where they are to run, else None (torch)."""
-        if kernels == "torch" or (kernels == "auto" and self.device.type != "cuda"):
-            return None
-        # imported only here: importing triton early would keep its CPU interpreter off for good
-        if op == "insert":
-            from vllm_ouroboros.kernels import pool_insert as module
+        from vllm_ouroboros.kernels.triton_runtime import choose_kernels
 
-            kernel, fn = module.place_kernel, module.insert_triton
-        else:
-            from vllm_ouroboros.kernels import pool_lookup as module
-
-            kernel, fn = module.lookup_kernel, module.lookup_triton
-        if kernels == "triton":
-            why = module.pick_kernel(kernel, self.device, module._TRITON_IMPORT_ERROR)[1]
-            if why is not None:
-                raise ValueError(f"kernels='triton': the pool's {op} kernels cannot run here: {why}")
-            return fn
-        why = module.check_kernel(self.device)
-        if why is not None:
+        module = "pool_insert" if op == "insert" else "pool_lookup"
+        why = choose_kernels(kernels, self.device, module,
+                             "place_kernel" if op == "insert" else "lookup_kernel", f"the pool's {op}")
+        if why:
             logger.warning("phrase pool %ss run in torch on %s: %s", op, self.device, why)
             self.backend_reasons[op] = why
+        if why is not None:
             return None
+        if op == "insert":
+            from vllm_ouroboros.kernels.pool_insert import insert_triton as fn
+        else:
+            from vllm_ouroboros.kernels.pool_lookup import lookup_triton as fn
         return fn
 
     @staticmethod

@@ -193,22 +193,17 @@ class DeviceRound:
         The adaptive rule stays in torch (commit None)."""
         if kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"round_kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+        from vllm_ouroboros.kernels.triton_runtime import choose_kernels
+
         dev = self.rt.device
-        if kernels == "torch" or (kernels == "auto" and dev.type != "cuda"):
+        why = choose_kernels(kernels, dev, "round_steps", "commit_kernel", "the drafting round's round_kernels")
+        if why:
+            logger.warning("ouroboros: the drafting round's bookkeeping runs in torch on %s: %s", dev, why)
+            self.kernel_reason = why
+        if why is not None:
             return None, None
-        # imported only here: importing triton early would keep its CPU interpreter off for good
         from vllm_ouroboros.kernels import round_steps
 
-        if kernels == "triton":
-            why = round_steps.pick_kernel(round_steps.commit_kernel, dev, round_steps._TRITON_IMPORT_ERROR)[1]
-            if why is not None:
-                raise ValueError(f"round_kernels='triton': the round's kernels cannot run here: {why}")
-        else:
-            why = round_steps.check_kernel(dev)
-            if why is not None:
-                logger.warning("ouroboros: the drafting round's bookkeeping runs in torch on %s: %s", dev, why)
-                self.kernel_reason = why
-                return None, None
         return round_steps.prepare, None if self.adaptive else round_steps.commit
 
     # ---- sizes -------------------------------------------------------------------------------

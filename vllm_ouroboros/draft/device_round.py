@@ -175,7 +175,6 @@ class DeviceRound:
         # kernel_reason: why "auto" kept torch on a CUDA device (the kernels' check failed).
         self.kernel_reason: str | None = None
         self._prepare, self._commit = self._pick_kernels(s.round_kernels)
-        self.kernels = "torch" if self._prepare is None else "triton"
         self._states: dict[int, RoundState] = {}
         self._generation = -1  # runtime.generation the states (and graphs) were built for
         self._pool = None  # CUDA graph memory pool shared by all captures (never run concurrently)
@@ -187,6 +186,11 @@ class DeviceRound:
         kv = runtime.kv
         per_slot = (kv.num_pages - 1) * kv.page_size // max(kv.num_seqs - 1, 1)
         self.graph_len = min(runtime.model.max_len, max(per_slot, 256))
+
+    @property
+    def kernels(self) -> str:
+        """How the work around each forward runs: "triton" (kernels/round_steps.py) or "torch"."""
+        return "torch" if self._prepare is None else "triton"
 
     def _pick_kernels(self, kernels: str):
         """(prepare, commit) of kernels/round_steps.py where they are to run, else (None, None).

@@ -55,6 +55,7 @@ if triton is not None:
         lens_ptr,                 # [A] int32 out: prefix lengths
         query_start_ptr,          # [A + 1] int32 out
         block_rows_ptr,           # [A, MP] int32 out
+        out_rows_ptr,             # [A, 1 + Q - U] int64 out: lookahead.output_index
         A, U: tl.constexpr, W: tl.constexpr, WA: tl.constexpr, L: tl.constexpr, G: tl.constexpr,
         Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
@@ -93,6 +94,10 @@ if triton is not None:
         at = kv + j
         page = tl.load(block_table_ptr + slot * MP + tl.minimum(at // page_size, MP - 1), mask=in_q, other=0)
         tl.store(write_index_ptr + b * Q + j, page.to(tl.int64) * page_size + at % page_size, mask=in_q)
+        # The hidden rows the LM head reads (row b's last real uncached column, then its window
+        # and guess columns), as flat rows of the forward's [A * Q, H] output.
+        tl.store(out_rows_ptr + b * (1 + Q - U) + j, b * Q + tl.where(j == 0, u - 1, U - 1 + j),
+                 mask=j < 1 + Q - U)
         tl.store(lens_ptr + b, kv.to(tl.int32))
         tl.store(query_start_ptr + b, (b * Q).to(tl.int32))
         if b == A - 1:
@@ -210,7 +215,8 @@ def prepare(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.Tensor, slots:
     int64; block_table [S, MP] int32. layout: lookahead.LookaheadLayout with Q <= MAX_KERNEL_QUERIES.
     Returns ids, positions, write_index [A, Q] int64; tree_mask [A * Q] int64; lens [A] int32;
     query_start [A + 1] int32; block_rows [A, MP] int32 (the same values as the torch path:
-    lookahead.row_inputs, attention.build_attention_metadata and its kernel_inputs).
+    lookahead.row_inputs, attention.build_attention_metadata and its kernel_inputs); out_rows
+    [A, 1 + Q - U] int64 (lookahead.output_index: the LM head's rows in one gather).
     """
     dev = kv.device
     A, U, W, L, G, Q = kv.shape[0], layout.U, layout.W, layout.L, layout.G, layout.Q
@@ -221,13 +227,14 @@ def prepare(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.Tensor, slots:
     ids, positions, write_index, tree_mask = new(A, Q), new(A, Q), new(A, Q), new(A * Q)
     lens, query_start, block_rows = new(A, dtype=torch.int32), new(A + 1, dtype=torch.int32), \
         new(A, MP, dtype=torch.int32)
+    out_rows = new(A, 1 + Q - U)
     with _launch(dev):
         prepare_kernel[(A,)](unc, unc.stride(0), u, u.stride(0), kv, slots, window, guesses,
                              layout.static_bits, layout.pos_offset, block_table, MP, page_size,
                              ids, positions, write_index, tree_mask, lens, query_start, block_rows,
-                             A, U=U, W=W, WA=window.shape[2], L=L, G=G, Q=Q, BLOCK_Q=_pow2(Q),
+                             out_rows, A, U=U, W=W, WA=window.shape[2], L=L, G=G, Q=Q, BLOCK_Q=_pow2(Q),
                              BLOCK_P=min(_pow2(MP), 256), num_warps=1)
-    return ids, positions, write_index, tree_mask, lens, query_start, block_rows
+    return ids, positions, write_index, tree_mask, lens, query_start, block_rows, out_rows
 
 
 def commit(st, layout, ids: torch.Tensor, tokens: torch.Tensor, gvalid: torch.Tensor, u: torch.Tensor,

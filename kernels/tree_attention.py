@@ -487,9 +487,9 @@ def tree_attention(
     `tiles` (Triton only): this call's `_TILES` entry (check_tiles), for measuring candidates;
     None: the table's.
     """
-    return TreeAttentionPlan(q, k_cache, v_cache, block_table, prefix_lens, query_start, tree_mask,
-                             scale, max_query_len, backend, num_splits, max_prefix_len, tiles)(
-        q, k_cache, v_cache, out)
+    plan = TreeAttentionPlan(q, k_cache, v_cache, block_table, prefix_lens, query_start, tree_mask,
+                             scale, max_query_len, backend, num_splits, max_prefix_len, tiles)
+    return plan.run(q, k_cache, v_cache, out)  # the plan was made from these: checked already
 
 
 class TreeAttentionPlan:
@@ -601,6 +601,12 @@ class TreeAttentionPlan:
                 f"{tuple(v_cache.shape)} {v_cache.dtype} ({q.device}) must match the plan's q "
                 f"{tuple(self.q_shape)}, caches {tuple(self.kv_shape)}, {self.dtype} on {self.device}")
         self._check_strides(q, k_cache, v_cache)
+        return self.run(q, k_cache, v_cache, out)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """`__call__` without its checks of q and the caches: for the tensors the plan was made
+        from (`tree_attention`, which checked them once)."""
         if out is None:
             out = torch.empty_like(q)
         else:

@@ -8,7 +8,7 @@ them on any machine: the device round run eagerly at one request (scripts/bench_
 RoundRunner, random weights; --tiny: 2-layer shapes), every ATen call that launches (views and
 allocations do not) and every Triton launch, charged to the innermost part running:
 
-  model layers   DraftModel.forward (embedding, RoPE tables, layers, final norm)
+  model layers   DraftModel.forward (embedding, RoPE rows, layers, final norm)
   LM head        DraftModel.greedy_tokens
   pool           PhrasePool.lookup / insert
   round          everything else in the round's functions: inputs, masks, bookkeeping

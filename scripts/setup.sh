@@ -60,7 +60,8 @@ require_free_gb() {
     free_kb="$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')"
     if ((free_kb < need_gb * 1000 * 1000)); then
         echo "setup: ERROR: $what needs about $need_gb GB free on the disk of $VENV;" \
-             "df says $((free_kb / 1000 / 1000)) GB free." >&2
+             "df says $((free_kb / 1000 / 1000)) GB free. Free space there (other clones of" \
+             "this repo with their .venv and models/, pip and Triton caches) and run it again." >&2
         exit 1
     fi
 }

@@ -385,3 +385,36 @@ def test_use_gemm_routes_every_product(pair, device):
                     torch.zeros(1, dtype=torch.long), _causal(1, 3)))
     assert len(calls) == 4 * m.num_layers + 1
     assert calls[-1] == tuple(m.lm_head_weight.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_are_the_per_forward_formula_bit_for_bit(pair, device, dtype):
+    """The table's rows are what computing cos/sin per forward gives (the formula before the
+    table), bit for bit in each dtype: elementwise float32 products on the same device."""
+    _, path = pair
+    m = DraftModel.from_pretrained(path, dtype=dtype, device=device)
+    m.allocate_cache(2, 64)
+    table = m._rope
+    assert table is not None and table.shape == (256, 2, 32)  # max_position_embeddings > 64
+    positions = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(3)).to(device)
+    cos, sin = m.rope_rows(positions)
+    freqs = positions[..., None].float() * m.inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    assert cos.shape == sin.shape == (3, 7, 1, 32)
+    assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    # Past the table: its last row, not a fault.
+    far = m.rope_rows(torch.full((1, 2), 10_000, device=device))
+    assert torch.equal(far[0], m.rope_rows(torch.full((1, 2), 255, device=device))[0])
+
+
+def test_rope_table_grows_with_the_cache(pair, device):
+    _, path = pair
+    m = DraftModel.from_pretrained(path, dtype=torch.float32, device=device)
+    m.allocate_cache(2, 64)
+    generation = m.kv.generation
+    m.kv.resize(2, 400)
+    assert m.kv.generation > generation  # graphs holding the old table are captured again
+    cos, _ = m.rope_rows(torch.tensor([[399]], device=device))
+    assert m._rope.shape[0] == 400
+    freqs = torch.tensor([399.0], device=device) * m.inv_freq
+    assert torch.equal(cos[0, 0, 0], torch.cat((freqs, freqs)).cos())

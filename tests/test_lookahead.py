@@ -216,3 +216,18 @@ def test_initial_window_takes_the_tail_cyclically():
     # exactly L*W tokens: level 0 = first W, level 1 = next W
     assert initial_window(T([[1, 2, 3, 4, 5, 6]]), L=2, W=3).tolist() == [[[1, 2, 3], [4, 5, 6]]]
     assert initial_window(T([[7]]), L=2, W=2).tolist() == [[[7, 7], [7, 7]]]
+
+
+@pytest.mark.parametrize("U,Q", [(1, 1), (3, 3), (1, 9), (4, 20)])
+def test_output_index_gathers_output_rows(U, Q):
+    """The prepared forward's one gather (`output_index`) reads the rows `output_rows` takes:
+    the last real uncached column, then every window and guess column, row by row."""
+    from vllm_ouroboros.draft.lookahead import output_index, output_rows
+
+    g = torch.Generator().manual_seed(U * 31 + Q)
+    A, H = 5, 3
+    hidden = torch.randn(A, Q, H, generator=g)
+    u = torch.randint(1, U + 1, (A,), generator=g)
+    idx = output_index(u, Q, U)
+    assert idx.shape == (A, 1 + Q - U) and idx.dtype == torch.long
+    assert torch.equal(hidden.reshape(A * Q, H)[idx], output_rows(hidden, u, U))

@@ -52,7 +52,8 @@ def test_prepare_matches_torch(U, W, G, L, A, page_size):
     unc, u, kv, slots, window, guesses, block_table, _ = _inputs(U, W, G, L, A, U * 7 + W + A, page_size)
     want = dr.forward_inputs_torch(layout, unc, u, kv, slots, window, guesses, block_table, page_size)
     have = rs.prepare(layout, unc, u, kv, slots, window, guesses, block_table, page_size)
-    names = ("ids", "positions", "write_index", "tree_mask", "lens", "query_start", "block_rows")
+    names = ("ids", "positions", "write_index", "tree_mask", "lens", "query_start", "block_rows", "out_rows")
+    assert len(want) == len(have) == len(names)
     for name, a, b in zip(names, want, have):
         assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
     if layout.Q == 64:

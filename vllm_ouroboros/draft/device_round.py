@@ -45,7 +45,7 @@ from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.attention import DraftAttentionMetadata, build_attention_metadata
-from vllm_ouroboros.draft.lookahead import output_rows, output_tokens, read_output, row_inputs
+from vllm_ouroboros.draft.lookahead import output_index, output_rows, output_tokens, read_output, row_inputs
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -381,18 +381,20 @@ class DeviceRound:
         model = rt.model
         max_cache_len = min(bound, model.max_len - layout.Q)
         if self._prepare is not None and layout.static_bits is not None:
-            ids, positions, write_index, tree_mask, lens, query_start, block_rows = self._prepare(
+            ids, positions, write_index, tree_mask, lens, query_start, block_rows, out_rows = self._prepare(
                 layout, unc, u, kv, slots, rt.window, guesses, model.kv.block_table, model.kv.page_size)
             meta = DraftAttentionMetadata.prepared(kv, write_index, model.kv.page_size,
                                                    max_cache_len + layout.Q,
                                                    (block_rows, lens, query_start, tree_mask),
                                                    model.uses_attention_kernel(layout.Q))
             hidden = model.forward(ids, positions, slots, kv, None, max_cache_len=max_cache_len, meta=meta)
+            head_in = hidden.reshape(A * layout.Q, -1).index_select(0, out_rows.view(-1))
+            tokens = model.greedy_tokens(head_in).view(out_rows.shape)
         else:
             ids = fed_tokens_torch(layout, unc, slots, rt.window, guesses)
             mask, positions = row_inputs(layout, u, kv)
             hidden = model.forward(ids, positions, slots, kv, mask, max_cache_len=max_cache_len)
-        tokens = model.greedy_tokens(output_rows(hidden, u, U))
+            tokens = model.greedy_tokens(output_rows(hidden, u, U))
         if self.adaptive:
             def adapt(res):
                 p = rt.head(rt._token_hidden(hidden, res, u, layout, guesses, gvalid))
@@ -535,12 +537,14 @@ def forward_inputs_torch(layout, unc: torch.Tensor, u: torch.Tensor, kv: torch.T
     """The torch reference of kernels/round_steps.prepare (same arguments, same outputs): the
     token ids, positions and write indices [A, Q] int64, the tree-attention kernel's bitmasks
     [A * Q] int64, prefix lengths [A] int32, query starts [A + 1] int32 and block rows [A, MP]
-    int32, as the round's torch path and build_attention_metadata make them (Q <= 64)."""
+    int32, as the round's torch path and build_attention_metadata make them (Q <= 64), and
+    the LM head's rows [A, 1 + Q - U] int64 (lookahead.output_index)."""
     ids = fed_tokens_torch(layout, unc, slots, window, guesses)
     mask, positions = row_inputs(layout, u, kv)
     meta = build_attention_metadata(slots, kv, mask, block_table, page_size, max_cache_len=0, backend="torch")
     block_rows, lens, query_start, tree_mask = meta.kernel_inputs
-    return ids, positions, meta.write_index, tree_mask, lens, query_start, block_rows
+    return (ids, positions, meta.write_index, tree_mask, lens, query_start, block_rows,
+            output_index(u, layout.Q, layout.U))
 
 
 def commit_torch(st: RoundState, layout, ids: torch.Tensor, tokens: torch.Tensor,

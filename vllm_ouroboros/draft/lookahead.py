@@ -123,6 +123,17 @@ def output_rows(hidden: torch.Tensor, num_uncached: torch.Tensor, U: int) -> tor
     return last if hidden.shape[1] == U else torch.cat([last, hidden[:, U:]], dim=1)
 
 
+def output_index(num_uncached: torch.Tensor, Q: int, U: int) -> torch.Tensor:
+    """`output_rows` as flat row indices of hidden.reshape(A * Q, H), for one gather (the
+    prepared forward's: kernels/round_steps.prepare writes the same).
+
+    Shape: num_uncached [A] int64 -> [A, 1 + Q - U] int64."""
+    A, dev = num_uncached.shape[0], num_uncached.device
+    cols = torch.arange(U - 1, Q, device=dev).expand(A, 1 + Q - U)
+    cols = torch.cat([(num_uncached - 1)[:, None], cols[:, 1:]], dim=1)
+    return cols + Q * torch.arange(A, device=dev)[:, None]
+
+
 def output_tokens(tokens: torch.Tensor, num_uncached: torch.Tensor, Q: int, U: int) -> torch.Tensor:
     """`read_output`'s out [A, Q] int64 from the tokens of `output_rows` ([A, 1 + Q - U]):
     token 0 at column u - 1, the rest at columns U.., 0 at the other uncached columns."""

@@ -63,6 +63,7 @@ class DraftConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    max_positions: int = 0  # max_position_embeddings (0: not given)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DraftConfig":
@@ -107,6 +108,7 @@ class DraftConfig:
             qkv_bias=True if is_qwen2 else bool(cfg.get("attention_bias", False)),
             o_bias=False if is_qwen2 else bool(cfg.get("attention_bias", False)),
             mlp_bias=False if is_qwen2 else bool(cfg.get("mlp_bias", False)),
+            max_positions=int(cfg.get("max_position_embeddings") or 0),
         )
 
 
@@ -128,6 +130,18 @@ def rope_inv_freq(cfg: DraftConfig, device: torch.device | str | None = None) ->
         is_medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def rope_table(inv_freq: torch.Tensor, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sin of positions 0 .. num_positions - 1: [num_positions, 2, D] in dtype, row p
+    [cos(p f) | sin(p f)] with f = [inv_freq, inv_freq] (HF's rotate-half layout).
+
+    The same float32 products as computing them per forward (elementwise, so bit-identical to
+    `positions.float() * inv_freq` for the same positions on the same device): a forward then
+    gathers its rows in one launch instead of the 6-7 that compute them."""
+    freqs = torch.arange(num_positions, device=inv_freq.device)[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -228,6 +242,7 @@ class DraftModel(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
         self.inv_freq: torch.Tensor | None = None  # [D/2] float32, set by from_pretrained
+        self._rope: torch.Tensor | None = None  # rope_table for every position the cache holds
         self.kv: PagedKVCache | None = None  # set by allocate_cache
         self.head_gemm: Gemm | None = None  # LM head product; F.linear where None
         # Attention path (draft/attention.build_attention_metadata): "auto" runs the Triton
@@ -323,6 +338,8 @@ class DraftModel(nn.Module):
                                limit_bytes)
         if full:
             self.kv.reserve(range(num_slots), [max_len] * num_slots)
+        if self.inv_freq is not None:
+            self._rope_table()  # at load, where a memory profiler sees it
 
     def uses_attention_kernel(self, Q: int) -> bool:
         """Whether a forward of Q new tokens per row runs its attention through the Triton
@@ -390,9 +407,7 @@ class DraftModel(nn.Module):
         if meta is None:
             meta = build_attention_metadata(slots, cache_lens, new_mask, self.kv.block_table,
                                             self.kv.page_size, max_cache_len, self.attention_backend)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = self.rope_rows(positions)
         h = F.embedding(input_ids, self.embed_weight)  # [B, Q, H]
         if self.fused_ops:
             from vllm_ouroboros.kernels.fused_ops import add_rms_norm
@@ -405,6 +420,34 @@ class DraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, self.k_cache[i], self.v_cache[i], meta, self.scale)
         return rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)
+
+    def _rope_table(self) -> torch.Tensor:
+        num = max(self.kv.max_seq_len, self.cfg.max_positions)
+        table = self._rope
+        if table is None or table.shape[0] < num or table.dtype != self.dtype or table.device != self.device:
+            if self.inv_freq is None:
+                raise RuntimeError("DraftModel.inv_freq is unset (from_pretrained sets it)")
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the RoPE table must be built before a CUDA graph capture "
+                                   "(a warm-up forward builds it)")
+            table = self._rope = rope_table(self.inv_freq, num, self.dtype)
+        return table
+
+    @torch.inference_mode()
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, Q, 1, D] in the model dtype (strided views) of positions [B, Q] int64,
+        gathered from a table of every position the model was trained for and the cache can
+        hold (`rope_table` of max(max_position_embeddings, kv.max_seq_len) positions, as vLLM's
+        cos_sin_cache; built again when the cache's block table grows past it, which also bumps
+        the cache's generation, so graphs captured before are captured again after warm-ups
+        that rebuild it). A position past the table reads its last row (a gather out of bounds
+        would fault a GPU): only rows whose output is dropped go there, a live row's positions
+        being within its slot's cache_lens + Q tokens."""
+        table = self._rope_table()
+        B, Q = positions.shape
+        rows = F.embedding(positions.clamp(max=table.shape[0] - 1), table.view(table.shape[0], -1))
+        rows = rows.view(B, Q, 2, self.head_dim)
+        return rows[:, :, :1], rows[:, :, 1:]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

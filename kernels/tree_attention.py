@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from .fused_ops import _rope_half
 from .reference import tree_attention_reference
 from .triton_runtime import import_triton, pick_kernel
 from .triton_runtime import is_interpreted as _is_interpreted
@@ -97,13 +98,20 @@ if triton is not None:
     # the clock in the first steps (tests/test_tree_attention_kernel.py checks the keys). They
     # only address scalars and gathers, which alignment hints would not vectorise anyway.
     _VARYING = ["num_splits", "ml_offset", "stride_bt",
-                "block_table_ptr", "prefix_lens_ptr", "query_start_ptr", "tree_mask_ptr"]
+                "block_table_ptr", "prefix_lens_ptr", "query_start_ptr", "tree_mask_ptr",
+                # ROPE_IN only (dummies otherwise: kept out of the key either way)
+                "qkv_ptr", "cos_ptr", "sin_ptr", "write_index_ptr", "stride_xt", "stride_ct",
+                "stride_st", "num_cache_rows"]
 
     @triton.jit(do_not_specialize=_VARYING)
     def tree_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr,
         block_table_ptr, prefix_lens_ptr, query_start_ptr, tree_mask_ptr,
         part_ptr,                    # SPLIT_KV only: fp32 partial states, layout at the merge kernel
+        qkv_ptr, cos_ptr, sin_ptr,   # ROPE_IN only: [T, (Hq + 2 Hkv) D] projection, [T, D] cos, sin
+        write_index_ptr,             # ROPE_IN only: [T] int64 cache row (page * BLOCK_SIZE + slot)
+        stride_xt, stride_ct, stride_st,
+        num_cache_rows,              # ROPE_IN only: num_blocks * BLOCK_SIZE
         scale_log2e,
         num_splits,                  # S, SPLIT_KV only
         ml_offset,                   # SPLIT_KV only: where (m, l) start in part_ptr
@@ -124,6 +132,9 @@ if triton is not None:
         SPLIT_KV: tl.constexpr,      # S > 1: write partial states for tree_attention_merge_kernel
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,    # interpreter + bf16 only, see _online_softmax_tile
+        ROPE_IN: tl.constexpr,       # q and the tree's k, v from the projection (RoPE applied
+                                     # here), the tree's k, v written to the cache (the draft's)
+        SOFT_BF16: tl.constexpr,     # interpreter + bf16 only (fused_ops._round_to)
     ):
         # One program per (block of BLOCK_Q tree nodes, kv head, request), times S with SPLIT_KV.
         # Its tile rows are the BLOCK_Q nodes x the GROUP query heads of this kv head (row m = node
@@ -167,8 +178,24 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         d_ok = offs_d < HEAD_DIM
 
-        q_off = q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if ROPE_IN:
+            # Rotate-half RoPE of fused_ops.rope_qkv_write, same roundings: q as that kernel
+            # would have stored it. Column d pairs with d +- D/2 (`rot` = [-x2, x1]).
+            dtype = out_ptr.dtype.element_ty
+            first = offs_d < HEAD_DIM // 2
+            partner = tl.where(first, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+            num_kv = tl.num_programs(1)
+            qmask = row_ok[:, None] & d_ok[None, :]
+            x_row = qkv_ptr + q_row[:, None] * stride_xt + head[:, None] * HEAD_DIM
+            x = tl.load(x_row + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+            xp = tl.load(x_row + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + q_row[:, None] * stride_ct + offs_d[None, :], mask=qmask, other=0.0)
+            sn = tl.load(sin_ptr + q_row[:, None] * stride_st + offs_d[None, :], mask=qmask, other=0.0)
+            q = _rope_half(x, tl.where(first[None, :], -xp, xp), c.to(tl.float32), sn.to(tl.float32),
+                           dtype, SOFT_BF16)
+        else:
+            q_off = q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -196,11 +223,38 @@ if triton is not None:
         for t0 in range(0, tree_hi, BLOCK_TREE):
             j = t0 + offs_t
             j_ok = j < n_nodes
-            pos = prefix_len + j
-            k_t = _load_kv_tile(k_ptr, stride_kb, stride_ks, stride_kh, bt_row, kvh, pos, j_ok,
-                                offs_d, d_ok, BLOCK_SIZE, True)
-            v = _load_kv_tile(v_ptr, stride_vb, stride_vs, stride_vh, bt_row, kvh, pos, j_ok,
-                              offs_d, d_ok, BLOCK_SIZE, False)
+            if ROPE_IN:
+                # The tree's k (roped) and v from the projection, not the cache: no program reads
+                # what another writes in this launch (they read only prefix positions there).
+                t_row = (q_start + j).to(tl.int64)
+                kmask = d_ok[:, None] & j_ok[None, :]
+                k_row = qkv_ptr + t_row[None, :] * stride_xt + (num_kv * GROUP + kvh) * HEAD_DIM
+                xk = tl.load(k_row + offs_d[:, None], mask=kmask, other=0.0).to(tl.float32)  # [D, N]
+                xkp = tl.load(k_row + partner[:, None], mask=kmask, other=0.0).to(tl.float32)
+                ck = tl.load(cos_ptr + t_row[None, :] * stride_ct + offs_d[:, None], mask=kmask, other=0.0)
+                sk = tl.load(sin_ptr + t_row[None, :] * stride_st + offs_d[:, None], mask=kmask, other=0.0)
+                k_t = _rope_half(xk, tl.where(first[:, None], -xkp, xkp), ck.to(tl.float32),
+                                 sk.to(tl.float32), dtype, SOFT_BF16)
+                vmask = j_ok[:, None] & d_ok[None, :]
+                v_src = qkv_ptr + t_row[:, None] * stride_xt + ((num_kv * GROUP + num_kv + kvh) * HEAD_DIM
+                                                                + offs_d[None, :])
+                v = tl.load(v_src, mask=vmask, other=0.0)
+                if qblk == 0:  # one program per (request, kv head) writes the tree's k, v
+                    idx = tl.load(write_index_ptr + t_row, mask=j_ok, other=-1).to(tl.int64)
+                    # A row out of the cache (a caller bug) is dropped, as rope_qkv_write does.
+                    w_ok = j_ok & (idx >= 0) & (idx < num_cache_rows)
+                    page = idx // BLOCK_SIZE
+                    slot = idx % BLOCK_SIZE
+                    k_dst = k_ptr + page[None, :] * stride_kb + slot[None, :] * stride_ks + kvh * stride_kh
+                    tl.store(k_dst + offs_d[:, None], k_t, mask=d_ok[:, None] & w_ok[None, :])
+                    v_dst = v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh
+                    tl.store(v_dst + offs_d[None, :], v, mask=w_ok[:, None] & d_ok[None, :])
+            else:
+                pos = prefix_len + j
+                k_t = _load_kv_tile(k_ptr, stride_kb, stride_ks, stride_kh, bt_row, kvh, pos, j_ok,
+                                    offs_d, d_ok, BLOCK_SIZE, True)
+                v = _load_kv_tile(v_ptr, stride_vb, stride_vs, stride_vh, bt_row, kvh, pos, j_ok,
+                                  offs_d, d_ok, BLOCK_SIZE, False)
             allowed = (((bits[:, None] >> j[None, :].to(tl.int64)) & 1) != 0) & j_ok[None, :]
             m_i, l_i, acc = _online_softmax_tile(q, k_t, v, allowed, m_i, l_i, acc,
                                                  scale_log2e, DOT_PRECISION, UPCAST_DOT)
@@ -569,8 +623,9 @@ class TreeAttentionPlan:
         prefix_bound = block_table.shape[1] * block_size if max_prefix_len is None else max_prefix_len
         cfg, num_q_blocks, self.num_splits = _launch_plan(q.dtype, hq, hkv, head_dim, batch, max_query_len,
                                                           prefix_bound, device, num_splits, tiles)
+        interpreted_bf16 = q.dtype == torch.bfloat16 and _is_interpreted(kernel)
         cfg.update(GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=self.num_splits > 1,
-                   UPCAST_DOT=q.dtype == torch.bfloat16 and _is_interpreted(kernel))
+                   UPCAST_DOT=interpreted_bf16, SOFT_BF16=interpreted_bf16)
         self.cfg = cfg
         # The q block is the fastest grid axis: the programs that stream the same request's K/V
         # (same b, same kv head, same split) are launched together and share those reads through L2.
@@ -603,10 +658,38 @@ class TreeAttentionPlan:
         self._check_strides(q, k_cache, v_cache)
         return self.run(q, k_cache, v_cache, out)
 
+    def _check_rope(self, q: torch.Tensor, rope: tuple) -> None:
+        if self.kernel is None:
+            raise ValueError("tree_attention: rope needs the Triton kernel")
+        T, hq, d = q.shape
+        hkv = self.kv_shape[2]
+        qkv, cos, sin, write_index = rope
+        want = {"qkv": (T, (hq + 2 * hkv) * d), "cos": (T, d), "sin": (T, d), "write_index": (T,)}
+        for name, t in zip(want, rope):
+            dtype = torch.int64 if name == "write_index" else self.dtype
+            if tuple(t.shape) != want[name] or t.dtype != dtype or t.device != self.device or t.stride(-1) != 1:
+                raise ValueError(f"rope's {name} must be {want[name]} {dtype} on {self.device} with a unit "
+                                 f"last stride, got {tuple(t.shape)} {t.dtype} on {t.device}, strides "
+                                 f"{t.stride()}")
+        if d % 2:
+            raise ValueError(f"rope needs an even head dim, got {d}")
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
         """`__call__` without its checks of q and the caches: for the tensors the plan was made
-        from (`tree_attention`, which checked them once)."""
+        from (`tree_attention`, which checked them once), or with `rope`.
+
+        rope (Triton only): (qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], write_index [T]
+        int64), each with a unit last stride, q's dtype (write_index aside). The kernel then
+        takes q and the tree's own k, v from the projection qkv (heads q | k | v), applies
+        rotate-half RoPE to q and k with fused_ops.rope_qkv_write's roundings, writes the
+        tree's k, v to cache row write_index (page * block_size + slot; rows outside the cache
+        are dropped), and attends: rope_qkv_write and the attention in one launch (the draft's
+        layers). q is then only the plan's shape (e.g. a view of qkv's q columns): not read.
+        The tree's k, v are read from qkv, never from the cache, so no program reads what
+        another writes; the prefix is read from the cache as usual."""
+        if rope is not None:
+            self._check_rope(q, rope)
         if out is None:
             out = torch.empty_like(q)
         else:
@@ -625,11 +708,18 @@ class TreeAttentionPlan:
         # Never touched where S = 1: SPLIT_KV=False compiles the partial stores away.
         part = torch.empty(self.part_size, dtype=torch.float32, device=self.device) if split else out
         launch = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        if rope is None:  # dummies that ROPE_IN=False compiles away
+            qkv, cos, sin, write_index, stride_xt, stride_ct, stride_st = q, q, q, tree_mask, 0, 0, 0
+        else:
+            qkv, cos, sin, write_index = rope
+            stride_xt, stride_ct, stride_st = qkv.stride(0), cos.stride(0), sin.stride(0)
         with launch:  # Triton launches on the current CUDA device
             self.kernel[self.grid](
                 q, k_cache, v_cache, out,
                 block_table, prefix_lens, query_start, tree_mask,
                 part,
+                qkv, cos, sin, write_index, stride_xt, stride_ct, stride_st,
+                k_cache.shape[0] * k_cache.shape[1],
                 self.scale_log2e,
                 S, self.ml_offset,
                 q.stride(0), q.stride(1),
@@ -637,6 +727,7 @@ class TreeAttentionPlan:
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 out.stride(0), out.stride(1),
                 block_table.stride(0),
+                ROPE_IN=rope is not None,
                 **cfg,
             )
             if split:
@@ -706,6 +797,59 @@ def check_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
             return f"{what}: {type(e).__name__}: {first}"
         if not err <= tol:  # NaN fails too
             return f"{what}: differs from the torch path by {err:.3g} (tolerance {tol})"
+    return None
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in x's dtype, rounding as torch's ops do (draft/model.apply_rope).
+    Shape: x [T, H, D]; cos, sin [T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+                      max_query_len: int = MAX_TREE_NODES, seed: int = 0) -> str | None:
+    """`check_kernel` for the kernel with RoPE and the tree's K/V write inside (`rope` of
+    TreeAttentionPlan.run, the draft's layers): for each power of two max_query_len up to
+    `max_query_len`'s, single pass and split in two, against RoPE in torch (`rope_reference`),
+    the K/V written by indexing and the kernel without rope: the output and the cache rows
+    written. k_cache, v_cache: scratch pages of the serving layout (written). Returns None or
+    why not to use it. Synchronises."""
+    device, dtype = k_cache.device, k_cache.dtype
+    num_blocks, block_size, hkv, head_dim = k_cache.shape
+    capacity = num_blocks * block_size
+    top = _next_pow2(min(max(max_query_len, 1), MAX_TREE_NODES))
+    if capacity < top:
+        raise ValueError(f"caches of {capacity} positions cannot hold {top} tree nodes")
+    gen = torch.Generator().manual_seed(seed)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    tol = _CHECK_TOL[dtype]
+    for m, num_splits in [(1 << i, s) for s in (1, 2) for i in range(top.bit_length())]:
+        rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+        qkv, cos, sin = rnd(m, (num_heads + 2 * hkv) * head_dim), rnd(m, head_dim), rnd(m, head_dim)
+        rows = torch.arange(capacity - m, capacity, device=device)
+        q, k, v = qkv.view(m, -1, head_dim).split([num_heads, hkv, hkv], dim=1)
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want_k.view(capacity, hkv, head_dim)[rows] = rope_reference(k, cos, sin)
+        want_v.view(capacity, hkv, head_dim)[rows] = v
+        meta = (block_table, torch.tensor([capacity - m], dtype=torch.int32, device=device),
+                torch.tensor([0, m], dtype=torch.int32, device=device),
+                (torch.ones(m, dtype=torch.long).bitwise_left_shift(torch.arange(m)) - 1).to(device))
+        what = f"rope: {m} tree nodes, S = {num_splits}, {dtype}, {num_heads}/{hkv} heads, D = {head_dim}"
+        try:
+            want = tree_attention(rope_reference(q, cos, sin), want_k, want_v, *meta, head_dim ** -0.5,
+                                  backend="torch")
+            plan = TreeAttentionPlan(q, k_cache, v_cache, *meta, head_dim ** -0.5, max_query_len=m,
+                                     backend="triton", num_splits=num_splits)
+            got = plan.run(q, k_cache, v_cache, rope=(qkv, cos, sin, rows))
+            err = max((got.float() - want.float()).abs().max().item(),
+                      (k_cache.float() - want_k.float()).abs().max().item(),
+                      (v_cache.float() - want_v.float()).abs().max().item())
+        except Exception as e:  # noqa: BLE001 (any failure means: do not serve with it)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return f"{what}: {type(e).__name__}: {first}"
+        if not err <= tol:  # NaN fails too
+            return f"{what}: differs from RoPE, K/V write and attention apart by {err:.3g} (tolerance {tol})"
     return None
 
 

@@ -18,8 +18,10 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           drafting, draft_round = host / device / graph (graph-fixed: without the conditional
           nodes; graph+fused: through kernels/fused_ops.py, OuroborosConfig.draft_fused_ops;
           graph+fused+torch-pool: the pool inserting and looking up in torch, not through
-          kernels/pool_insert.py and pool_lookup.py, which the others use on CUDA; the last two
-          at one request only).
+          kernels/pool_insert.py and pool_lookup.py, which the others use on CUDA;
+          graph+fused+torch-round: the round's work around each forward in torch;
+          graph+fused+rope-apart: RoPE and the KV write in their own launch per layer, not
+          inside the attention kernel's; the last three at one request only).
   target step  our patches' work around each target forward, eagerly as vLLM runs it: the plan
           and token trees (target_step.py), the greedy walk (verify.py), the KV move of an
           accepted later suffix in every target layer (kv_relocate.py).
@@ -65,6 +67,7 @@ import torch
 
 # vllm_ouroboros must be installed (`pip install --no-deps --no-build-isolation -e .`): its
 # `kernels` subpackage is the repo's kernels/ folder only through setup.py's package_dir.
+from vllm_ouroboros.draft.attention import ROPE_IN_MAX_HEAD_DIM
 from vllm_ouroboros.draft.model import DraftConfig, DraftModel, rope_inv_freq
 from vllm_ouroboros.cost_model import draft_row_tokens
 from vllm_ouroboros.cuda_graph import capture_graph
@@ -155,7 +158,10 @@ class Budget:
 # kernels/round_steps.py).
 TORCH_POOL = "graph+fused+torch-pool"
 TORCH_ROUND = "graph+fused+torch-round"
-ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND)
+# ... and what RoPE inside the attention kernel saves (ROPE_APART: fused_ops.rope_qkv_write's own
+# launch per layer, draft/attention.rope_masked_attention not used).
+ROPE_APART = "graph+fused+rope-apart"
+ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND, ROPE_APART)
 
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
 GAMMA, BETA = 4, 5
@@ -378,9 +384,13 @@ class RoundRunner:
         # graph-fixed: the graph round without its conditional nodes; X+fused: the X round
         # through the fused layer kernels (OuroborosConfig.draft_fused_ops); +torch-pool: the
         # pool inserts and looks up in torch where it would take its kernels (kernels/pool_*.py);
-        # +torch-round: the work around each forward in torch (kernels/round_steps.py).
+        # +torch-round: the work around each forward in torch (kernels/round_steps.py);
+        # +rope-apart: RoPE and the KV write in their own launch (the kernel check's verdict
+        # aside: like the kernel section, this times the paths regardless).
         draft_round = "graph" if mode.startswith("graph") else mode.split("+")[0]
         model.fused_ops = "+fused" in mode
+        model.rope_in_attention = (not mode.endswith("+rope-apart")
+                                   and model.head_dim <= ROPE_IN_MAX_HEAD_DIM)
         settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
                                  num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
                                  draft_round=draft_round, round_forwards=GAMMA,
@@ -932,7 +942,7 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
     def graph_round(name, setting, B, key, limit):
         # The graph round as CUDA serving runs it (draft_fused_ops on by default there), the
         # unfused one where the fused was not measured; the other modes beside it.
-        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL, TORCH_ROUND)
+        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL, TORCH_ROUND, ROPE_APART)
         others = {m: find_round(rounds, setting, B, m, key) for m in modes}
         mode = "graph+fused" if others["graph+fused"] is not None else "graph"
         others.pop(mode)
@@ -1299,7 +1309,7 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     fused = graphs and "fused" not in args.skip
     modes = (["graph"] if graphs else []) + (["graph+fused"] if fused else []) + (
         ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + (
-        [TORCH_POOL, TORCH_ROUND] if fused and device.type == "cuda" else []) + ["host", "device"]
+        [TORCH_POOL, TORCH_ROUND, ROPE_APART] if fused and device.type == "cuda" else []) + ["host", "device"]
     if graphs and "fused" in args.skip:
         skipped["rounds/graph+fused"] = "skipped: --skip fused"
     cases = [] if "rounds" in args.skip else plan.round_cases(modes)

@@ -179,11 +179,11 @@ def _signature(kernel, ptr: str) -> dict:
         name = param.name
         if param.is_constexpr:
             sig[name] = "constexpr"
-        elif name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr"):
+        elif name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr"):
             sig[name] = ptr
         elif name == "part_ptr":
             sig[name] = "*fp32"
-        elif name == "tree_mask_ptr":
+        elif name in ("tree_mask_ptr", "write_index_ptr"):
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = "*i32"
@@ -216,25 +216,31 @@ def compile_only(archs: list[int]) -> int:
             return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", "      -", 1
 
     print(f"{'arch':>5} {'dtype':>8} {'G':>2} {'D':>4} {'tree':>4} {'M':>3} {'BN':>3} {'BT':>3} {'warps':>5} "
-          f"{'split':>5} {'smem KB':>7}  resource usage")
+          f"{'split':>5} {'rope':>4} {'smem KB':>7}  resource usage")
     rc = 0
     for arch in archs:
-        for dtype, group, head_dim, tree in [("bfloat16", 4, 128, 64), ("bfloat16", 4, 128, 16),
-                                             ("bfloat16", 1, 128, 16), ("bfloat16", 4, 64, 64),
-                                             ("bfloat16", 4, 64, 16), ("float16", 8, 64, 32),
-                                             ("bfloat16", 4, 80, 24), ("bfloat16", 4, 256, 32),
-                                             ("float32", 4, 128, 32), ("float32", 1, 64, 8)]:
+        # The target's configurations, then the draft's (Qwen2.5-Coder 0.5B: 14 / 2 heads, D = 64;
+        # decode, the 34-token lookahead and 64 nodes) with RoPE and the KV write inside (ROPE_IN).
+        for dtype, group, head_dim, tree, rope in [
+                ("bfloat16", 4, 128, 64, False), ("bfloat16", 4, 128, 16, False),
+                ("bfloat16", 1, 128, 16, False), ("bfloat16", 4, 64, 64, False),
+                ("bfloat16", 4, 64, 16, False), ("float16", 8, 64, 32, False),
+                ("bfloat16", 4, 80, 24, False), ("bfloat16", 4, 256, 32, False),
+                ("float32", 4, 128, 32, False), ("float32", 1, 64, 8, False),
+                ("bfloat16", 7, 64, 1, True), ("bfloat16", 7, 64, 34, True), ("bfloat16", 7, 64, 64, True),
+                ("bfloat16", 6, 128, 34, True)]:
             head_dim_pad = max(16, ta._next_pow2(head_dim))
             cfg = ta._tile_config(getattr(torch, dtype), ta._next_pow2(group), head_dim_pad, tree)
             opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
             for split in (False, True):
                 consts = dict(cfg, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, SPLIT_KV=split,
-                              UPCAST_DOT=False)
+                              UPCAST_DOT=False, ROPE_IN=rope, SOFT_BF16=False)
                 usage, smem, bad = build(kernel, _signature(kernel, ptr_of[dtype]), consts, opts, arch)
                 rc |= bad
                 print(f"{arch:>5} {dtype:>8} {group:>2} {head_dim:>4} {tree:>4} {cfg['BLOCK_M']:>3} "
                       f"{cfg['BLOCK_N']:>3} {cfg['BLOCK_TREE']:>3} {opts['num_warps']:>5} "
-                      f"{'S>1' if split else 'S=1':>5} {smem}  {usage}", flush=True)
+                      f"{'S>1' if split else 'S=1':>5} {'yes' if rope else 'no':>4} {smem}  {usage}",
+                      flush=True)
         merge = ta.tree_attention_merge_kernel
         for dtype, head_dim, splits in [("bfloat16", 64, 16), ("bfloat16", 128, 16),
                                         ("bfloat16", 128, 64), ("bfloat16", 256, 64)]:

@@ -64,7 +64,7 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
-    cuda_modes = {"graph", "graph+fused", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND}
+    cuda_modes = {"graph", "graph+fused", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND, bench_gpu.ROPE_APART}
     modes = {"host", "device"} | (cuda_modes if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
@@ -343,7 +343,7 @@ def test_round_profile_charges_each_region(tiny_run):
                  "draft: LM head + argmax", "round: row inputs (masks, positions)"):
         assert regions[name]["calls"] > 0 and regions[name]["host_ms"] > 0, name
     # Two layers, four projections each (qkv, o, gate_up, down), every forward.
-    fwd = regions["draft forward, rest (embedding, RoPE tables)"]["calls"]
+    fwd = regions["draft forward, rest (embedding, RoPE rows)"]["calls"]
     assert regions["draft: matrix products"]["calls"] == 4 * 2 * fwd
     assert sum(r["host_ms"] for r in p["regions"]) <= p["wall_ms"] * 1.05
     assert (p["device_activities"] > 0) == CUDA

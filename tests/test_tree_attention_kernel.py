@@ -928,3 +928,132 @@ def test_plan_serves_every_layer_of_a_step():
         plan(q, k[:-1], v[:-1])
     with pytest.raises(ValueError, match="must match the plan's"):
         plan(q.double(), k.double(), v.double())
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE and the tree's K/V write inside the kernel (TreeAttentionPlan.run's `rope`: the draft's)
+# ---------------------------------------------------------------------------------------------
+ROPE_GRID = [(g, hkv, d, bs, s, dt) for (g, hkv, d, bs), s, dt in itertools.product(
+    [(1, 2, 32, 16), (2, 1, 64, 4), (7, 2, 64, 16), (4, 1, 80, 16), (3, 2, 128, 4)],
+    (1, 2), (torch.float32, torch.bfloat16))]
+
+
+@pytest.mark.parametrize("group,hkv,head_dim,block_size,splits,dtype", ROPE_GRID)
+def test_rope_in_the_kernel_is_rope_write_then_attention(group, hkv, head_dim, block_size, splits, dtype):
+    """The kernel with `rope` gives, bit for bit, what RoPE in torch (the draft's apply_rope
+    roundings), the K/V written into the cache and the kernel without rope give: the output and
+    every cache entry, on ragged batches of trees (also masks that are not trees), GQA, padded
+    head dims, pages cut mid-tree, single pass and split-KV."""
+    rng = random.Random(f"rope-{group}-{hkv}-{head_dim}-{block_size}-{splits}-{dtype}")
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    prefixes = [rng.randint(0, 40) for _ in range(rng.randint(1, 3))]
+    trees = [random_parents(rng.choice(TREE_KINDS), rng.randint(1, 20), rng) for _ in prefixes]
+    batch, _, _ = make_batch(prefixes, trees, hkv=hkv, group=group, head_dim=head_dim,
+                             block_size=block_size, dtype=dtype, seed=rng.randrange(100))
+    T, hq = batch["q"].shape[0], hkv * group
+    # The tree's own slots hold NaN until written: a read of one before its write poisons the output.
+    qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
+    cos, sin = (torch.rand(T, head_dim, generator=g).mul(2).sub(1).to(dtype) for _ in range(2))
+    q, k, v = qkv.view(T, -1, head_dim).split([hq, hkv, hkv], dim=1)
+    n = batch["query_start"][1:] - batch["query_start"][:-1]
+    b_of = torch.repeat_interleave(torch.arange(len(prefixes)), n)
+    pos = batch["prefix_lens"][b_of] + torch.arange(T) - batch["query_start"][b_of]
+    rows = batch["block_table"][b_of, pos // block_size].long() * block_size + pos % block_size
+    for name in ("k_cache", "v_cache"):
+        batch[name].view(-1, hkv, head_dim)[rows] = float("nan")
+
+    want_k, want_v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    want_k.view(-1, hkv, head_dim)[rows] = ta.rope_reference(k, cos, sin)
+    want_v.view(-1, hkv, head_dim)[rows] = v
+    ref = dict(batch, q=ta.rope_reference(q, cos, sin), k_cache=want_k, v_cache=want_v)
+    want = tree_attention(**on_device(ref), backend="triton", num_splits=splits).cpu()
+
+    dev = on_device(dict(batch, q=q.contiguous()))
+    meta = [dev[n] for n in ("block_table", "prefix_lens", "query_start", "tree_mask")]
+    plan = ta.TreeAttentionPlan(dev["q"], dev["k_cache"], dev["v_cache"], *meta, dev["scale"],
+                                backend="triton", num_splits=splits)
+    rope = tuple(t.to(DEVICE) for t in (qkv, cos, sin, rows))
+    got = plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=rope).cpu()
+    assert torch.isfinite(want).all()
+    assert torch.equal(got, want)
+    for have, expect in ((dev["k_cache"].cpu(), want_k), (dev["v_cache"].cpu(), want_v)):
+        same = (have == expect) | (have.isnan() & expect.isnan())
+        assert same.all()
+
+
+def test_rope_inputs_are_checked():
+    batch, _, _ = make_batch([3], [[-1, 0]], hkv=1, group=2, head_dim=16, block_size=16)
+    dev = on_device(batch)
+    meta = [dev[n] for n in ("block_table", "prefix_lens", "query_start", "tree_mask")]
+    plan = ta.TreeAttentionPlan(dev["q"], dev["k_cache"], dev["v_cache"], *meta, dev["scale"],
+                                backend="triton")
+    qkv = torch.zeros(2, 4 * 16, device=DEVICE)
+    cs = torch.zeros(2, 16, device=DEVICE)
+    rows = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="qkv must be"):
+        plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv[:, :48], cs, cs, rows))
+    with pytest.raises(ValueError, match="write_index must be"):
+        plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv, cs, cs, rows.int()))
+    torch_plan = ta.TreeAttentionPlan(dev["q"], dev["k_cache"], dev["v_cache"], *meta, dev["scale"],
+                                      backend="torch")
+    with pytest.raises(ValueError, match="needs the Triton kernel"):
+        torch_plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv, cs, cs, rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_rope_kernel_passes_and_names_wrong_numbers(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 8, 16, 2, 32, generator=g).to(DEVICE, dtype)
+    assert ta.check_rope_kernel(kv[0], kv[1], 4, max_query_len=16) is None
+    real = ta.TreeAttentionPlan.run
+
+    def off_by_one_row(self, q, k_cache, v_cache, out=None, rope=None):
+        if rope is not None:
+            rope = (rope[0], rope[1], rope[2], rope[3] - 1)  # writes one cache row too early
+        return real(self, q, k_cache, v_cache, out, rope)
+
+    monkeypatch.setattr(ta.TreeAttentionPlan, "run", off_by_one_row)
+    why = ta.check_rope_kernel(kv[0], kv[1], 4, max_query_len=16)
+    assert why is not None and "differs" in why, why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_forward_with_rope_in_the_kernel_is_bit_identical(tiny_models, dtype):
+    """The draft's fused layers with RoPE and the KV write inside the attention kernel give the
+    hidden states and caches of the layers with rope_qkv_write apart, bit for bit (a prefill
+    through the torch path, then a masked lookahead-shaped forward through the kernel)."""
+    from vllm_ouroboros.draft.model import DraftModel
+
+    outs = {}
+    for inside in (False, True):
+        m = DraftModel.from_pretrained(tiny_models["draft"], dtype=dtype, device=DEVICE)
+        m.allocate_cache(3, 96)
+        m.fused_ops, m.attention_backend, m.rope_in_attention = True, "triton", inside
+        g = torch.Generator().manual_seed(0)
+        B, P, Q = 2, 20, 12
+        ids = torch.randint(0, m.vocab_size, (B, P), generator=g)
+        causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
+        mask = (torch.rand(B, Q, Q, generator=g) < 0.4) | torch.eye(Q, dtype=torch.bool)
+        new = torch.randint(0, m.vocab_size, (B, Q), generator=g)
+        slots, lens = (torch.tensor(x, device=DEVICE) for x in ([2, 0], [17, 20]))
+        m.forward(ids.to(DEVICE), torch.arange(P, device=DEVICE).expand(B, P), slots,
+                  torch.zeros(B, dtype=torch.long, device=DEVICE), causal.to(DEVICE), max_cache_len=0)
+        h = m.forward(new.to(DEVICE), lens[:, None] + torch.arange(Q, device=DEVICE), slots, lens,
+                      mask.to(DEVICE), max_cache_len=P)
+        outs[inside] = (h.cpu(), m.k_cache.cpu(), m.v_cache.cpu())
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+
+
+def test_draft_model_turns_rope_in_the_kernel_off_where_its_check_fails(tiny_models, monkeypatch):
+    from vllm_ouroboros.draft.model import DraftModel
+
+    m = DraftModel.from_pretrained(tiny_models["draft"], dtype=torch.float32, device=DEVICE)
+    m.allocate_cache(2, 64)
+    m.attention_backend = "triton"
+    assert m.rope_in_attention  # head dim 32
+    monkeypatch.setattr("vllm_ouroboros.draft.model.MAX_KERNEL_QUERIES", 4)
+    assert m.check_attention_kernel() is None and m.rope_in_attention
+    monkeypatch.setattr(ta, "check_rope_kernel", lambda *a, **k: "rope: wrong")
+    assert m.check_attention_kernel() is None  # the attention kernel itself stays
+    assert not m.rope_in_attention and m.attention_backend == "triton"

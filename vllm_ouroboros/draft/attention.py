@@ -236,11 +236,54 @@ def masked_attention(
     """
     if not meta.use_kernel:
         return prefix_and_masked_attention(q.transpose(1, 2), k_cache, v_cache, meta, scale).transpose(1, 2)
-    from vllm_ouroboros.kernels.tree_attention import TreeAttentionPlan
-
     B, Q, Hq, D = q.shape
     q = q.reshape(B * Q, Hq, D)
-    key = (q.dtype, Hq, D, tuple(k_cache.shape), scale)
+    return _kernel_plan(q, k_cache, v_cache, meta, scale, Q)(q, k_cache, v_cache).view(B, Q, Hq, D)
+
+
+# Head dims up to which the draft's layers take RoPE and the KV write into the attention kernel
+# (`rope_masked_attention`). Compiled for sm_90 (`python scripts/bench_tree_attention.py
+# --compile-only 90`, Triton 3.9): D = 64, GQA 7, bf16, 34 and 64 nodes: 183 registers, no spill
+# single-pass (split-KV: 64 B per thread); D = 128 spills 816-904 B per thread, against 192-240 B
+# without RoPE inside: there the separate rope_qkv_write launch is the cheaper one.
+ROPE_IN_MAX_HEAD_DIM = 64
+
+
+def rope_masked_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DraftAttentionMetadata,
+    scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """kernels/fused_ops.rope_qkv_write followed by `masked_attention`, in one launch of the
+    tree-attention kernel (TreeAttentionPlan.run's `rope`): RoPE on q and the new k, the new
+    k, v into the cache at meta.write_index, the attention. Only where meta.use_kernel.
+
+    Shape: qkv [B, Q, (Hq + 2 Hkv) D], unit last stride (heads q | k | v); cos, sin [B, Q, 1, D]
+           (DraftModel.rope_rows' strided views are fine); k_cache, v_cache [num_pages,
+           page_size, Hkv, D]; returns [B, Q, Hq, D] in qkv's dtype.
+    """
+    B, Q, width = qkv.shape
+    D = width // (num_heads + 2 * num_kv_heads)
+    flat = qkv.reshape(B * Q, width)
+    q = flat[:, :num_heads * D].view(B * Q, num_heads, D)  # the plan's shape; not read
+    plan = _kernel_plan(q, k_cache, v_cache, meta, scale, Q)
+    out = torch.empty((B * Q, num_heads, D), dtype=qkv.dtype, device=qkv.device)
+    rope = (flat, cos.reshape(B * Q, D), sin.reshape(B * Q, D), meta.write_index.reshape(B * Q))
+    return plan.run(q, k_cache, v_cache, out, rope=rope).view(B, Q, num_heads, D)
+
+
+def _kernel_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: DraftAttentionMetadata, scale: float, Q: int):
+    """The forward's TreeAttentionPlan for these shapes, made at the first layer."""
+    from vllm_ouroboros.kernels.tree_attention import TreeAttentionPlan
+
+    key = (q.dtype, q.shape[1], q.shape[2], tuple(k_cache.shape), scale)
     plan = meta.kernel_plans.get(key)
     if plan is None:
         # kv_len - Q bounds every row's prefix (the whole slot inside a CUDA graph): it sizes the
@@ -248,4 +291,4 @@ def masked_attention(
         plan = meta.kernel_plans[key] = TreeAttentionPlan(
             q, k_cache, v_cache, *meta.kernel_inputs, scale, max_query_len=Q,
             max_prefix_len=meta.kv_len - Q, backend="triton")
-    return plan(q, k_cache, v_cache).view(B, Q, Hq, D)
+    return plan

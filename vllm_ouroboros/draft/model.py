@@ -12,6 +12,7 @@ No vLLM imports: weights are read from a Hugging Face checkpoint directory (conf
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +25,18 @@ from torch import nn
 
 from vllm_ouroboros.draft.attention import (
     MAX_KERNEL_QUERIES,
+    ROPE_IN_MAX_HEAD_DIM,
     DraftAttentionMetadata,
     build_attention_metadata,
     kernel_chosen,
     kernel_importable,
     masked_attention,
+    rope_masked_attention,
     write_kv,
 )
 from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, PagedKVCache, pages_for
+
+logger = logging.getLogger("vllm.ouroboros")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -184,9 +189,11 @@ class DraftLayer(nn.Module):
         gemm = self.gemms.get(name)
         return F.linear(x, getattr(self, name + "_weight"), bias) if gemm is None else gemm(x, bias)
 
-    def forward_fused(self, h, residual, cos, sin, k_cache, v_cache, meta, scale):
+    def forward_fused(self, h, residual, cos, sin, k_cache, v_cache, meta, scale, rope_in_attention=False):
         """The layer through the fused kernels (kernels/fused_ops.py): add+RMSNorm, RoPE with
         the KV write, SiLU*up; the closing residual add is left to the next layer's norm.
+        rope_in_attention (with meta.use_kernel): RoPE and the KV write inside the attention
+        kernel's launch (attention.rope_masked_attention), one launch fewer per layer.
 
         Shape: h [B, Q, H] and residual [B, Q, H] | None (the stream is h + residual); returns
         (h, residual) in the same convention. Same arithmetic as `forward` (RMSNorm's sum may
@@ -195,9 +202,14 @@ class DraftLayer(nn.Module):
 
         B, Q, _ = h.shape
         x, residual = add_rms_norm(h, residual, self.input_norm, self.eps)
-        q = rope_qkv_write(self.project("qkv", x), cos, sin, k_cache, v_cache, meta.write_index,
-                           self.num_heads, self.num_kv_heads, self.head_dim)
-        o = masked_attention(q, k_cache, v_cache, meta, scale)  # [B, Q, Hq, D]
+        qkv = self.project("qkv", x)
+        if rope_in_attention and meta.use_kernel:
+            o = rope_masked_attention(qkv, cos, sin, k_cache, v_cache, meta, scale, self.num_heads,
+                                      self.num_kv_heads)
+        else:
+            q = rope_qkv_write(qkv, cos, sin, k_cache, v_cache, meta.write_index,
+                               self.num_heads, self.num_kv_heads, self.head_dim)
+            o = masked_attention(q, k_cache, v_cache, meta, scale)  # [B, Q, Hq, D]
         x, residual = add_rms_norm(self.project("o", o.reshape(B, Q, -1)), residual,
                                    self.post_norm, self.eps)
         return self.project("down", silu_mul(self.project("gate_up", x))), residual
@@ -252,6 +264,10 @@ class DraftModel(nn.Module):
         # KV write, SiLU*up): fewer launches per layer where launches dominate (a GPU); where
         # Triton cannot run they fall back to the same math in torch.
         self.fused_ops = False
+        # With fused_ops and the tree-attention kernel: RoPE and the KV write inside the kernel's
+        # launch instead of rope_qkv_write's, up to the head dim where that compiles without
+        # large spills (check_attention_kernel turns it off where the kernel's check fails).
+        self.rope_in_attention = cfg.head_dim <= ROPE_IN_MAX_HEAD_DIM
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -353,6 +369,8 @@ class DraftModel(nn.Module):
         against the torch path (kernels/tree_attention.check_kernel, which also compiles it).
         Where it fails, "auto" falls back to torch SDPA and the reason is returned; "triton"
         raises. Where the kernel would not be used (CPU with "auto", "torch"): None, nothing runs.
+        Then the kernel with RoPE and the KV write inside (check_rope_kernel): where that
+        fails, `rope_in_attention` goes off (logged), the layers keep rope_qkv_write.
         Call after allocate_cache (the kernel is compiled per page size)."""
         if self.kv is None:
             raise RuntimeError("allocate_cache before check_attention_kernel")
@@ -370,6 +388,14 @@ class DraftModel(nn.Module):
             kv = torch.randn((2, pages, self.kv.page_size, self.num_kv_heads, self.head_dim),
                              generator=gen, device=self.device, dtype=torch.float32).to(self.dtype)
             reason = check_kernel(kv[0], kv[1], self.num_heads, max_query_len=MAX_KERNEL_QUERIES)
+            if reason is None and self.rope_in_attention:
+                from vllm_ouroboros.kernels.tree_attention import check_rope_kernel
+
+                why = check_rope_kernel(kv[0], kv[1], self.num_heads, max_query_len=MAX_KERNEL_QUERIES)
+                if why is not None:
+                    logger.warning("ouroboros: the draft's RoPE and KV write stay outside the attention "
+                                   "kernel on %s: %s", self.device, why)
+                    self.rope_in_attention = False
         if reason is not None:
             if self.attention_backend == "triton":
                 raise RuntimeError(f"draft attention 'triton': the kernel failed its check on "
@@ -415,7 +441,8 @@ class DraftModel(nn.Module):
             residual = None
             for i, layer in enumerate(self.layers):
                 h, residual = layer.forward_fused(h, residual, cos, sin, self.k_cache[i],
-                                                  self.v_cache[i], meta, self.scale)
+                                                  self.v_cache[i], meta, self.scale,
+                                                  self.rope_in_attention)
             return add_rms_norm(h, residual, self.norm_weight, self.cfg.rms_norm_eps)[0]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, self.k_cache[i], self.v_cache[i], meta, self.scale)

@@ -28,7 +28,6 @@ import math
 
 import torch
 
-from .fused_ops import _rope_half
 from .reference import tree_attention_reference
 from .triton_runtime import import_triton, pick_kernel
 from .triton_runtime import is_interpreted as _is_interpreted
@@ -44,6 +43,7 @@ MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
 # Kernel
 # ----------------------------------------------------------------------------------------------
 if triton is not None:
+    from .fused_ops import _rope_half  # RoPE with torch's roundings (defined where Triton is)
 
     @triton.jit
     def _load_kv_tile(cache_ptr, stride_b, stride_s, stride_h, bt_row_ptr, kvh, pos, pos_ok,

@@ -800,20 +800,12 @@ def check_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
     return None
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in x's dtype, rounding as torch's ops do (draft/model.apply_rope).
-    Shape: x [T, H, D]; cos, sin [T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-
-
 def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                       max_query_len: int = MAX_TREE_NODES, seed: int = 0) -> str | None:
     """`check_kernel` for the kernel with RoPE and the tree's K/V write inside (`rope` of
     TreeAttentionPlan.run, the draft's layers): for each power of two max_query_len up to
-    `max_query_len`'s, single pass and split in two, against RoPE in torch (`rope_reference`),
-    the K/V written by indexing and the kernel without rope: the output and the cache rows
-    written. k_cache, v_cache: scratch pages of the serving layout (written). Returns None or
+    `max_query_len`'s, single pass and split in two, against RoPE and the K/V write in torch
+    (fused_ops.rope_qkv_write_reference) and the torch attention: the output and the caches. k_cache, v_cache: scratch pages of the serving layout (written). Returns None or
     why not to use it. Synchronises."""
     device, dtype = k_cache.device, k_cache.dtype
     num_blocks, block_size, hkv, head_dim = k_cache.shape
@@ -821,6 +813,8 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
     top = _next_pow2(min(max(max_query_len, 1), MAX_TREE_NODES))
     if capacity < top:
         raise ValueError(f"caches of {capacity} positions cannot hold {top} tree nodes")
+    from .fused_ops import rope_qkv_write_reference
+
     gen = torch.Generator().manual_seed(seed)
     block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     tol = _CHECK_TOL[dtype]
@@ -828,17 +822,16 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
         rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
         qkv, cos, sin = rnd(m, (num_heads + 2 * hkv) * head_dim), rnd(m, head_dim), rnd(m, head_dim)
         rows = torch.arange(capacity - m, capacity, device=device)
-        q, k, v = qkv.view(m, -1, head_dim).split([num_heads, hkv, hkv], dim=1)
+        q = qkv.view(m, -1, head_dim)[:, :num_heads]  # the plan's shape
         want_k, want_v = k_cache.clone(), v_cache.clone()
-        want_k.view(capacity, hkv, head_dim)[rows] = rope_reference(k, cos, sin)
-        want_v.view(capacity, hkv, head_dim)[rows] = v
+        want_q = rope_qkv_write_reference(qkv[None], cos[None, :, None], sin[None, :, None], want_k, want_v,
+                                          rows[None], num_heads, hkv, head_dim)[0]
         meta = (block_table, torch.tensor([capacity - m], dtype=torch.int32, device=device),
                 torch.tensor([0, m], dtype=torch.int32, device=device),
                 (torch.ones(m, dtype=torch.long).bitwise_left_shift(torch.arange(m)) - 1).to(device))
         what = f"rope: {m} tree nodes, S = {num_splits}, {dtype}, {num_heads}/{hkv} heads, D = {head_dim}"
         try:
-            want = tree_attention(rope_reference(q, cos, sin), want_k, want_v, *meta, head_dim ** -0.5,
-                                  backend="torch")
+            want = tree_attention(want_q, want_k, want_v, *meta, head_dim ** -0.5, backend="torch")
             plan = TreeAttentionPlan(q, k_cache, v_cache, *meta, head_dim ** -0.5, max_query_len=m,
                                      backend="triton", num_splits=num_splits)
             got = plan.run(q, k_cache, v_cache, rope=(qkv, cos, sin, rows))

@@ -28,6 +28,7 @@ try:
 
     from vllm_ouroboros.kernels import tree_attention as ta
     from vllm_ouroboros.kernels.reference import gather_pages, tree_attention_reference
+    from vllm_ouroboros.kernels.fused_ops import rope_qkv_write_reference
     from vllm_ouroboros.kernels.tree_attention import ancestor_bitmask, tree_attention
 finally:
     set_triton_interpret(False)
@@ -954,7 +955,7 @@ def test_rope_in_the_kernel_is_rope_write_then_attention(group, hkv, head_dim, b
     # The tree's own slots hold NaN until written: a read of one before its write poisons the output.
     qkv = torch.randn(T, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
     cos, sin = (torch.rand(T, head_dim, generator=g).mul(2).sub(1).to(dtype) for _ in range(2))
-    q, k, v = qkv.view(T, -1, head_dim).split([hq, hkv, hkv], dim=1)
+    q = qkv.view(T, -1, head_dim)[:, :hq]
     n = batch["query_start"][1:] - batch["query_start"][:-1]
     b_of = torch.repeat_interleave(torch.arange(len(prefixes)), n)
     pos = batch["prefix_lens"][b_of] + torch.arange(T) - batch["query_start"][b_of]
@@ -963,9 +964,9 @@ def test_rope_in_the_kernel_is_rope_write_then_attention(group, hkv, head_dim, b
         batch[name].view(-1, hkv, head_dim)[rows] = float("nan")
 
     want_k, want_v = batch["k_cache"].clone(), batch["v_cache"].clone()
-    want_k.view(-1, hkv, head_dim)[rows] = ta.rope_reference(k, cos, sin)
-    want_v.view(-1, hkv, head_dim)[rows] = v
-    ref = dict(batch, q=ta.rope_reference(q, cos, sin), k_cache=want_k, v_cache=want_v)
+    want_q = rope_qkv_write_reference(qkv[None], cos[None, :, None], sin[None, :, None], want_k, want_v,
+                                      rows[None], hq, hkv, head_dim)[0]
+    ref = dict(batch, q=want_q, k_cache=want_k, v_cache=want_v)
     want = tree_attention(**on_device(ref), backend="triton", num_splits=splits).cpu()
 
     dev = on_device(dict(batch, q=q.contiguous()))

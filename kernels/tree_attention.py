@@ -766,38 +766,51 @@ def check_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
     error (e.g. a GPU with less shared memory than a tile needs), or the largest difference to
     the torch path. Synchronises (it reads each result).
     """
-    device, dtype = k_cache.device, k_cache.dtype
-    num_blocks, block_size, _, head_dim = k_cache.shape
-    capacity = num_blocks * block_size
-    # Launches differ by max_query_len's next power of two (tile rows, tree width).
-    top = _next_pow2(min(max(max_query_len, 1), MAX_TREE_NODES))
-    if capacity < top:
-        raise ValueError(f"caches of {capacity} positions cannot hold {top} tree nodes")
+    device, dtype, head_dim = k_cache.device, k_cache.dtype, k_cache.shape[3]
+    sizes, meta = _check_sizes(k_cache, max_query_len)
     gen = torch.Generator().manual_seed(seed)
-    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
-    sizes = [1 << i for i in range(top.bit_length())]
     splits = [1 << i for i in range(2, max_splits.bit_length())]
     runs = [(m, 1) for m in sizes] + [(m, 2) for m in sizes] + [(1, s) for s in splits]
     tol = _CHECK_TOL[dtype]
     for m, num_splits in runs:
         q = torch.randn(m, num_heads, head_dim, generator=gen).to(device, dtype)
-        # A chain of m nodes behind the longest prefix the caches hold: node i sees nodes < i.
-        bits = torch.ones(m, dtype=torch.long).bitwise_left_shift(torch.arange(m)) - 1
-        args = (q, k_cache, v_cache, block_table,
-                torch.tensor([capacity - m], dtype=torch.int32, device=device),
-                torch.tensor([0, m], dtype=torch.int32, device=device), bits.to(device),
-                head_dim ** -0.5)
+        args = (q, k_cache, v_cache, *meta(m), head_dim ** -0.5)
         what = f"{m} tree nodes, S = {num_splits}, {dtype}, {num_heads}/{k_cache.shape[2]} heads, D = {head_dim}"
         try:
             got = tree_attention(*args, backend="triton", num_splits=num_splits, max_query_len=m)
             want = tree_attention(*args, backend="torch")
             err = (got.float() - want.float()).abs().max().item()  # also surfaces launch errors
         except Exception as e:  # noqa: BLE001 (any failure means: do not serve with it)
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            return f"{what}: {type(e).__name__}: {first}"
+            return _failed(what, e)
         if not err <= tol:  # NaN fails too
             return f"{what}: differs from the torch path by {err:.3g} (tolerance {tol})"
     return None
+
+
+def _check_sizes(k_cache: torch.Tensor, max_query_len: int):
+    """The checks' tree sizes (each power of two up to max_query_len's: launches differ by its
+    next power of two, in tile rows and tree width) and m -> tree_attention's (block_table,
+    prefix_lens, query_start, tree_mask) for a chain of m nodes behind the longest prefix the
+    caches hold (node i sees nodes < i), in the caches' last m positions."""
+    device = k_cache.device
+    num_blocks, block_size = k_cache.shape[:2]
+    capacity = num_blocks * block_size
+    top = _next_pow2(min(max(max_query_len, 1), MAX_TREE_NODES))
+    if capacity < top:
+        raise ValueError(f"caches of {capacity} positions cannot hold {top} tree nodes")
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+
+    def meta(m: int) -> tuple:
+        bits = torch.ones(m, dtype=torch.long).bitwise_left_shift(torch.arange(m)) - 1
+        return (block_table, torch.tensor([capacity - m], dtype=torch.int32, device=device),
+                torch.tensor([0, m], dtype=torch.int32, device=device), bits.to(device))
+
+    return [1 << i for i in range(top.bit_length())], meta
+
+
+def _failed(what: str, e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{what}: {type(e).__name__}: {first}"
 
 
 def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
@@ -805,20 +818,17 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
     """`check_kernel` for the kernel with RoPE and the tree's K/V write inside (`rope` of
     TreeAttentionPlan.run, the draft's layers): for each power of two max_query_len up to
     `max_query_len`'s, single pass and split in two, against RoPE and the K/V write in torch
-    (fused_ops.rope_qkv_write_reference) and the torch attention: the output and the caches. k_cache, v_cache: scratch pages of the serving layout (written). Returns None or
-    why not to use it. Synchronises."""
-    device, dtype = k_cache.device, k_cache.dtype
-    num_blocks, block_size, hkv, head_dim = k_cache.shape
-    capacity = num_blocks * block_size
-    top = _next_pow2(min(max(max_query_len, 1), MAX_TREE_NODES))
-    if capacity < top:
-        raise ValueError(f"caches of {capacity} positions cannot hold {top} tree nodes")
+    (fused_ops.rope_qkv_write_reference) and the torch attention: the output and the caches.
+    k_cache, v_cache: scratch pages of the serving layout (written). Returns None or why not to
+    use it. Synchronises."""
     from .fused_ops import rope_qkv_write_reference
 
+    device, dtype = k_cache.device, k_cache.dtype
+    capacity, hkv, head_dim = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    sizes, chain = _check_sizes(k_cache, max_query_len)
     gen = torch.Generator().manual_seed(seed)
-    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     tol = _CHECK_TOL[dtype]
-    for m, num_splits in [(1 << i, s) for s in (1, 2) for i in range(top.bit_length())]:
+    for m, num_splits in [(m, s) for s in (1, 2) for m in sizes]:
         rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
         qkv, cos, sin = rnd(m, (num_heads + 2 * hkv) * head_dim), rnd(m, head_dim), rnd(m, head_dim)
         rows = torch.arange(capacity - m, capacity, device=device)
@@ -826,9 +836,7 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
         want_k, want_v = k_cache.clone(), v_cache.clone()
         want_q = rope_qkv_write_reference(qkv[None], cos[None, :, None], sin[None, :, None], want_k, want_v,
                                           rows[None], num_heads, hkv, head_dim)[0]
-        meta = (block_table, torch.tensor([capacity - m], dtype=torch.int32, device=device),
-                torch.tensor([0, m], dtype=torch.int32, device=device),
-                (torch.ones(m, dtype=torch.long).bitwise_left_shift(torch.arange(m)) - 1).to(device))
+        meta = chain(m)
         what = f"rope: {m} tree nodes, S = {num_splits}, {dtype}, {num_heads}/{hkv} heads, D = {head_dim}"
         try:
             want = tree_attention(want_q, want_k, want_v, *meta, head_dim ** -0.5, backend="torch")
@@ -839,8 +847,7 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
                       (k_cache.float() - want_k.float()).abs().max().item(),
                       (v_cache.float() - want_v.float()).abs().max().item())
         except Exception as e:  # noqa: BLE001 (any failure means: do not serve with it)
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            return f"{what}: {type(e).__name__}: {first}"
+            return _failed(what, e)
         if not err <= tol:  # NaN fails too
             return f"{what}: differs from RoPE, K/V write and attention apart by {err:.3g} (tolerance {tol})"
     return None

@@ -645,9 +645,10 @@ class TreeAttentionPlan:
                 raise ValueError(f"{name} must be contiguous in its last (head dim) axis, strides {t.stride()}")
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
         """Attention for one layer: q [T, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D]
-        of the plan's shapes, dtype and device; out [T, Hq, D] (optional), returned."""
+        of the plan's shapes, dtype and device; out [T, Hq, D] (optional), returned; rope
+        (optional) as `run`'s. Checks every tensor (a few us per layer), then `run`."""
         if (q.shape != self.q_shape or k_cache.shape != self.kv_shape or v_cache.shape != self.kv_shape
                 or q.dtype != self.dtype or k_cache.dtype != self.dtype or v_cache.dtype != self.dtype
                 or q.device != self.device or k_cache.device != self.device or v_cache.device != self.device):
@@ -656,7 +657,9 @@ class TreeAttentionPlan:
                 f"{tuple(v_cache.shape)} {v_cache.dtype} ({q.device}) must match the plan's q "
                 f"{tuple(self.q_shape)}, caches {tuple(self.kv_shape)}, {self.dtype} on {self.device}")
         self._check_strides(q, k_cache, v_cache)
-        return self.run(q, k_cache, v_cache, out)
+        if rope is not None:
+            self._check_rope(q, rope)
+        return self.run(q, k_cache, v_cache, out, rope)
 
     def _check_rope(self, q: torch.Tensor, rope: tuple) -> None:
         if self.kernel is None:
@@ -676,8 +679,8 @@ class TreeAttentionPlan:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
-        """`__call__` without its checks of q and the caches: for the tensors the plan was made
-        from (`tree_attention`, which checked them once), or with `rope`.
+        """`__call__` without its checks of q, the caches and rope: for tensors checked
+        already (`tree_attention` checks the ones the plan was made from once).
 
         rope (Triton only): (qkv [T, (Hq + 2 Hkv) D], cos [T, D], sin [T, D], write_index [T]
         int64), each with a unit last stride, q's dtype (write_index aside). The kernel then
@@ -688,8 +691,8 @@ class TreeAttentionPlan:
         layers). q is then only the plan's shape (e.g. a view of qkv's q columns): not read.
         The tree's k, v are read from qkv, never from the cache, so no program reads what
         another writes; the prefix is read from the cache as usual."""
-        if rope is not None:
-            self._check_rope(q, rope)
+        if rope is not None and self.kernel is None:
+            raise ValueError("tree_attention: rope needs the Triton kernel")
         if out is None:
             out = torch.empty_like(q)
         else:
@@ -842,7 +845,7 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
             want = tree_attention(want_q, want_k, want_v, *meta, head_dim ** -0.5, backend="torch")
             plan = TreeAttentionPlan(q, k_cache, v_cache, *meta, head_dim ** -0.5, max_query_len=m,
                                      backend="triton", num_splits=num_splits)
-            got = plan.run(q, k_cache, v_cache, rope=(qkv, cos, sin, rows))
+            got = plan(q, k_cache, v_cache, rope=(qkv, cos, sin, rows))
             err = max((got.float() - want.float()).abs().max().item(),
                       (k_cache.float() - want_k.float()).abs().max().item(),
                       (v_cache.float() - want_v.float()).abs().max().item())

@@ -230,4 +230,7 @@ def test_output_index_gathers_output_rows(U, Q):
     u = torch.randint(1, U + 1, (A,), generator=g)
     idx = output_index(u, Q, U)
     assert idx.shape == (A, 1 + Q - U) and idx.dtype == torch.long
-    assert torch.equal(hidden.reshape(A * Q, H)[idx], output_rows(hidden, u, U))
+    # Row by row, as the definition says (output_rows is defined through output_index).
+    want = torch.stack([torch.cat([hidden[b, u[b] - 1][None], hidden[b, U:]]) for b in range(A)])
+    assert torch.equal(hidden.reshape(A * Q, H)[idx], want)
+    assert torch.equal(output_rows(hidden, u, U), want)

@@ -999,13 +999,17 @@ def test_rope_inputs_are_checked():
     cs = torch.zeros(2, 16, device=DEVICE)
     rows = torch.zeros(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="qkv must be"):
-        plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv[:, :48], cs, cs, rows))
+        plan(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv[:, :48], cs, cs, rows))
     with pytest.raises(ValueError, match="write_index must be"):
-        plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv, cs, cs, rows.int()))
+        plan(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv, cs, cs, rows.int()))
+    # The caches are checked with rope too, at every layer's call (a plan serves all layers).
+    with pytest.raises(ValueError, match="must match the plan"):
+        plan(dev["q"], dev["k_cache"][:1], dev["v_cache"][:1], rope=(qkv, cs, cs, rows))
     torch_plan = ta.TreeAttentionPlan(dev["q"], dev["k_cache"], dev["v_cache"], *meta, dev["scale"],
                                       backend="torch")
-    with pytest.raises(ValueError, match="needs the Triton kernel"):
-        torch_plan.run(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv, cs, cs, rows))
+    for call in (torch_plan, torch_plan.run):
+        with pytest.raises(ValueError, match="needs the Triton kernel"):
+            call(dev["q"], dev["k_cache"], dev["v_cache"], rope=(qkv, cs, cs, rows))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

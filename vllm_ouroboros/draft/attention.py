@@ -275,7 +275,7 @@ def rope_masked_attention(
     plan = _kernel_plan(q, k_cache, v_cache, meta, scale, Q)
     out = torch.empty((B * Q, num_heads, D), dtype=qkv.dtype, device=qkv.device)
     rope = (flat, cos.reshape(B * Q, D), sin.reshape(B * Q, D), meta.write_index.reshape(B * Q))
-    return plan.run(q, k_cache, v_cache, out, rope=rope).view(B, Q, num_heads, D)
+    return plan(q, k_cache, v_cache, out, rope=rope).view(B, Q, num_heads, D)
 
 
 def _kernel_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

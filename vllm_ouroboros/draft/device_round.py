@@ -77,6 +77,10 @@ class RoundState:
       tokens), outbox [A, X] (the packed result), limit [] (the round's F).
       inbox: per width bucket U, [A, INBOX + U]: slot, kv, u0, real, F, then the first
       forward's uncached tokens.
+      per_round: one buffer that dlen, row_forwards, guess_tokens, guess_hits, last_take
+      ([A] each) and drafts are views of, so that a round's start zeroes them in one launch.
+      no_guesses [A, 0, L] / no_gvalid [A, 0] bool: the empty guesses of forwards without
+      guesses (G = 0), made once rather than per forward.
     """
 
     A: int
@@ -96,6 +100,9 @@ class RoundState:
     next_u: torch.Tensor
     outbox: torch.Tensor
     limit: torch.Tensor
+    per_round: torch.Tensor
+    no_guesses: torch.Tensor
+    no_gvalid: torch.Tensor
     inbox: dict[int, torch.Tensor] = field(default_factory=dict)
     staging: dict[int, torch.Tensor] = field(default_factory=dict)  # host side of each inbox
     graphs: dict[str, object] = field(default_factory=dict)
@@ -105,11 +112,15 @@ class RoundState:
         """Zeroed state of A rows: Dw draft columns (the last a write sink), outbox columns
         `width`, phrases of L tokens."""
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        per_round = z(5 * A + A * Dw)
+        dlen, row_forwards, guess_tokens, guess_hits, last_take = per_round[:5 * A].view(5, A)
         return cls(A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), active=z(A, dtype=torch.bool),
-                   drafts=z(A, Dw), dlen=z(A), row_forwards=z(A), guess_tokens=z(A), guess_hits=z(A),
-                   last_take=z(A), prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
+                   drafts=per_round[5 * A:].view(A, Dw), dlen=dlen, row_forwards=row_forwards,
+                   guess_tokens=guess_tokens, guess_hits=guess_hits, last_take=last_take,
+                   prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
                    next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=device),
-                   outbox=z(A, width), limit=z(()))
+                   outbox=z(A, width), limit=z(()), per_round=per_round,
+                   no_guesses=z(A, 0, L), no_gvalid=z(A, 0, dtype=torch.bool))
 
     def same(self, other: RoundState) -> bool:
         """Whether every state tensor of the two equals (inboxes, staging and graphs aside)."""
@@ -331,8 +342,7 @@ class DeviceRound:
         st.real.copy_(box[:, 3] > 0)
         st.limit.copy_(box[0, 4])
         st.active.copy_(st.real)
-        for t in (st.drafts, st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits, st.last_take):
-            t.zero_()
+        st.per_round.zero_()  # drafts, dlen, row_forwards, guess_tokens, guess_hits, last_take
         st.prod.fill_(1.0)
         st.by_rule.zero_()
         self._forward(st, box[:, INBOX:], box[:, 2], U, bound)
@@ -375,8 +385,7 @@ class DeviceRound:
             key = unc.gather(1, (u - 1)[:, None])[:, 0]
             guesses, gvalid = rt.pool.lookup(key, slots, G, rows=act)
         else:
-            guesses = torch.zeros(A, 0, L, dtype=torch.long, device=dev)
-            gvalid = torch.zeros(A, 0, dtype=torch.bool, device=dev)
+            guesses, gvalid = st.no_guesses, st.no_gvalid
         layout = rt.layout(U, G)
         model = rt.model
         max_cache_len = min(bound, model.max_len - layout.Q)

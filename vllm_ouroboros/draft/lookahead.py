@@ -118,14 +118,15 @@ def output_rows(hidden: torch.Tensor, num_uncached: torch.Tensor, U: int) -> tor
     product instead of two reads its weight once.
 
     Shape: hidden [A, Q, H]; num_uncached [A] int64 -> [A, 1 + Q - U, H]."""
-    A = hidden.shape[0]
-    last = hidden[torch.arange(A, device=hidden.device), num_uncached - 1][:, None]
-    return last if hidden.shape[1] == U else torch.cat([last, hidden[:, U:]], dim=1)
+    A, Q, H = hidden.shape
+    index = output_index(num_uncached, Q, U)
+    return hidden.reshape(A * Q, H).index_select(0, index.view(-1)).view(A, 1 + Q - U, H)
 
 
 def output_index(num_uncached: torch.Tensor, Q: int, U: int) -> torch.Tensor:
-    """`output_rows` as flat row indices of hidden.reshape(A * Q, H), for one gather (the
-    prepared forward's: kernels/round_steps.prepare writes the same).
+    """The rows `output_rows` reads, as flat row indices of hidden.reshape(A * Q, H): column
+    u - 1 of each row, then its columns U..Q-1 (kernels/round_steps.prepare writes the same
+    for the prepared forward, which gathers them itself).
 
     Shape: num_uncached [A] int64 -> [A, 1 + Q - U] int64."""
     A, dev = num_uncached.shape[0], num_uncached.device

@@ -21,7 +21,9 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           kernels/pool_insert.py and pool_lookup.py, which the others use on CUDA;
           graph+fused+torch-round: the round's work around each forward in torch;
           graph+fused+rope-apart: RoPE and the KV write in their own launch per layer, not
-          inside the attention kernel's; the last three at one request only).
+          inside the attention kernel's; graph+fused+norm-gemm: RMSNorm and SiLU*up inside the
+          products, kernels/norm_gemm.py, OuroborosConfig.draft_norm_gemm; the last four at
+          one request only).
   target step  our patches' work around each target forward, eagerly as vLLM runs it: the plan
           and token trees (target_step.py), the greedy walk (verify.py), the KV move of an
           accepted later suffix in every target layer (kv_relocate.py).
@@ -161,7 +163,10 @@ TORCH_ROUND = "graph+fused+torch-round"
 # ... and what RoPE inside the attention kernel saves (ROPE_APART: fused_ops.rope_qkv_write's own
 # launch per layer, draft/attention.rope_masked_attention not used).
 ROPE_APART = "graph+fused+rope-apart"
-ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND, ROPE_APART)
+# ... and what RMSNorm and SiLU*up inside the products would save (NORM_GEMM: kernels/norm_gemm.py,
+# OuroborosConfig.draft_norm_gemm, off by default until this says it pays).
+NORM_GEMM = "graph+fused+norm-gemm"
+ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM)
 
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
 GAMMA, BETA = 4, 5
@@ -391,6 +396,7 @@ class RoundRunner:
         model.fused_ops = "+fused" in mode
         model.rope_in_attention = (not mode.endswith("+rope-apart")
                                    and model.head_dim <= ROPE_IN_MAX_HEAD_DIM)
+        model.norm_gemm = mode.endswith("+norm-gemm")
         settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=max(window, 1), num_guesses=guesses,
                                  num_suffixes=1, use_lookahead=bool(window), use_guesses=bool(guesses),
                                  draft_round=draft_round, round_forwards=GAMMA,
@@ -942,7 +948,8 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
     def graph_round(name, setting, B, key, limit):
         # The graph round as CUDA serving runs it (draft_fused_ops on by default there), the
         # unfused one where the fused was not measured; the other modes beside it.
-        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL, TORCH_ROUND, ROPE_APART)
+        modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL, TORCH_ROUND, ROPE_APART,
+                 NORM_GEMM)
         others = {m: find_round(rounds, setting, B, m, key) for m in modes}
         mode = "graph+fused" if others["graph+fused"] is not None else "graph"
         others.pop(mode)
@@ -1309,7 +1316,8 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     fused = graphs and "fused" not in args.skip
     modes = (["graph"] if graphs else []) + (["graph+fused"] if fused else []) + (
         ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + (
-        [TORCH_POOL, TORCH_ROUND, ROPE_APART] if fused and device.type == "cuda" else []) + ["host", "device"]
+        [TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM] if fused and device.type == "cuda" else []) + [
+        "host", "device"]
     if graphs and "fused" in args.skip:
         skipped["rounds/graph+fused"] = "skipped: --skip fused"
     cases = [] if "rounds" in args.skip else plan.round_cases(modes)

@@ -98,7 +98,7 @@ python -c "import importlib.util as u, sys; sys.exit(not u.find_spec('xdist') or
 python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
 # The tests that run the draft side and our target step on the GPU (the CUDA-only sync counts
 # among them), first.
-GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_fused_ops.py tests/test_draft_model.py tests/test_device_clock.py
+GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_fused_ops.py tests/test_norm_gemm.py tests/test_draft_model.py tests/test_device_clock.py
            tests/test_draft_attention_layout.py tests/test_draft_runtime.py tests/test_device_round.py
            tests/test_cuda_graph.py tests/test_pool_writer.py tests/test_kv_cache.py tests/test_pool.py
            tests/test_pool_kernels.py tests/test_round_steps_kernel.py
@@ -142,11 +142,17 @@ fi
 # a pool insert in torch with its adds as index_put_ and as scatter_add_ and through the pool's
 # Triton kernels (scripts/bench_pool_ops.py: what SCATTER_ADD_DEVICES should hold and what the
 # kernels save; bench_gpu.py's inserts section and its graph+fused+torch-inserts round time them
-# too). Last, in what time is left, after the whole suite only.
+# too); then kernels/norm_gemm.py against the separate kernels (scripts/bench_norm_gemm.py). Last,
+# in what time is left, after the whole suite only.
 if [[ $PART == all ]] && (( ${#SELECTION[@]} == 0 && $(left) >= 60 )); then
     timed sampled_verify $(( $(left) - 40 )) "$OUT/sampled_verify.log" python scripts/bench_sampled_verify.py
     { echo "== sampled verification"; tail -n 12 "$OUT/sampled_verify.log"; } >> "$SUMMARY" 2>/dev/null
-    timed pool_ops $(( $(left) - 5 )) "$OUT/pool_ops.log" python scripts/bench_pool_ops.py
+    timed pool_ops $(( $(left) - 25 )) "$OUT/pool_ops.log" python scripts/bench_pool_ops.py
     { echo "== pool insert and lookup"; tail -n 20 "$OUT/pool_ops.log"; } >> "$SUMMARY" 2>/dev/null
+    # RMSNorm and SiLU*up inside the products (draft_norm_gemm) against the separate kernels and
+    # cuBLAS, per layer product; into the summary (the tool returns 8 files, all taken).
+    norm_log=$(mktemp)
+    timed norm_gemm $(( $(left) - 5 )) "$norm_log" python scripts/bench_norm_gemm.py --reps 100
+    { echo "== norm inside the products"; tail -n 12 "$norm_log"; } >> "$SUMMARY" 2>/dev/null
 fi
 cat "$SUMMARY"

@@ -64,7 +64,8 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     rounds = {(r["setting"], r["requests"], r["mode"]): r for r in result["rounds"]}
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
-    cuda_modes = {"graph", "graph+fused", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND, bench_gpu.ROPE_APART}
+    cuda_modes = {"graph", "graph+fused", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND, bench_gpu.ROPE_APART,
+                  bench_gpu.NORM_GEMM}
     modes = {"host", "device"} | (cuda_modes if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)

@@ -92,6 +92,11 @@ class OuroborosConfig:
     # False also keeps the device round's work around each forward (inputs, masks, bookkeeping)
     # in torch instead of its two kernels (kernels/round_steps.py, on CUDA after a check).
     draft_fused_ops: bool | None = None
+    # With the fused layers: each add+RMSNorm inside the product that reads it, and SiLU*up inside
+    # the gate_up product (kernels/norm_gemm.py; forwards of <= 64 tokens), three launches fewer
+    # per layer, in Triton weight-streaming products instead of cuBLAS's. Off: not yet timed on
+    # a GPU (scripts/bench_gpu.py's graph+fused+norm-gemm round). Checked against torch at load.
+    draft_norm_gemm: bool = False
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16
     # Where a round's drafting loop runs (draft/runtime.py): "host" sizes each forward from the

@@ -212,6 +212,8 @@ class OuroborosProposer:
         model.attention_backend = cfg.draft_attention
         model.fused_ops = (self.device.type == "cuda" if cfg.draft_fused_ops is None
                            else cfg.draft_fused_ops)
+        if cfg.draft_norm_gemm and (why := model.enable_norm_gemm()) is not None:
+            logger.warning("ouroboros: draft_norm_gemm stays off: %s", why)
         if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
             from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
 

@@ -36,6 +36,10 @@ from vllm_ouroboros.draft.attention import (
 )
 from vllm_ouroboros.draft.kv_cache import PAGE_SIZE, PagedKVCache, pages_for
 
+# Most tokens of a forward that kernels/norm_gemm.py takes (its MAX_ROWS; kept here so that
+# importing the model does not import Triton, whose interpreter is chosen at its first import).
+NORM_GEMM_MAX_ROWS = 64
+
 logger = logging.getLogger("vllm.ouroboros")
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -189,11 +193,15 @@ class DraftLayer(nn.Module):
         gemm = self.gemms.get(name)
         return F.linear(x, getattr(self, name + "_weight"), bias) if gemm is None else gemm(x, bias)
 
-    def forward_fused(self, h, residual, cos, sin, k_cache, v_cache, meta, scale, rope_in_attention=False):
+    def forward_fused(self, h, residual, cos, sin, k_cache, v_cache, meta, scale, rope_in_attention=False,
+                      norm_gemm=False):
         """The layer through the fused kernels (kernels/fused_ops.py): add+RMSNorm, RoPE with
         the KV write, SiLU*up; the closing residual add is left to the next layer's norm.
         rope_in_attention (with meta.use_kernel): RoPE and the KV write inside the attention
         kernel's launch (attention.rope_masked_attention), one launch fewer per layer.
+        norm_gemm: each add+RMSNorm inside the product that reads it, and SiLU*up inside the
+        gate_up product (kernels/norm_gemm.norm_linear), three launches fewer per layer, for
+        forwards of at most norm_gemm.MAX_ROWS tokens and layers without an installed product.
 
         Shape: h [B, Q, H] and residual [B, Q, H] | None (the stream is h + residual); returns
         (h, residual) in the same convention. Same arithmetic as `forward` (RMSNorm's sum may
@@ -201,8 +209,14 @@ class DraftLayer(nn.Module):
         from vllm_ouroboros.kernels.fused_ops import add_rms_norm, rope_qkv_write, silu_mul
 
         B, Q, _ = h.shape
-        x, residual = add_rms_norm(h, residual, self.input_norm, self.eps)
-        qkv = self.project("qkv", x)
+        in_product = norm_gemm and B * Q <= NORM_GEMM_MAX_ROWS and not self.gemms
+        if in_product:
+            from vllm_ouroboros.kernels.norm_gemm import norm_linear
+
+            qkv, residual = norm_linear(h, residual, self.input_norm, self.eps, self.qkv_weight, self.qkv_bias)
+        else:
+            x, residual = add_rms_norm(h, residual, self.input_norm, self.eps)
+            qkv = self.project("qkv", x)
         if rope_in_attention and meta.use_kernel:
             o = rope_masked_attention(qkv, cos, sin, k_cache, v_cache, meta, scale, self.num_heads,
                                       self.num_kv_heads)
@@ -210,9 +224,14 @@ class DraftLayer(nn.Module):
             q = rope_qkv_write(qkv, cos, sin, k_cache, v_cache, meta.write_index,
                                self.num_heads, self.num_kv_heads, self.head_dim)
             o = masked_attention(q, k_cache, v_cache, meta, scale)  # [B, Q, Hq, D]
-        x, residual = add_rms_norm(self.project("o", o.reshape(B, Q, -1)), residual,
-                                   self.post_norm, self.eps)
-        return self.project("down", silu_mul(self.project("gate_up", x))), residual
+        attended = self.project("o", o.reshape(B, Q, -1))
+        if in_product:
+            act, residual = norm_linear(attended, residual, self.post_norm, self.eps, self.gate_up_weight,
+                                        self.gate_up_bias, glu=True)
+        else:
+            x, residual = add_rms_norm(attended, residual, self.post_norm, self.eps)
+            act = silu_mul(self.project("gate_up", x))
+        return self.project("down", act), residual
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta, scale):
         # h: [B, Q, H]; cos, sin: [B, Q, 1, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D]
@@ -268,6 +287,10 @@ class DraftModel(nn.Module):
         # launch instead of rope_qkv_write's, up to the head dim where that compiles without
         # large spills (check_attention_kernel turns it off where the kernel's check fails).
         self.rope_in_attention = cfg.head_dim <= ROPE_IN_MAX_HEAD_DIM
+        # With fused_ops: RMSNorm inside the qkv and gate_up products and SiLU*up inside the
+        # latter (kernels/norm_gemm.py) for forwards of <= NORM_GEMM_MAX_ROWS tokens. Off until a
+        # GPU measures it against cuBLAS's products (OuroborosConfig.draft_norm_gemm).
+        self.norm_gemm = False
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -363,6 +386,19 @@ class DraftModel(nn.Module):
         return self.kv is not None and kernel_chosen(self.attention_backend, self.kv.device, Q)
 
     @torch.inference_mode()
+    def enable_norm_gemm(self) -> str | None:
+        """Turn `norm_gemm` on where it may serve: with `fused_ops`, and where
+        kernels/norm_gemm.check_kernel matched torch on this device in this dtype. Returns
+        None (on), or why it stays off."""
+        if not self.fused_ops:
+            return "it needs the fused layers (draft_fused_ops)"
+        from vllm_ouroboros.kernels.norm_gemm import check_kernel
+
+        why = check_kernel(self.device, self.dtype)
+        self.norm_gemm = why is None
+        return why
+
+    @torch.inference_mode()
     def check_attention_kernel(self) -> str | None:
         """Before the draft serves: run the Triton tree-attention kernel where this model would
         use it (backend "auto" on CUDA, "triton" anywhere) on its heads, dtype and page size,
@@ -442,7 +478,7 @@ class DraftModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 h, residual = layer.forward_fused(h, residual, cos, sin, self.k_cache[i],
                                                   self.v_cache[i], meta, self.scale,
-                                                  self.rope_in_attention)
+                                                  self.rope_in_attention, self.norm_gemm)
             return add_rms_norm(h, residual, self.norm_weight, self.cfg.rms_norm_eps)[0]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, self.k_cache[i], self.v_cache[i], meta, self.scale)

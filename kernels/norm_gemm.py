@@ -165,11 +165,13 @@ def _tiles(rows: int, out_cols: int) -> tuple[int, int, int, int]:
     BLOCK_N: small enough that the narrow products (the draft's qkv: 1152 columns) still make
     ~70 programs, wide enough that gate_up's 4864 makes ~150: about one wave of an H100's 132
     SMs either way. BLOCK_K and warps: the largest K step that compiles for sm_90 without
-    spills (Triton 3.9's ptxas, bf16, with the GLU epilogue: 16 rows, BLOCK_K 64, 8 warps: 128
-    registers; 64 rows, BLOCK_K 32: 118; at 4 warps or twice the K step they spill)."""
+    spills (Triton 3.9's ptxas, bf16, with the GLU epilogue: 16 rows, BLOCK_K 128, 8 warps: 219
+    registers; 64 rows, BLOCK_K 32: 118; at 4 warps or twice the K step they spill), so that
+    the K loop (896 for the 0.5B draft) takes few steps, each a memory latency where it is not
+    pipelined (`python scripts/bench_norm_gemm.py --compile-only 90 --tiles ...` for others)."""
     block_m = 16 if rows <= 16 else MAX_ROWS
     block_n = 16 if out_cols <= 2048 else 32
-    return block_m, block_n, 64 if block_m <= 16 else 32, 8
+    return block_m, block_n, 128 if block_m <= 16 else 32, 8
 
 
 def norm_linear(

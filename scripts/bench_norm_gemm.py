@@ -3,7 +3,7 @@ kernels and cuBLAS's product, at the real draft's layer shapes: what `draft_norm
 chosen by.
 
     python scripts/bench_norm_gemm.py [--rows 1 8 34 64] [--hidden 896] [--qkv 1152] [--inter 4864]
-        [--reps 200] [--compile-only [SM ...]]
+        [--reps 200] [--compile-only [SM ...] [--tiles BLOCK_M BLOCK_N BLOCK_K WARPS]]
 
 Per row count and product (qkv: add+RMSNorm -> product with bias; gate_up: add+RMSNorm ->
 product -> SiLU*up): both forms replayed from CUDA graphs of 20 calls each (so a call's time is
@@ -12,7 +12,7 @@ its device time with the graph's launch gaps, as in a replayed draft forward), t
 compared. Needs CUDA (there is nothing to time on a CPU: Triton's interpreter runs the kernel
 there). `--compile-only` compiles the kernel for NVIDIA targets with Triton's bundled ptxas, no
 GPU needed, at the tiles `norm_linear` takes for each row count, and prints registers and stack
-(spills) per thread. Needs no vLLM.
+(spills) per thread; `--tiles` compiles those tiles instead (for a sweep). Needs no vLLM.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import torch
 CALLS_PER_GRAPH = 20
 
 
-def compile_only(archs: list[int], rows_list: list[int], hidden: int, qkv: int, inter: int) -> int:
-    """Compile norm_gemm_kernel at each row count's tiles for both products; 1 if one fails."""
+def compile_only(archs: list[int], rows_list: list[int], hidden: int, qkv: int, inter: int,
+                 tiles: list[int] | None = None) -> int:
+    """Compile norm_gemm_kernel at each row count's tiles (or `tiles`) for both products; 1 if
+    one fails."""
     import triton
 
     from vllm_ouroboros.kernels import norm_gemm as ng
@@ -44,7 +46,9 @@ def compile_only(archs: list[int], rows_list: list[int], hidden: int, qkv: int, 
     for arch in archs:
         for rows in rows_list:
             for name, n_out, glu in (("qkv", qkv, False), ("gate_up", inter, True)):
-                bm, bn, bk, warps = ng._tiles(rows, n_out)
+                bm, bn, bk, warps = tiles or ng._tiles(rows, n_out)
+                if tiles and glu:
+                    bn *= 2  # gate_up takes twice qkv's column block, as _tiles does
                 cs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_RESIDUAL=True, HAS_BIAS=not glu, GLU=glu,
                           DOT_PRECISION="tf32", UPCAST_DOT=False, SOFT_BF16=False, LIBDEVICE=True)
                 try:
@@ -85,9 +89,11 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=4864)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM")
+    ap.add_argument("--tiles", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS"),
+                    help="with --compile-only: these tiles (gate_up: twice BLOCK_N) for every row count")
     a = ap.parse_args()
     if a.compile_only is not None:
-        return compile_only(a.compile_only or [90], a.rows, a.hidden, a.qkv, a.inter)
+        return compile_only(a.compile_only or [90], a.rows, a.hidden, a.qkv, a.inter, a.tiles)
     if not torch.cuda.is_available():
         print("needs CUDA (or --compile-only)")
         return 1

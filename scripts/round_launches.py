@@ -13,8 +13,9 @@ allocations do not) and every Triton launch, charged to the innermost part runni
   pool           PhrasePool.lookup / insert
   round          everything else in the round's functions: inputs, masks, bookkeeping
 
-Pool, fused layers and tree attention run through their Triton kernels in both forms (as on
-CUDA). On a CPU the script sets TRITON_INTERPRET=1 itself, so Triton's interpreter runs the
+Pool, fused layers and tree attention run through their Triton kernels in every form (as on
+CUDA); the form "triton+norm-gemm" is the round's kernels with the layers' RMSNorm and SiLU*up
+inside the products (kernels/norm_gemm.py, OuroborosConfig.draft_norm_gemm). On a CPU the script sets TRITON_INTERPRET=1 itself, so Triton's interpreter runs the
 kernels; only the counts mean anything there, not the time.
 
     python scripts/round_launches.py [--tiny] [--window 4] [--guesses 4] [--rounds 2]
@@ -76,8 +77,10 @@ class Counts:
         return launch
 
 
-def count_round(setting: tuple[int, int], round_kernels: str, tiny: bool, rounds: int) -> dict:
-    """Launches per forward by part (ATen, Triton) of `rounds` eager device rounds at one request."""
+def count_round(setting: tuple[int, int], round_kernels: str, tiny: bool, rounds: int,
+                norm_gemm: bool = False) -> dict:
+    """Launches per forward by part (ATen, Triton) of `rounds` eager device rounds at one request;
+    norm_gemm: the layers with RMSNorm and SiLU*up inside the products (kernels/norm_gemm.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -116,6 +119,7 @@ def count_round(setting: tuple[int, int], round_kernels: str, tiny: bool, rounds
         # The tree-attention kernel, as "auto" takes it on CUDA for forwards of <= 64 tokens per
         # row (set after the runner's first round, which prefills longer stretches).
         model.attention_backend = "triton"
+        model.norm_gemm = norm_gemm
         if dev.type != "cuda":  # the pool's kernels as CUDA runs them (here under the interpreter)
             pool = runner.rt.pool
             pool._insert_kernels = pool._pick_kernel("insert", "triton")
@@ -194,9 +198,9 @@ def main() -> int:
     print("| setting | round work in | " + " | ".join(PARTS) + " | all |")
     print("|---|---|" + "---|" * (len(PARTS) + 1))
     for W, G in settings:
-        for form in ("torch", "triton"):
-            r = count_round((W, G), form, a.tiny, a.rounds)
-            if r["kernels"] != form:
+        for form in ("torch", "triton", "triton+norm-gemm"):
+            r = count_round((W, G), form.split("+")[0], a.tiny, a.rounds, norm_gemm=form.endswith("+norm-gemm"))
+            if r["kernels"] != form.split("+")[0]:
                 raise SystemExit(f"the round took {r['kernels']} where {form} was asked")
             cells = [f"{n:.1f} ({t:.1f})" for n, t in r["parts"].values()]
             total = sum(n for n, _ in r["parts"].values())

@@ -302,6 +302,29 @@ def _flags(kernel, dtype: torch.dtype) -> dict:
     return dict(SOFT_BF16=interpreted and dtype == torch.bfloat16)
 
 
+def _norm_rows(op: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+               weight_name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The checks of an add+RMSNorm's inputs (x [..., H] float, residual like x or None, the
+    norm's weight [H] contiguous, all one dtype and device), then x and residual as [rows, H]
+    views (no copy)."""
+    _check(op, "x", x, None, FLOAT_DTYPES, None)
+    device, dtype = x.device, x.dtype
+    _check(op, weight_name, weight, 1, (dtype,), device)
+    if residual is not None:
+        _check(op, "residual", residual, None, (dtype,), device)
+        if residual.shape != x.shape:
+            raise ValueError(f"{op}: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+    x2 = _rows(op, "x", x)
+    hidden = x2.shape[1]
+    if weight.shape[0] != hidden:
+        raise ValueError(f"{op}: {weight_name} has {weight.shape[0]} entries, rows of x have {hidden}")
+    if weight.stride(0) != 1 and hidden > 1:
+        raise ValueError(f"{op}: {weight_name} must be contiguous, stride {weight.stride()}")
+    if hidden > MAX_NORM_HIDDEN:
+        raise ValueError(f"{op}: rows of {hidden} > {MAX_NORM_HIDDEN} elements are not supported")
+    return x2, None if residual is None else _rows(op, "residual", residual)
+
+
 def _norm_warps(block: int) -> int:
     # About 8 fp32 values of the row per thread (32 at H = 16384), NOT TUNED ON A GPU.
     return max(1, min(16, block // 256))
@@ -332,22 +355,8 @@ def add_rms_norm(
     once), "triton" (raise if it cannot run) or "torch" (`add_rms_norm_reference`). No host sync.
     """
     op = "add_rms_norm"
-    _check(op, "x", x, None, FLOAT_DTYPES, None)
-    device, dtype = x.device, x.dtype
-    _check(op, "weight", weight, 1, (dtype,), device)
-    if residual is not None:
-        _check(op, "residual", residual, None, (dtype,), device)
-        if residual.shape != x.shape:
-            raise ValueError(f"{op}: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
-    x2 = _rows(op, "x", x)
-    hidden = x2.shape[1]
-    if weight.shape[0] != hidden:
-        raise ValueError(f"{op}: weight has {weight.shape[0]} entries, rows of x have {hidden}")
-    if weight.stride(0) != 1 and hidden > 1:
-        raise ValueError(f"{op}: weight must be contiguous, stride {weight.stride()}")
-    if hidden > MAX_NORM_HIDDEN:
-        raise ValueError(f"{op}: rows of {hidden} > {MAX_NORM_HIDDEN} elements are not supported")
-    r2 = None if residual is None else _rows(op, "residual", residual)
+    x2, r2 = _norm_rows(op, x, residual, weight, "weight")
+    device, dtype, hidden = x.device, x.dtype, x2.shape[1]
     kernel = _resolve(op, add_rms_norm_kernel, device, backend)
     if kernel is None:
         return add_rms_norm_reference(x, residual, weight, eps)

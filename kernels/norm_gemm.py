@@ -31,13 +31,12 @@ from __future__ import annotations
 import torch
 
 from .fused_ops import (
-    FLOAT_DTYPES,
     _check,
     _flags,
     _launch_ctx,
     _next_pow2,
+    _norm_rows,
     _resolve,
-    _rows,
     add_rms_norm_reference,
     silu_mul_reference,
 )
@@ -200,23 +199,14 @@ def norm_linear(
     "torch". No host sync.
     """
     op = "norm_linear"
-    _check(op, "x", x, None, FLOAT_DTYPES, None)
+    x2, r2 = _norm_rows(op, x, residual, norm_weight, "norm_weight")
     device, dtype = x.device, x.dtype
-    _check(op, "norm_weight", norm_weight, 1, (dtype,), device)
-    _check(op, "weight", weight, 2, (dtype,), device)
-    if residual is not None:
-        _check(op, "residual", residual, None, (dtype,), device)
-        if residual.shape != x.shape:
-            raise ValueError(f"{op}: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
-    x2 = _rows(op, "x", x)
     rows, K = x2.shape
+    _check(op, "weight", weight, 2, (dtype,), device)
     n_w = weight.shape[0]
-    if norm_weight.shape[0] != K or weight.shape[1] != K:
-        raise ValueError(f"{op}: x's rows have {K} entries; norm_weight {tuple(norm_weight.shape)} and "
-                         f"weight {tuple(weight.shape)} must match")
-    if norm_weight.stride(0) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"{op}: norm_weight and weight must have a unit last stride, strides "
-                         f"{norm_weight.stride()}, {weight.stride()}")
+    if weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"{op}: weight must be [N, {K}] with a unit last stride, got "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
     if bias is not None:
         _check(op, "bias", bias, 1, (dtype,), device)
         if bias.shape[0] != n_w or bias.stride(0) != 1:
@@ -225,7 +215,6 @@ def norm_linear(
         raise ValueError(f"{op}: glu needs an even number of weight rows (gate | up), got {n_w}")
     if rows > MAX_ROWS:
         raise ValueError(f"{op}: {rows} rows > MAX_ROWS = {MAX_ROWS}: use add_rms_norm and the product")
-    r2 = None if residual is None else _rows(op, "residual", residual)
     kernel = _resolve(op, norm_gemm_kernel, device, backend)
     if kernel is None:
         return norm_linear_reference(x, residual, norm_weight, eps, weight, bias, glu)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, needs_triton, set_triton_interpret
+from tiny_models import prefill_then_masked_forward
 
 set_triton_interpret(True)
 try:
@@ -62,24 +63,6 @@ def test_check_kernel_passes_and_names_a_wrong_kernel(dtype, monkeypatch):
     assert why is not None and "differs" in why and "glu=True" in why, why
 
 
-def _two_forwards(m):
-    """A 2 x 40-token causal prefill (80 rows: past MAX_ROWS, the separate kernels), then
-    2 x 12 new tokens under a random mask (24 rows: inside the products). Hidden states and
-    caches on the host."""
-    g = torch.Generator().manual_seed(0)
-    B, P, Q = 2, 40, 12
-    ids = torch.randint(0, m.vocab_size, (B, P), generator=g)
-    causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
-    mask = (torch.rand(B, Q, Q, generator=g) < 0.4) | torch.eye(Q, dtype=torch.bool)
-    new = torch.randint(0, m.vocab_size, (B, Q), generator=g)
-    slots, zero, lens = (torch.tensor(x, device=DEVICE) for x in ([2, 0], [0, 0], [40, 33]))
-    pre = m.forward(ids.to(DEVICE), torch.arange(P, device=DEVICE).expand(B, P), slots, zero,
-                    causal.to(DEVICE), max_cache_len=0)
-    h = m.forward(new.to(DEVICE), lens[:, None] + torch.arange(Q, device=DEVICE), slots, lens,
-                  mask.to(DEVICE), max_cache_len=P)
-    return pre.cpu(), h.cpu(), m.k_cache.cpu(), m.v_cache.cpu()
-
-
 def test_draft_forward_with_norm_in_the_products(tiny_models, monkeypatch):
     """The fused layers with norm_linear give the hidden states and caches of the separate
     kernels (float32: the products' summation order only), the forward past MAX_ROWS rows
@@ -97,7 +80,9 @@ def test_draft_forward_with_norm_in_the_products(tiny_models, monkeypatch):
                 w.copy_(1 + 0.5 * torch.randn(w.shape, generator=g))
         m.allocate_cache(3, 96)
         m.fused_ops, m.norm_gemm = True, on
-        outs[on] = _two_forwards(m)
+        # an 80-row prefill (past MAX_ROWS: the separate kernels), then 24 rows (inside)
+        outs[on] = (*prefill_then_masked_forward(m, DEVICE, prefill=40, lens=(40, 33)),
+                    m.k_cache.cpu(), m.v_cache.cpu())
     assert len(calls) == 2 * m.num_layers and all(s[:2] == (2, 12) for s in calls)
     assert torch.equal(outs[False][0], outs[True][0])  # the prefill: separate kernels both times
     for a, b in zip(outs[False][1:], outs[True][1:]):

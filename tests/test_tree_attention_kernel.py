@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, set_triton_interpret  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
+from tiny_models import prefill_then_masked_forward  # noqa: E402
 _TRITON_WAS_IMPORTED = "triton" in sys.modules
 set_triton_interpret(True)
 try:
@@ -574,27 +575,9 @@ def test_draft_model_forward_through_kernel(tiny_models):
         m = DraftModel.from_pretrained(tiny_models["draft"], dtype=torch.float32, device=DEVICE)
         m.allocate_cache(3, 96)
         m.attention_backend = backend
-        outs[backend] = _prefill_then_masked_forward(m)
+        outs[backend] = prefill_then_masked_forward(m, DEVICE)
     for a, b in zip(outs["torch"], outs["triton"]):
         assert (a - b).abs().max().item() <= 1e-3
-
-
-def _prefill_then_masked_forward(m) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two draft forwards on slots 2 and 0: a 20-token causal prefill (wider than the kernel
-    takes: the torch path), then 12 new tokens under a random mask behind prefixes of 20 and 17
-    tokens. Returns both forwards' hidden states on the host."""
-    g = torch.Generator().manual_seed(0)
-    B, P, Q = 2, 20, 12
-    ids = torch.randint(0, m.vocab_size, (B, P), generator=g)
-    causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
-    mask = (torch.rand(B, Q, Q, generator=g) < 0.4) | torch.eye(Q, dtype=torch.bool)
-    new = torch.randint(0, m.vocab_size, (B, Q), generator=g)
-    slots, zero, lens = (torch.tensor(x, device=DEVICE) for x in ([2, 0], [0, 0], [20, 17]))
-    pre = m.forward(ids.to(DEVICE), torch.arange(P, device=DEVICE).expand(B, P), slots, zero,
-                    causal.to(DEVICE), max_cache_len=0)
-    h = m.forward(new.to(DEVICE), lens[:, None] + torch.arange(Q, device=DEVICE), slots, lens,
-                  mask.to(DEVICE), max_cache_len=P)
-    return pre.cpu(), h.cpu()
 
 
 def test_draft_attention_backend_choice():
@@ -1041,7 +1024,7 @@ def test_draft_forward_with_rope_in_the_kernel_is_bit_identical(tiny_models, dty
         m = DraftModel.from_pretrained(tiny_models["draft"], dtype=dtype, device=DEVICE)
         m.allocate_cache(3, 96)
         m.fused_ops, m.attention_backend, m.rope_in_attention = True, "triton", inside
-        outs[inside] = (*_prefill_then_masked_forward(m), m.k_cache.cpu(), m.v_cache.cpu())
+        outs[inside] = (*prefill_then_masked_forward(m, DEVICE), m.k_cache.cpu(), m.v_cache.cpu())
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a, b)
 

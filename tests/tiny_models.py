@@ -170,3 +170,21 @@ if __name__ == "__main__":
     import sys
 
     print(model_pair(Path(sys.argv[1] if len(sys.argv) > 1 else os.getcwd())))
+
+
+def prefill_then_masked_forward(m, device, prefill: int = 20, lens=(20, 17), new: int = 12):
+    """Two draft forwards (draft/model.DraftModel m, cache allocated) on slots 2 and 0: a causal
+    prefill of `prefill` tokens per row, then `new` tokens under a random mask behind prefixes
+    of `lens` tokens (each <= prefill). Returns both forwards' hidden states on the host."""
+    g = torch.Generator().manual_seed(0)
+    B, P, Q = 2, prefill, new
+    ids = torch.randint(0, m.vocab_size, (B, P), generator=g)
+    causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
+    mask = (torch.rand(B, Q, Q, generator=g) < 0.4) | torch.eye(Q, dtype=torch.bool)
+    toks = torch.randint(0, m.vocab_size, (B, Q), generator=g)
+    slots, zero, at = (torch.tensor(x, device=device) for x in ([2, 0], [0, 0], list(lens)))
+    pre = m.forward(ids.to(device), torch.arange(P, device=device).expand(B, P), slots, zero,
+                    causal.to(device), max_cache_len=0)
+    h = m.forward(toks.to(device), at[:, None] + torch.arange(Q, device=device), slots, at,
+                  mask.to(device), max_cache_len=P)
+    return pre.cpu(), h.cpu()

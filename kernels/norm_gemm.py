@@ -34,7 +34,6 @@ from .fused_ops import (
     _check,
     _flags,
     _launch_ctx,
-    _next_pow2,
     _norm_rows,
     _resolve,
     add_rms_norm_reference,

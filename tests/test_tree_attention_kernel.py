@@ -13,7 +13,6 @@ import functools
 import inspect
 import itertools
 import logging
-import os
 import random
 import sys
 

@@ -18,7 +18,6 @@ GPU needed, at the tiles `norm_linear` takes for each row count, and prints regi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -61,24 +60,16 @@ def compile_only(archs: list[int], rows_list: list[int], hidden: int, qkv: int, 
 
 
 def graph_us(fn, reps: int) -> float:
-    """Median us per call of fn, CALLS_PER_GRAPH calls per graph replay."""
-    from vllm_ouroboros.cuda_graph import capture_graph
+    """Median us per call of fn, CALLS_PER_GRAPH calls per graph replay (bench_gpu's capture
+    and timer: each replay on an idle device, timed by CUDA events)."""
+    from bench_gpu import cuda_graph, median, time_calls  # scripts/ is on sys.path
 
-    def run(_graph):
+    def calls():
         for _ in range(CALLS_PER_GRAPH):
             fn()
 
-    graph = capture_graph(run, torch.device("cuda"), inference=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(times)
+    graph = cuda_graph(calls, None)
+    return median(time_calls(graph.replay, torch.device("cuda"), 3, reps)) * 1e3 / CALLS_PER_GRAPH
 
 
 def main() -> int:

@@ -15,7 +15,8 @@ allocations do not) and every Triton launch, charged to the innermost part runni
 
 Pool, fused layers and tree attention run through their Triton kernels in every form (as on
 CUDA); the form "triton+norm-gemm" is the round's kernels with the layers' RMSNorm and SiLU*up
-inside the products (kernels/norm_gemm.py, OuroborosConfig.draft_norm_gemm). On a CPU the script sets TRITON_INTERPRET=1 itself, so Triton's interpreter runs the
+inside the products (kernels/norm_gemm.py, OuroborosConfig.draft_norm_gemm). On a CPU the
+script sets TRITON_INTERPRET=1 itself, so Triton's interpreter runs the
 kernels; only the counts mean anything there, not the time.
 
     python scripts/round_launches.py [--tiny] [--window 4] [--guesses 4] [--rounds 2]

@@ -74,6 +74,7 @@ from vllm_ouroboros.draft.model import DraftConfig, DraftModel, rope_inv_freq
 from vllm_ouroboros.cost_model import draft_row_tokens
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
+from vllm_ouroboros.draft.fusion_choice import REPS as FUSION_REPS, choose_all
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.pool import PhrasePool
@@ -365,6 +366,30 @@ def forward_curve(model: DraftModel, plan: Plan, all_positions: bool, graphs: bo
 
 def _ms(v, p=3) -> str:
     return "-" if v is None else f"{v:.{p}f}"
+
+
+# ---- a2. the fusions the engine would keep -----------------------------------------------------
+
+def fusion_choice_section(model: DraftModel, plan: Plan, graphs: bool, reps: int = FUSION_REPS) -> dict:
+    """What an engine's load keeps of the draft's optional fusions on this device
+    (draft/fusion_choice.choose_all, as OuroborosProposer._choose_fusions calls it: the fused
+    layers on, each fusion checked, then timed on and off at a decode forward and the W = G = 4
+    lookahead width behind plan.prefix cached tokens; graph replays where graphs are timed)."""
+    model.fused_ops = True
+    model.rope_in_attention = model.head_dim <= ROPE_IN_MAX_HEAD_DIM
+    norm_gemm_check = model.enable_norm_gemm()
+    widths = [1, row_tokens(4, 4)]
+    model.allocate_cache(2, plan.prefix + max(widths) + 16)
+    attention_check = model.check_attention_kernel()
+    timings = choose_all(model, widths, graphs, prefix=plan.prefix, reps=reps)
+    out = {"graphs": graphs, "widths": widths, "prefix": plan.prefix, "norm_gemm_check": norm_gemm_check,
+           "attention_check": attention_check,
+           "timings": [{"name": t.name, "widths": list(t.widths), "on_ms": list(t.on_ms),
+                        "off_ms": list(t.off_ms), "kept": t.kept} for t in timings]}
+    print("[fusion_choice] " + ("; ".join(t.describe() for t in timings) or "nothing to time") + (
+        f"; norm_gemm check: {norm_gemm_check}" if norm_gemm_check else "") + (
+        f"; attention check: {attention_check}" if attention_check else ""), flush=True)
+    return out
 
 
 # ---- b. drafting rounds ----------------------------------------------------------------------
@@ -1020,11 +1045,25 @@ def markdown(res: dict) -> str:
     lines += _md_curves(res) + _md_rounds(res) + _md_target_step(res.get("target_step"))
     lines += _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel")) + _md_kernel_tiles(res.get("kernel_tiles"))
     lines += _md_profile(res.get("profile")) + _md_modeled(res.get("modeled"))
+    lines += _md_fusion_choice(res.get("fusion_choice"))
     if res["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in res["skipped"].items()]
     if res["errors"]:
         lines += ["", "## Errors (tracebacks in the JSON)", ""] + [f"- {k}" for k in res["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _md_fusion_choice(fc: dict | None) -> list[str]:
+    if not fc:
+        return []
+    lines = ["", f"## Fusions kept at load (draft/fusion_choice.py; {'graph replays' if fc['graphs'] else 'eager'}, "
+             f"{fc['prefix']}-token prefix; ms per forward, fastest of the replays)", "",
+             "| fusion | tokens | on | off | kept |", "|---|---|---|---|---|"]
+    for t in fc["timings"]:
+        lines += [f"| {t['name']} | {n} | {_ms(a)} | {_ms(b)} | {'on' if t['kept'] else 'off'} |"
+                  for n, a, b in zip(t["widths"], t["on_ms"], t["off_ms"])]
+    lines += [f"- {k}: {fc[k]}" for k in ("norm_gemm_check", "attention_check") if fc[k]]
+    return lines
 
 
 def _md_curves(res: dict) -> list[str]:
@@ -1298,6 +1337,12 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         res["curves"]["draft"] = section("curves/draft", lambda: forward_curve(
             draft, plan, False, graphs, errors, "draft", budget, skipped)) or []
         checkpoint()
+        if device.type != "cuda" or "fused" in args.skip:
+            skipped["fusion_choice"] = ("skipped: no CUDA (the fusions are Triton kernels)" if device.type != "cuda"
+                                        else "skipped: --skip fused")
+        else:
+            res["fusion_choice"] = section("fusion_choice", lambda: fusion_choice_section(draft, plan, graphs))
+            checkpoint()
         if "target" in args.skip:
             skipped["curves/target"] = "skipped: --skip target"
             res["models"]["target"] = {"source": "skipped", "weights": "-"}

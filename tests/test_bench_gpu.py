@@ -142,6 +142,22 @@ def test_skips_say_why_and_nothing_passes_on_tiny_shapes(tiny_run):
     assert rows["gpu-curves-device"]["draft_round"] == "device" and rows["gpu-curves-device"]["phrase_drafting"]
 
 
+def test_fusion_choice_is_reported(tiny_run):
+    """The load-time choice of the draft's fusions (draft/fusion_choice.py): timed on CUDA, each
+    fusion on and off at both widths; skipped, saying why, elsewhere."""
+    _, result, md, _ = tiny_run
+    if not CUDA:
+        assert result["skipped"]["fusion_choice"] == "skipped: no CUDA (the fusions are Triton kernels)"
+        return
+    fc = result["fusion_choice"]
+    assert fc["graphs"] and fc["widths"] == [1, bench_gpu.row_tokens(4, 4)]
+    assert {t["name"] for t in fc["timings"]} <= {"rope_in_attention", "norm_gemm"}
+    for t in fc["timings"]:
+        assert len(t["on_ms"]) == len(t["off_ms"]) == len(t["widths"]) and min(t["on_ms"] + t["off_ms"]) > 0
+        assert t["kept"] is (sum(t["on_ms"]) < sum(t["off_ms"]))
+    assert "## Fusions kept at load" in md.read_text()
+
+
 def test_no_cuda_without_tiny_exits_nonzero():
     if CUDA:
         pytest.skip("this machine has CUDA")

@@ -51,7 +51,7 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"use_lookahead": "yes"}, "'use_lookahead' must be true or false"),
     ({"use_suffixes": 1}, "'use_suffixes' must be true or false .or null: auto."),
     ({"draft_fused_ops": "on"}, "'draft_fused_ops' must be true or false .or null: auto."),
-    ({"draft_norm_gemm": None}, "'draft_norm_gemm' must be true or false"),
+    ({"draft_norm_gemm": "on"}, "'draft_norm_gemm' must be true or false .or null: auto."),
     ({"gamma": 2.5}, "'gamma' must be an integer"),
     ({"draft_dtype": "int8"}, "'draft_dtype'='int8'"),
     ({"draft_attention": "flash"}, "'draft_attention'='flash'"),

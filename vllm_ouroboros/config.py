@@ -94,9 +94,11 @@ class OuroborosConfig:
     draft_fused_ops: bool | None = None
     # With the fused layers: each add+RMSNorm inside the product that reads it, and SiLU*up inside
     # the gate_up product (kernels/norm_gemm.py; forwards of <= 64 tokens), three launches fewer
-    # per layer, in Triton weight-streaming products instead of cuBLAS's. Off: not yet timed on
-    # a GPU (scripts/bench_gpu.py's graph+fused+norm-gemm round). Checked against torch at load.
-    draft_norm_gemm: bool = False
+    # per layer, in Triton weight-streaming products instead of cuBLAS's. Whether that pays
+    # depends on the GPU, so None (auto) times the draft's forward both ways at load and keeps the
+    # faster (draft/fusion_choice.py; CUDA with the fused layers only). True: on, untimed.
+    # Checked against torch at load either way; off where the check fails.
+    draft_norm_gemm: bool | None = None
     # Upper bound on draft forwards in one round, whatever the draft's progress.
     max_draft_forwards: int = 16
     # Where a round's drafting loop runs (draft/runtime.py): "host" sizes each forward from the
@@ -184,7 +186,7 @@ _INT_RANGES = {
     "correction_phrases": (0, 15),
 }
 _OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch", "correction_phrases"}  # None = derived / auto / off
-_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_suffixes", "draft_fused_ops"}  # None = decided on the device
+_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_suffixes", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
               if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}

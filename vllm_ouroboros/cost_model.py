@@ -161,29 +161,33 @@ def call_timer(fn: Callable[[], object], device: torch.device | str, graphs: boo
     return run
 
 
+def draft_forward_timer(model, n: int, graphs: bool = False, prefix: int = 0) -> Callable[[], float]:
+    """A call_timer of the draft model's forward over n new tokens in one row behind `prefix`
+    cached tokens, slot 0 of its KV cache (given pages for them; what was there or is written
+    is overwritten later), with its greedy tokens. graphs: replayed from a CUDA graph (CUDA
+    only). The model's switches (fused_ops, norm_gemm, ...) are read where the forward runs:
+    at capture, for a graph."""
+    slots = torch.zeros(1, dtype=torch.long, device=model.device)
+    lens = torch.full((1,), prefix, dtype=torch.long, device=model.device)
+    model.kv.reserve([0], [prefix + n])  # pages for the prefix and the n tokens written
+    ids = torch.full((1, n), 3, dtype=torch.long, device=model.device)
+    pos = torch.arange(prefix, prefix + n, device=model.device)[None]
+    mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()[None]
+
+    def forward():
+        model.greedy_tokens(model.forward(ids, pos, slots, lens, mask, max_cache_len=prefix))
+
+    return call_timer(forward, model.device, graphs, f"the draft's forward of {n} tokens")
+
+
 def measure_draft_curve(model, max_tokens: int, reps: int = 3, graphs: bool = False) -> CostCurve:
     """The draft model's t(n) (measure_curve): a forward over n new tokens in one row, empty
-    prefix, slot 0 of its KV cache (given pages for them; what was written there is
-    overwritten later).
+    prefix (draft_forward_timer).
 
     graphs: time the forward replayed from a CUDA graph, as the graph drafting round runs it
     (draft/device_round.py); eager GPU forwards cost what their kernel launches cost, ~10x a
     replay at these sizes, and would make the back-off refuse drafts that pay."""
-    slots = torch.zeros(1, dtype=torch.long, device=model.device)
-    zero = torch.zeros(1, dtype=torch.long, device=model.device)
-
-    def timer_at(n: int) -> Callable[[], float]:
-        model.kv.reserve([0], [n])  # pages for the n tokens the forward writes
-        ids = torch.full((1, n), 3, dtype=torch.long, device=model.device)
-        pos = torch.arange(n, device=model.device)[None]
-        mask = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()[None]
-
-        def forward():
-            model.greedy_tokens(model.forward(ids, pos, slots, zero, mask, max_cache_len=0))
-
-        return call_timer(forward, model.device, graphs, f"the draft's forward of {n} tokens")
-
-    return measure_curve(timer_at, max_tokens, reps)
+    return measure_curve(lambda n: draft_forward_timer(model, n, graphs), max_tokens, reps)
 
 
 def rows_sending_suffixes(target: CostCurve, step_tokens: float, suffix_tokens: np.ndarray,

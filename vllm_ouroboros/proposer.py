@@ -189,6 +189,7 @@ class OuroborosProposer:
         self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if self._tp.leads else None)
         self._counters = CounterFile(os.environ.get(ENV_DIR) if self._tp.leads else None)
         self._trace = RoundTrace(os.environ.get(TRACE_ENV) if self._tp.leads else None)
+        self.fusions: list = []  # what _choose_fusions timed at load (CUDA)
 
     # ---- set-up ------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
@@ -212,7 +213,9 @@ class OuroborosProposer:
         model.attention_backend = cfg.draft_attention
         model.fused_ops = (self.device.type == "cuda" if cfg.draft_fused_ops is None
                            else cfg.draft_fused_ops)
-        if cfg.draft_norm_gemm and (why := model.enable_norm_gemm()) is not None:
+        # auto (None) turns it on only on CUDA, where _choose_fusions then times it.
+        if (cfg.draft_norm_gemm or (cfg.draft_norm_gemm is None and self.device.type == "cuda"
+                                    and model.fused_ops)) and (why := model.enable_norm_gemm()) is not None:
             logger.warning("ouroboros: draft_norm_gemm stays off: %s", why)
         if self.device.type == "cpu" and cfg.draft_cpu_gemm == "auto":
             from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
@@ -235,6 +238,8 @@ class OuroborosProposer:
         if reason is not None:
             logger.warning("ouroboros: the tree-attention kernel failed its check on this GPU, so "
                            "the draft's attention uses torch SDPA: %s", reason)
+        if self.device.type == "cuda":
+            self.fusions = self._choose_fusions(model, draft_round, init_len)
         if cfg.draft_cost_ms is not None:
             self.cost = cost_model.curve_from_ms(cost_points(cfg.draft_cost_ms))
         else:  # timed as the round will run it: replayed from CUDA graphs in graph mode
@@ -352,6 +357,20 @@ class OuroborosProposer:
                     cfg.draft_model, dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
                     model.kv.num_pages, model.kv.page_size,
                     "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
+
+    def _choose_fusions(self, model: DraftModel, draft_round: str, init_len: int) -> list:
+        """The draft's optional fusions timed on this GPU and kept where faster
+        (draft/fusion_choice.py): RoPE inside the attention always, the norm-in-product kernels
+        where draft_norm_gemm is auto. Timed as the round runs the draft (graph replays in graph
+        mode), at a decode forward and the configured lookahead width, behind a prefix of up to
+        256 tokens. Returns the timings (also logged)."""
+        from vllm_ouroboros.draft.fusion_choice import choose_all
+
+        cfg = self.cfg
+        names = ["rope_in_attention"] + (["norm_gemm"] if cfg.draft_norm_gemm is None else [])
+        widths = [1, cost_model.draft_row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len)]
+        return choose_all(model, widths, graphs=draft_round == "graph",
+                          prefix=max(0, min(256, init_len - max(widths))), names=names)
 
     def save_pool(self, path: str | None = None) -> None:
         """Write the pool (atomically: a reader never sees half a file)."""

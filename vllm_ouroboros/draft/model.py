@@ -285,11 +285,13 @@ class DraftModel(nn.Module):
         self.fused_ops = False
         # With fused_ops and the tree-attention kernel: RoPE and the KV write inside the kernel's
         # launch instead of rope_qkv_write's, up to the head dim where that compiles without
-        # large spills (check_attention_kernel turns it off where the kernel's check fails).
+        # large spills (check_attention_kernel turns it off where the kernel's check fails; the
+        # engine keeps it only where it times faster: draft/fusion_choice.py).
         self.rope_in_attention = cfg.head_dim <= ROPE_IN_MAX_HEAD_DIM
         # With fused_ops: RMSNorm inside the qkv and gate_up products and SiLU*up inside the
-        # latter (kernels/norm_gemm.py) for forwards of <= NORM_GEMM_MAX_ROWS tokens. Off until a
-        # GPU measures it against cuBLAS's products (OuroborosConfig.draft_norm_gemm).
+        # latter (kernels/norm_gemm.py) for forwards of <= NORM_GEMM_MAX_ROWS tokens. Turned on by
+        # enable_norm_gemm; the engine keeps it where it times faster than cuBLAS's products
+        # (OuroborosConfig.draft_norm_gemm, draft/fusion_choice.py).
         self.norm_gemm = False
 
     # ---- weights -------------------------------------------------------------------------------

@@ -73,6 +73,31 @@ def compile_for_nvidia(fn, signature: dict, constexprs: dict, options: dict, arc
     return compiled, usage
 
 
+def signature_of(kernel, types: dict[str, str], default: str = "i32") -> dict[str, str]:
+    """A @triton.jit kernel's argument types for compile_for_nvidia: "constexpr" for its
+    constexpr parameters, types[name] for the others ("*bf16", "*i64", "fp32", ...), default
+    where a name is absent."""
+    return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, default) for p in kernel.params}
+
+
+def not_compilable_reason(kernel) -> str | None:
+    """Why the scripts' --compile-only cannot compile `kernel` in this process (it was decorated
+    under the interpreter), or None."""
+    import triton
+
+    return None if isinstance(kernel, triton.JITFunction) else "TRITON_INTERPRET is set: unset it for --compile-only"
+
+
+def compile_report(fn, signature: dict, constexprs: dict, options: dict, arch: int) -> tuple[object, str, int]:
+    """compile_for_nvidia for a table that reports every configuration: (compiled, usage, 0), or
+    (None, "FAILED: <error and its first line>", 1) where the compiler raises."""
+    try:
+        compiled, usage = compile_for_nvidia(fn, signature, constexprs, options, arch)
+        return compiled, usage, 0
+    except Exception as e:  # noqa: BLE001 - the table goes on; the caller's exit status says it failed
+        return None, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}", 1
+
+
 def check_once(cache: dict, kernel, device, import_error: str | None, differs) -> str | None:
     """None if `kernel` may serve on `device`, else why not: Triton cannot run it there, or
     differs(device) (its comparison with the torch path: None where they agree, else how they

@@ -32,14 +32,14 @@ def compile_only(archs: list[int], rows_list: list[int], hidden: int, qkv: int, 
     import triton
 
     from vllm_ouroboros.kernels import norm_gemm as ng
-    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
+    from vllm_ouroboros.kernels.triton_runtime import compile_report, not_compilable_reason, signature_of
 
-    if not isinstance(ng.norm_gemm_kernel, triton.JITFunction):
-        print("TRITON_INTERPRET is set: unset it for --compile-only")
-        return 1
     kernel = ng.norm_gemm_kernel
-    sig = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr")
-           else "fp32" if p.name in ("K_f", "eps") else "i32" for p in kernel.params}
+    if why := not_compilable_reason(kernel):
+        print(why)
+        return 1
+    sig = signature_of(kernel, {**{p.name: "*bf16" for p in kernel.params if p.name.endswith("_ptr")},
+                                "K_f": "fp32", "eps": "fp32"})
     rc = 0
     print(f"triton {triton.__version__}, bf16, K = {hidden}")
     for arch in archs:
@@ -50,11 +50,8 @@ def compile_only(archs: list[int], rows_list: list[int], hidden: int, qkv: int, 
                     bn *= 2  # gate_up takes twice qkv's column block, as _tiles does
                 cs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_RESIDUAL=True, HAS_BIAS=not glu, GLU=glu,
                           DOT_PRECISION="tf32", UPCAST_DOT=False, SOFT_BF16=False, LIBDEVICE=True)
-                try:
-                    _, usage = compile_for_nvidia(kernel, sig, cs, dict(num_warps=warps, enable_fp_fusion=False),
-                                                  arch)
-                except Exception as e:  # noqa: BLE001 - report every configuration
-                    usage, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100]}", 1
+                _, usage, failed = compile_report(kernel, sig, cs, dict(num_warps=warps, enable_fp_fusion=False), arch)
+                rc |= failed
                 print(f"sm_{arch} {name:8s} rows {rows:3d} tiles {bm}x{bn}x{bk} warps {warps}: {usage}")
     return rc
 

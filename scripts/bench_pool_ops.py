@@ -55,10 +55,10 @@ def compile_only(archs: list[int], L: int, W: int) -> int:
 
     from vllm_ouroboros.kernels import pool_insert as pi
     from vllm_ouroboros.kernels import pool_lookup as pl
-    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
+    from vllm_ouroboros.kernels.triton_runtime import compile_report, not_compilable_reason, signature_of
 
-    if not isinstance(pi.place_kernel, triton.JITFunction):
-        print("TRITON_INTERPRET is set: unset it for --compile-only")
+    if why := not_compilable_reason(pi.place_kernel):
+        print(why)
         return 1
     types = dict(keys_ptr="*i64", phrases_ptr="*i64", valid_ptr="*i1", key_to_page_ptr="*i32", kept_ptr="*i32",
                  page_ptr="*i32", protect_ptr="*i8", rank_ptr="*i32", members_ptr="*i32", page_key_ptr="*i32",
@@ -74,14 +74,10 @@ def compile_only(archs: list[int], L: int, W: int) -> int:
     print(f"triton {triton.__version__}, L {L}, W {W}")
     for arch in archs:
         for kernel, block, warps in launches:
-            sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in kernel.params}
+            sig = signature_of(kernel, types)
             cs = {p.name: consts.get(p.name, block) for p in kernel.params if p.is_constexpr}
-            if kernel is pl.lookup_kernel:
-                sig["valid_ptr"] = "*i1"
-            try:
-                _, usage = compile_for_nvidia(kernel, sig, cs, dict(num_warps=warps), arch)
-            except Exception as e:  # noqa: BLE001 - report every kernel
-                usage, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100]}", 1
+            _, usage, failed = compile_report(kernel, sig, cs, dict(num_warps=warps), arch)
+            rc |= failed
             print(f"sm_{arch} {kernel.fn.__name__} BLOCK={block or '-'} num_warps={warps}: {usage}")
     return rc
 

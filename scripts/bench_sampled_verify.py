@@ -131,25 +131,23 @@ def compile_only(archs: list[int]) -> int:
     import triton
 
     from vllm_ouroboros.kernels import sampled_walk as sw
-    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
+    from vllm_ouroboros.kernels.triton_runtime import compile_report, not_compilable_reason, signature_of
 
     kernel = sw.sampled_walk_kernel
-    if not isinstance(kernel, triton.JITFunction):
-        print("TRITON_INTERPRET is set: unset it for --compile-only")
+    if why := not_compilable_reason(kernel):
+        print(why)
         return 1
     types = dict(x_ptr="*fp32", tn_ptr="*i64", greedy_ptr="*i8", tokens_ptr="*i64", branch_ptr="*i64",
                  draft_len_ptr="*i64", sstart_ptr="*i64", slen_ptr="*i64", u_ptr="*fp32", out_ptr="*i64")
-    sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in kernel.params}
+    sig = signature_of(kernel, types)
     rc = 0
     print(f"triton {triton.__version__}")
     for arch in archs:
         for C in (1, 2, 3, 4, 8):
             for bv in (sw.BLOCK_V, 64):
-                try:
-                    _, usage = compile_for_nvidia(kernel, sig, dict(C=C, BLOCK_C=triton.next_power_of_2(C), BLOCK_V=bv),
+                _, usage, failed = compile_report(kernel, sig, dict(C=C, BLOCK_C=triton.next_power_of_2(C), BLOCK_V=bv),
                                                   dict(num_warps=8 if bv >= 1024 else 4), arch)
-                except Exception as e:  # noqa: BLE001 - report every configuration
-                    usage, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100]}", 1
+                rc |= failed
                 print(f"sm_{arch} K={C} BLOCK_V={bv}: {usage}")
     return rc
 

@@ -173,47 +173,31 @@ def cpu_smoke() -> int:
 
 
 def _signature(kernel, ptr: str) -> dict:
-    """Triton types of `kernel`'s arguments for ASTSource: `ptr` for the attention tensors."""
-    sig = {}
-    for param in kernel.params:
-        name = param.name
-        if param.is_constexpr:
-            sig[name] = "constexpr"
-        elif name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr"):
-            sig[name] = ptr
-        elif name == "part_ptr":
-            sig[name] = "*fp32"
-        elif name in ("tree_mask_ptr", "write_index_ptr"):
-            sig[name] = "*i64"
-        elif name.endswith("_ptr"):
-            sig[name] = "*i32"
-        elif name == "scale_log2e":
-            sig[name] = "fp32"
-        else:  # strides, num_splits, ml_offset, batch
-            sig[name] = "i32"
-    return sig
+    """Triton types of `kernel`'s arguments for ASTSource: `ptr` for the attention tensors, i32
+    for the strides, num_splits, ml_offset and batch."""
+    from vllm_ouroboros.kernels.triton_runtime import signature_of
+
+    types = {p.name: "*i32" for p in kernel.params if p.name.endswith("_ptr")}
+    types |= dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr"), ptr)
+    types |= {"part_ptr": "*fp32", "tree_mask_ptr": "*i64", "write_index_ptr": "*i64", "scale_log2e": "fp32"}
+    return signature_of(kernel, types)
 
 
 def compile_only(archs: list[int]) -> int:
     """Compile the kernels for NVIDIA targets without a GPU (Triton's bundled ptxas) over the tile
     configurations the wrapper picks, single-pass and split, and the merge kernel, and print
     registers / stack (spills) per thread."""
-    import triton
-
-    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
+    from vllm_ouroboros.kernels.triton_runtime import compile_report, not_compilable_reason
 
     kernel = ta.tree_attention_kernel
-    if not isinstance(kernel, triton.JITFunction):
-        print("TRITON_INTERPRET is set: unset it for --compile-only")
+    if why := not_compilable_reason(kernel):
+        print(why)
         return 1
     ptr_of = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
     def build(fn, sig, consts, opts, arch) -> tuple[str, str, int]:
-        try:
-            c, usage = compile_for_nvidia(fn, sig, consts, opts, arch)
-            return usage, f"{c.metadata.shared / 1024:7.0f}", 0
-        except Exception as e:  # noqa: BLE001 - report every configuration
-            return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:80]}", "      -", 1
+        c, usage, failed = compile_report(fn, sig, consts, opts, arch)
+        return usage, "      -" if c is None else f"{c.metadata.shared / 1024:7.0f}", failed
 
     print(f"{'arch':>5} {'dtype':>8} {'G':>2} {'D':>4} {'tree':>4} {'M':>3} {'BN':>3} {'BT':>3} {'warps':>5} "
           f"{'split':>5} {'rope':>4} {'smem KB':>7}  resource usage")

@@ -148,10 +148,10 @@ def compile_only(archs: list[int]) -> int:
     import triton
 
     from vllm_ouroboros.kernels import round_steps as rs
-    from vllm_ouroboros.kernels.triton_runtime import compile_for_nvidia
+    from vllm_ouroboros.kernels.triton_runtime import compile_report, not_compilable_reason, signature_of
 
-    if not isinstance(rs.commit_kernel, triton.JITFunction):
-        print("TRITON_INTERPRET is set: unset it for --compile-only")
+    if why := not_compilable_reason(rs.commit_kernel):
+        print(why)
         return 1
     i32 = {"unc_stride", "u_stride", "MP", "page_size", "A", "drafts_stride"}
     bools = {"gvalid_ptr", "active_ptr", "ins_valid_ptr"}
@@ -166,14 +166,11 @@ def compile_only(archs: list[int]) -> int:
                           MAX_DRAFT=9, GOAL=4, BLOCK_T=triton.next_power_of_2(L + 1),
                           BLOCK_G=triton.next_power_of_2(max(G, 1)), BLOCK_W=triton.next_power_of_2(max(W, 1)))
             for kernel in (rs.prepare_kernel, rs.commit_kernel):
-                sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in i32 else
-                       "*i1" if p.name in bools else "*i32" if p.name in int32_ptrs else "*i64"
-                       for p in kernel.params}
+                sig = signature_of(kernel, {**dict.fromkeys(i32, "i32"), **dict.fromkeys(bools, "*i1"),
+                                            **dict.fromkeys(int32_ptrs, "*i32")}, default="*i64")
                 cs = {p.name: consts[p.name] for p in kernel.params if p.is_constexpr}
-                try:
-                    _, usage = compile_for_nvidia(kernel, sig, cs, dict(num_warps=1), arch)
-                except Exception as e:  # noqa: BLE001 - report every kernel
-                    usage, rc = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100]}", 1
+                _, usage, failed = compile_report(kernel, sig, cs, dict(num_warps=1), arch)
+                rc |= failed
                 print(f"sm_{arch} {kernel.fn.__name__} W={W} G={G} U={U} num_warps=1: {usage}")
     return rc
 

@@ -604,3 +604,25 @@ def test_graph_mode_needs_cuda(tiny_models):
         pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         make(str(tiny_models["draft"]), "cpu", "graph")
+
+
+@pytest.mark.parametrize("A", [1, 2, 3, 5, 8])
+def test_round_state_views_share_one_buffer_each_aligned(A, device):
+    """RoundState.per_round: dlen, row_forwards, guess_tokens, guess_hits, last_take and drafts
+    are disjoint views of one buffer (a round's start zeroes them in one launch), each at a
+    16-byte-aligned address whatever A is, so that Triton compiles the round's kernels once for
+    every batch bucket, not again for odd ones."""
+    from vllm_ouroboros.draft.device_round import RoundState
+
+    st = RoundState.empty(A, L=4, Dw=9, width=12, device=device)
+    views = [st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits, st.last_take, st.drafts]
+    base, end = st.per_round.data_ptr(), st.per_round.data_ptr() + st.per_round.numel() * 8
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 8) for v in views)
+    assert all(v.is_contiguous() for v in views) and [v.shape[0] for v in views] == [A] * 6
+    assert all((lo - base) % 16 == 0 and base <= lo and hi <= end for lo, hi in spans)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+    for i, v in enumerate(views):
+        v.fill_(i + 1)
+    assert [int(v.min()) for v in views] == [1, 2, 3, 4, 5, 6]  # no view wrote into another
+    st.per_round.zero_()
+    assert not any(bool(v.any()) for v in views)

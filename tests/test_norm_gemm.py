@@ -117,8 +117,15 @@ def test_kernel_compiles_for_nvidia_without_spills():
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, str(repo / "scripts" / "bench_norm_gemm.py"), "--compile-only", "90",
-                          "--rows", "1", "16", "17", "64"], env=env, capture_output=True, text=True,
-                         timeout=600).stdout
-    usage = [ln for ln in out.splitlines() if ln.startswith("sm_90 ")]
-    assert len(usage) == 8 and all("STACK:0" in ln for ln in usage), out
+    script = [sys.executable, str(repo / "scripts" / "bench_norm_gemm.py"), "--compile-only", "90"]
+    proc = subprocess.run(script + ["--rows", "1", "16", "17", "64"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    usage = [ln for ln in proc.stdout.splitlines() if ln.startswith("sm_90 ")]
+    assert proc.returncode == 0 and len(usage) == 8 and all("STACK:0" in ln for ln in usage), proc.stdout
+    # A configuration the compiler refuses is a line of the table and the exit status, not a crash
+    # (triton_runtime.compile_report, which every --compile-only table uses).
+    proc = subprocess.run(script + ["--rows", "1", "--tiles", "16", "16", "16", "3"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    failed = [ln for ln in proc.stdout.splitlines() if ln.startswith("sm_90 ")]
+    assert proc.returncode == 1 and len(failed) == 2, proc.stdout + proc.stderr
+    assert all("FAILED: AssertionError: num_warps must be a power of 2" in ln for ln in failed), proc.stdout

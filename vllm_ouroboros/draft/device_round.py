@@ -78,7 +78,8 @@ class RoundState:
       inbox: per width bucket U, [A, INBOX + U]: slot, kv, u0, real, F, then the first
       forward's uncached tokens.
       per_round: one buffer that dlen, row_forwards, guess_tokens, guess_hits, last_take
-      ([A] each) and drafts are views of, so that a round's start zeroes them in one launch.
+      ([A] each) and drafts are views of, so that a round's start zeroes them in one launch;
+      each view 16-byte aligned.
       no_guesses [A, 0, L] / no_gvalid [A, 0] bool: the empty guesses of forwards without
       guesses (G = 0), made once rather than per forward.
     """
@@ -112,10 +113,14 @@ class RoundState:
         """Zeroed state of A rows: Dw draft columns (the last a write sink), outbox columns
         `width`, phrases of L tokens."""
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        per_round = z(5 * A + A * Dw)
-        dlen, row_forwards, guess_tokens, guess_hits, last_take = per_round[:5 * A].view(5, A)
+        # Each view starts 16 bytes into the buffer times a whole number (an even element
+        # offset): Triton specialises a kernel on its pointers' 16-byte alignment, so with odd A
+        # unpadded views would compile the round's kernels once more per parity of A.
+        Ap = A + A % 2
+        per_round = z(5 * Ap + A * Dw)
+        dlen, row_forwards, guess_tokens, guess_hits, last_take = per_round[:5 * Ap].view(5, Ap)[:, :A]
         return cls(A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), active=z(A, dtype=torch.bool),
-                   drafts=per_round[5 * A:].view(A, Dw), dlen=dlen, row_forwards=row_forwards,
+                   drafts=per_round[5 * Ap:].view(A, Dw), dlen=dlen, row_forwards=row_forwards,
                    guess_tokens=guess_tokens, guess_hits=guess_hits, last_take=last_take,
                    prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
                    next_unc=z(A, L + 1), next_u=torch.ones(A, dtype=torch.long, device=device),

@@ -517,6 +517,60 @@ def round_section(model: DraftModel, plan: Plan, cases: list[tuple[str, int, str
     return out
 
 
+def prefill_cases(plan: Plan) -> list[tuple[int, int]]:
+    """(requests, prompt tokens) of the prefill section: a new prompt, a long one, a batch."""
+    return [(1, 100), (2, 150)] if plan.tiny else [(1, 300), (1, 2000), (8, 300)]
+
+
+def prefill_section(model: DraftModel, plan: Plan, graphs: bool, budget: Budget, skipped: dict) -> list[dict]:
+    """ms to prefill B new prompts of P tokens into the draft's cache (DraftRuntime.prefill, what
+    a round runs before drafting for a new request), through the fused layers on CUDA: eagerly
+    (forwards of up to prefill_chunk tokens) and, where `graphs`, in 64-token chunks replayed
+    from CUDA graphs (draft/prefill_graph.py, the graph round's runtime)."""
+    dev = model.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model.fused_ops = dev.type == "cuda"
+    model.rope_in_attention = model.head_dim <= ROPE_IN_MAX_HEAD_DIM
+    model.norm_gemm = False
+    out = []
+    rng = np.random.default_rng(11)
+    try:
+        for B, P in prefill_cases(plan):
+            point = {"requests": B, "prompt": P}
+            for mode in ("eager", "graph") if graphs else ("eager",):
+                if budget.spent():
+                    skipped[f"prefill/{B}x{P}/{mode}"] = budget.reason()
+                    continue
+                settings = DraftSettings(gamma=GAMMA, beta=BETA, window_size=4, num_guesses=4, num_suffixes=1,
+                                         draft_round="graph" if mode == "graph" else "device")
+                pool = PhrasePool(model.vocab_size, BETA - 1, 4, POOL_BUDGET, device=dev)
+                model.allocate_cache(B + 1, P + 256, num_tokens=B * (P + 256))
+                rt = DraftRuntime(model, pool, settings, B, P + 128, dev)
+                tab, rows, lens = token_table([rng.integers(3, model.vocab_size, P).tolist() for _ in range(B)])
+                slots = np.arange(B, dtype=np.int64)
+
+                def prefill():
+                    for s in slots:
+                        rt.reset_slot(int(s))
+                    return rt.prefill(slots, tab, rows, lens)
+
+                forwards, sizes = prefill()  # captures the graphs, takes the pages
+                point[f"{mode}_forwards"] = forwards
+                point[f"{mode}_ms"] = median(time_calls(prefill, dev, 1, max(plan.reps // 10, MIN_REPS), plan.max_s))
+                sync()
+                del rt, pool
+                gc.collect()
+            if graphs and point.get("graph_ms") and point.get("eager_ms"):
+                point["graph_over_eager"] = point["graph_ms"] / point["eager_ms"]
+            out.append(point)
+            print(f"  prefill {B} x {P:>4} tokens: eager {_ms(point.get('eager_ms'))} ms "
+                  f"({point.get('eager_forwards')} forwards)  graph {_ms(point.get('graph_ms'))} ms "
+                  f"({point.get('graph_forwards', '-')} chunk forwards)", flush=True)
+    finally:
+        model.fused_ops = False
+    return out
+
+
 def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -> list[dict]:
     """ms per PhrasePool.insert of n host rows (new phrases for random keys, as a step's context
     and inspiration inserts bring them), eager and through PoolWriter's graphs where `graphs`:
@@ -1045,12 +1099,26 @@ def markdown(res: dict) -> str:
     lines += _md_curves(res) + _md_rounds(res) + _md_target_step(res.get("target_step"))
     lines += _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel")) + _md_kernel_tiles(res.get("kernel_tiles"))
     lines += _md_profile(res.get("profile")) + _md_modeled(res.get("modeled"))
-    lines += _md_fusion_choice(res.get("fusion_choice"))
+    lines += _md_fusion_choice(res.get("fusion_choice")) + _md_prefill(res.get("prefill"))
     if res["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {k}: {v}" for k, v in res["skipped"].items()]
     if res["errors"]:
         lines += ["", "## Errors (tracebacks in the JSON)", ""] + [f"- {k}" for k in res["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _md_prefill(pts: list | None) -> list[str]:
+    if not pts:
+        return []
+    lines = ["", "## Draft prefill of new prompts (DraftRuntime.prefill; ms, median)", "",
+             "| requests | prompt tokens | eager ms (forwards) | graph chunks ms (forwards) | graph / eager |",
+             "|---|---|---|---|---|"]
+    for p in pts:
+        ratio = p.get("graph_over_eager")
+        lines.append(f"| {p['requests']} | {p['prompt']} | {_ms(p.get('eager_ms'))} ({p.get('eager_forwards', '-')}) | "
+                     f"{_ms(p.get('graph_ms'))} ({p.get('graph_forwards', '-')}) | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+    return lines
 
 
 def _md_fusion_choice(fc: dict | None) -> list[str]:
@@ -1198,7 +1266,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="default bfloat16 (--tiny: float32)")
     ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["target", "rounds", "kernel", "graph", "inserts", "fused", "profile"],
+                    choices=["target", "rounds", "kernel", "graph", "inserts", "fused", "profile", "prefill"],
                     help="sections to leave out (graph: no CUDA-graph timings; fused: no graph rounds "
                          "through the fused layer kernels, DraftModel.fused_ops, which run on CUDA)")
     ap.add_argument("--budget-s", type=float,
@@ -1412,6 +1480,14 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
 
     profile(profiles[0])
     rounds([c for c in cases if c not in first])
+    if "prefill" in args.skip:
+        skipped["prefill"] = "skipped: --skip prefill"
+    else:
+        if not graphs:
+            skipped["prefill/graph"] = "skipped: no CUDA (graph prefill needs CUDA graphs)" if device.type != "cuda" \
+                else "skipped: --skip graph"
+        res["prefill"] = section("prefill", lambda: prefill_section(draft, plan, graphs, budget, skipped))
+        checkpoint()
     if "inserts" in args.skip:
         skipped["inserts"] = "skipped: --skip inserts"
     elif budget.spent():

@@ -142,6 +142,21 @@ def test_skips_say_why_and_nothing_passes_on_tiny_shapes(tiny_run):
     assert rows["gpu-curves-device"]["draft_round"] == "device" and rows["gpu-curves-device"]["phrase_drafting"]
 
 
+def test_prefill_is_timed_eager_and_from_graphs(tiny_run):
+    """The draft's prefill of new prompts: eager everywhere, 64-token chunks replayed from CUDA
+    graphs where there is CUDA (draft/prefill_graph.py); skipped there elsewhere, saying why."""
+    _, result, md, _ = tiny_run
+    pts = result["prefill"]
+    assert [(p["requests"], p["prompt"]) for p in pts] == bench_gpu.prefill_cases(bench_gpu.Plan(tiny=True))
+    assert all(p["eager_ms"] > 0 and p["eager_forwards"] >= 1 for p in pts)
+    if CUDA:
+        assert all(p["graph_ms"] > 0 and p["graph_forwards"] >= -(-p["prompt"] // 64) - 1 for p in pts)
+    else:
+        assert result["skipped"]["prefill/graph"] == "skipped: no CUDA (graph prefill needs CUDA graphs)"
+        assert all("graph_ms" not in p for p in pts)
+    assert "## Draft prefill of new prompts" in md.read_text()
+
+
 def test_fusion_choice_is_reported(tiny_run):
     """The load-time choice of the draft's fusions (draft/fusion_choice.py): timed on CUDA, each
     fusion on and off at both widths; skipped, saying why, elsewhere."""

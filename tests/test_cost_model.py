@@ -434,7 +434,7 @@ def _proposer(cap=None, slots=16):
     p._draft_scale_rounds = np.zeros(2, np.int64)
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
     p.runtime = _Runtime(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
-                         kv_len=np.full(slots, 100), prefill_threshold=16)
+                         kv_len=np.full(slots, 100), prefill_threshold=16, prefill_graphs=None)
     p.max_model_len = 1024
     p._len_limit = np.full(slots, 1024)
     p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
@@ -637,6 +637,29 @@ def test_requests_that_catch_up_together_share_one_prefill():
     assert (B + A.sum()) / t_apart < B / (target(B) + 0.002)
     # Near their end (a larger share of the prefill per step) they wait, batched or not.
     assert not plan(cost_model.CatchUp(u, np.full(B, 0.5)), EAGER_PREFILL).rows.any()
+
+
+def test_chunked_prefill_is_charged_per_chunk():
+    """Where the prefill replays chunks from CUDA graphs (CatchUp.chunk): a stretch of u tokens
+    costs ceil(u / chunk) forwards of rows x chunk tokens, all rows in each; the proposer passes
+    the chunk while its prefill graphs serve, and none once they are off."""
+    S = 3
+    pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.broadcast_to(  # noqa: E731
+        np.asarray(x, float)[:, None] if np.ndim(x) == 1 else x, (2, S)), 0)])
+    sort = lambda x: np.broadcast_to(np.asarray(x, float)[:, None], (2, S))  # noqa: E731
+    curve = CostCurve((1, 64, 128), (0.0012, 0.0013, 0.0015))
+    cu = cost_model.CatchUp(np.array([300, 100]), np.full((2, S), 0.1), 0.5, chunk=64)
+    sec = cu.seconds(curve, pick, sort)
+    assert sec[0] == pytest.approx(np.zeros(S))
+    assert sec[1] == pytest.approx(np.full(S, 0.5 * 5 * curve(64) * 0.1))  # 5 chunks of one row
+    # both rows: 5 chunks of 2 x 64 tokens, shared in proportion to tokens
+    assert sec[2] == pytest.approx(np.full(S, 0.5 * 5 * curve(128) * 0.1))
+    p = _proposer()
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk is None
+    p.runtime.prefill_graphs = SimpleNamespace(chunk=64, enabled=True)
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk == 64
+    p.runtime.prefill_graphs.enabled = False
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk is None
 
 
 def test_drafting_mode_priors_are_the_measured_rows():

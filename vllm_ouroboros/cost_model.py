@@ -379,19 +379,28 @@ class CatchUp:
     tokens: np.ndarray
     share: np.ndarray  # [B], or [B, S] by the draft length s = 1..S (tokens per step depend on it)
     scale: float = 1.0  # measured / modeled seconds of recent prefills (the curve's error at large n)
+    # Tokens per row of each prefill forward where the prefill replays fixed-width chunks from
+    # CUDA graphs (draft/prefill_graph.py): a stretch of u tokens is ceil(u / chunk) forwards of
+    # `chunk` tokens per row, all rows in each. None: eager forwards as wide as the stretch.
+    chunk: int | None = None
 
     def seconds(self, prefill: CostCurve, pick, sort) -> np.ndarray:
         """[B + 1, S] seconds per step of the first m rows' catch-up (m = 0..B) in the plan's
         row order: `pick` sums a per-row quantity over those rows, `sort` orders it. The
         runtime groups the rows' forwards to pay least (prefill_groups); modeled here as the
         cheaper of its two ends, one padded forward or one forward per row (exact where the
-        curve is flat or the stretches equal, and never below what the grouping pays)."""
+        curve is flat or the stretches equal, and never below what the grouping pays). With
+        `chunk`, the rows' forwards are chunks of every row together: ceil(longest / chunk)
+        forwards of rows x chunk tokens."""
         u = np.asarray(self.tokens, float)
         share = np.asarray(self.share, float)
         share = share[:, None] if share.ndim == 1 else share
         rows = pick(u > 0)
         longest = np.maximum.accumulate(sort(u), 0)
         longest = np.concatenate([np.zeros_like(longest[:1]), longest])
+        if self.chunk is not None:
+            whole = np.ceil(longest / self.chunk) * prefill.at(np.maximum(rows * self.chunk, 1))
+            return np.where(rows > 0, self.scale * whole * pick(share * u[:, None]) / np.maximum(pick(u), 1), 0.0)
         together = prefill.at(np.maximum(rows * longest, 1)) * pick(share * u[:, None]) / np.maximum(pick(u), 1)
         apart = pick(np.where(u > 0, prefill.at(np.maximum(u, 1)), 0.0)[:, None] * share)
         return np.where(rows > 0, self.scale * np.minimum(together, apart), 0.0)

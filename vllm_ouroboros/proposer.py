@@ -13,6 +13,7 @@ vLLM then verifies [draft | suffix 0 | suffix 1 | ...] as one token tree in one 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import time
@@ -245,10 +246,9 @@ class OuroborosProposer:
         else:  # timed as the round will run it: replayed from CUDA graphs in graph mode
             self.cost = cost_model.measure_draft_curve(model, min(init_len, 256),
                                                        graphs=draft_round == "graph")
+        # The prefill's forwards: with graphs, chunks replayed from them (draft/prefill_graph.py),
+        # each costing the graph curve at its rows x chunk tokens; else eager, the curve as timed.
         self.prefill_cost = self.cost
-        if draft_round == "graph" and cfg.draft_cost_ms is None:
-            self.prefill_cost = cost_model.measure_draft_curve(model, min(init_len, 256))
-            logger.info("ouroboros: the draft's eager prefill forward t(n): %s ms", _ms(self.prefill_cost))
         if cfg.target_cost_ms is not None:
             self.target_cost = cost_model.curve_from_ms(cost_points(cfg.target_cost_ms))
             self._overhead = cost_model.StepOverhead(self.target_cost)
@@ -327,6 +327,11 @@ class OuroborosProposer:
             n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
             logger.info("ouroboros: captured %d CUDA graphs of the drafting round in %.1f s", n,
                         time.perf_counter() - t0)
+            # The prefill's chunk forwards for one to four rows (more are captured when first used).
+            with contextlib.suppress(Exception):  # a failure is logged; the prefill then runs eagerly
+                n = self.runtime.prefill_graphs.capture([1, 2, 4])
+                logger.info("ouroboros: captured %d CUDA graphs of the draft's prefill (%d-token chunks)",
+                            n, self.runtime.prefill_graphs.chunk)
         self._writer = PoolWriter(self.pool, graphs=settings.draft_round == "graph")
         if self._writer.graphs:
             logger.info("ouroboros: captured %d CUDA graphs of the step's pool inserts",
@@ -873,7 +878,9 @@ class OuroborosProposer:
         u = lens - cached
         left = np.maximum(self._len_limit[slots] - lens, 1)
         share = np.minimum((1 + np.cumsum(accepted, 1)) / left[:, None], 1.0)  # [B, S]: by draft length
-        return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share, self._prefill_scale)
+        graphs = rt.prefill_graphs
+        return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share, self._prefill_scale,
+                                  graphs.chunk if graphs is not None and graphs.enabled else None)
 
     def _calibrate_draft(self, out, cut: int, seconds: float) -> None:
         """The back-off's draft cost from the rounds that ran: a running ratio, for whole rounds

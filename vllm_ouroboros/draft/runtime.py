@@ -32,6 +32,7 @@ from vllm_ouroboros.cost_model import CostCurve, prefill_groups
 from vllm_ouroboros.device_clock import DeviceClock
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
+from vllm_ouroboros.draft.prefill_graph import PrefillGraphs
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
 from vllm_ouroboros.draft.lookahead import (
     build_layout,
@@ -156,6 +157,8 @@ class DraftRuntime:
         self._grow(num_slots)
         self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
                              if settings.draft_round != "host" else None)
+        # With graphs the prefill replays fixed-width chunks too (draft/prefill_graph.py).
+        self.prefill_graphs = PrefillGraphs(self) if settings.draft_round == "graph" else None
 
     @property
     def max_slot_len(self) -> int:
@@ -413,13 +416,42 @@ class DraftRuntime:
                 return forwards
             if not forwards:
                 clock.start()
-            count = np.minimum(lens[todo] - 1 - self.kv_len[slots[todo]], self.s.prefill_chunk)
-            for group in prefill_groups(count, self.prefill_cost):
-                self._prefill_forward(slots[todo[group]], token_ids, rows[todo[group]],
-                                      lens[todo[group]], count[group])
-                sizes.append(len(group) * int(count[group].max()))
+            graphs = self.prefill_graphs if self.prefill_graphs is not None and self.prefill_graphs.enabled else None
+            chunk = self.s.prefill_chunk if graphs is None else graphs.chunk
+            count = np.minimum(lens[todo] - 1 - self.kv_len[slots[todo]], chunk)
+            for group in self._prefill_passes(count, graphs):
+                if graphs is None or not self._graph_prefill(graphs, slots[todo[group]], token_ids,
+                                                             rows[todo[group]], lens[todo[group]], count[group]):
+                    self._prefill_forward(slots[todo[group]], token_ids, rows[todo[group]],
+                                          lens[todo[group]], count[group])
+                sizes.append(len(group) * int(count[group].max()) if graphs is None
+                             else graphs.padded_rows(len(group)) * graphs.chunk)
                 row_prefills[todo[group]] += 1
                 forwards += 1
+
+    def _prefill_passes(self, count: np.ndarray, graphs) -> list[np.ndarray]:
+        """The forwards of one prefill pass (row indices into count): eagerly, grouped by cost
+        (cost_model.prefill_groups); from graphs, as many rows per forward as a graph takes."""
+        if graphs is None:
+            return prefill_groups(count, self.prefill_cost)
+        starts = np.cumsum([0] + graphs.rows_per_forward(len(count)))
+        return [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+
+    def _graph_prefill(self, graphs, s, token_ids, r, lens, count) -> bool:
+        """One chunk replayed from the prefill graphs (draft/prefill_graph.py), committed on the
+        host; False where its capture failed (graphs.enabled is then off: the caller runs
+        this chunk, and the prefill from then on, eagerly)."""
+        if not graphs.enabled:
+            return False
+        try:
+            graphs.forward(s, token_ids, r, lens, count)
+        except Exception:  # noqa: BLE001 - logged by PrefillGraphs; eager forwards still prefill
+            if graphs.enabled:
+                raise
+            return False
+        idx = self.kv_len[s, None] + np.arange(int(count.max()))[None, :]
+        self._commit(s, token_ids[r[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64), count)
+        return True
 
     def _prefill_forward(self, s, token_ids, r, lens, count) -> None:
         """One causal forward over the next `count` [R] uncached tokens of slots s [R] (rows r

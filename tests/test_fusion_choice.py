@@ -117,6 +117,30 @@ def test_a_failed_timing_leaves_the_switch_on_and_raises(draft):
     assert draft.norm_gemm
 
 
+def test_choose_all_turns_off_what_fails_while_timed(draft, caplog):
+    """In the engine (choose_all) a fusion whose forward fails while timed goes off with a
+    warning, and the others are still timed."""
+    draft.rope_in_attention = True
+    draft.attention_backend = "triton"  # so that RoPE inside the attention applies here
+
+    def make(model, n):  # norm_gemm stays on while RoPE is timed; its own "off" form fails
+        if not model.norm_gemm:
+            raise RuntimeError("out of resources: shared memory (test)")
+        return lambda: 0.001
+
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(caplog.handler)
+    real = fc.choose
+    try:
+        fc.choose = lambda *a, **k: real(*a, **{**k, "timer": make})
+        out = fc.choose_all(draft, [1], False, reps=1)
+    finally:
+        fc.choose = real
+        log.removeHandler(caplog.handler)
+    assert [t.name for t in out] == ["rope_in_attention"] and not draft.norm_gemm
+    assert "norm_gemm is off: its forward failed while timed (RuntimeError: out of resources" in caplog.text
+
+
 def test_choose_all_times_the_named_switches_in_order(draft, monkeypatch, caplog):
     order = []
 

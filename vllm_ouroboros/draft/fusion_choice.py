@@ -78,8 +78,8 @@ def choose(model, name: str, widths: Sequence[int], graphs: bool, prefix: int = 
 
     Only the widths where the switch changes the forward (`applies`) are timed. A switch that
     is off already (not wanted, or its check failed), or changes none of the widths, is left
-    as it is and None is returned: there is nothing to choose. graphs: time CUDA-graph replays (the graph round);
-    eager forwards otherwise. prefix: cached tokens behind each forward (slot 0's pages; what
+    as it is and None is returned: there is nothing to choose. graphs: time CUDA-graph replays
+    (the graph round); eager forwards otherwise. prefix: cached tokens behind each forward (slot 0's pages; what
     they hold does not matter for a timing). timer(model, n) -> a callable returning one
     forward's seconds (cost_model.draft_forward_timer by default); a timer built while the
     switch is set captures that form where it captures a graph, and runs under the switch as
@@ -120,10 +120,17 @@ def choose(model, name: str, widths: Sequence[int], graphs: bool, prefix: int = 
 def choose_all(model, widths: Sequence[int], graphs: bool, prefix: int = 0,
                names: Sequence[str] = FUSIONS, reps: int = REPS) -> list[FusionTiming]:
     """`choose` each switch of `names` that is on, in FUSIONS order, each logged; returns the
-    timings of those timed."""
+    timings of those timed. A switch whose forward fails while it is timed goes off, with a
+    warning: what cannot be timed is not served either."""
     out = []
     for name in (n for n in FUSIONS if n in names):
-        t = choose(model, name, widths, graphs, prefix, reps)
+        try:
+            t = choose(model, name, widths, graphs, prefix, reps)
+        except Exception as e:  # noqa: BLE001 - the engine starts without the fusion
+            setattr(model, name, False)
+            logger.warning("ouroboros: the draft's %s is off: its forward failed while timed (%s: %s)",
+                           name, type(e).__name__, e)
+            continue
         if t is not None:
             logger.info("ouroboros: the draft's %s", t.describe())
             out.append(t)

@@ -195,13 +195,8 @@ class DeviceRound:
         self._generation = -1  # runtime.generation the states (and graphs) were built for
         self._pool = None  # CUDA graph memory pool shared by all captures (never run concurrently)
         self._recent: list[int] = []  # forwards the last rounds needed
-        # Graphs: the cache tokens a captured forward reads per row (a bound fixed at capture:
-        # the split-KV grid's size, and every gathered column on the torch path). The pages of a
-        # slot at load, doubled (and the graphs captured again) when a round needs more, as the
-        # dense cache's length once did: far below max_model_len, where most rounds are.
-        kv = runtime.kv
-        per_slot = (kv.num_pages - 1) * kv.page_size // max(kv.num_seqs - 1, 1)
-        self.graph_len = min(runtime.model.max_len, max(per_slot, 256))
+        # Graphs: the cache tokens a captured forward reads per row (initial_graph_len).
+        self.graph_len = initial_graph_len(runtime)
 
     @property
     def kernels(self) -> str:
@@ -612,6 +607,16 @@ def commit_torch(st: RoundState, layout, ids: torch.Tensor, tokens: torch.Tensor
     going = (st.dlen < goal) & ~st.by_rule if adapt is not None else st.dlen < goal
     st.active.logical_and_(going)
     return rows
+
+
+def initial_graph_len(runtime) -> int:
+    """Cache tokens per row a graph-captured draft forward reads at first (a bound fixed at
+    capture: the split-KV grid's size, and every gathered column on the torch path): the pages
+    of a slot at load, doubled (and the graphs captured again) where a forward needs more, as
+    the dense cache's length once was: far below max_model_len, where most forwards are."""
+    kv = runtime.kv
+    per_slot = (kv.num_pages - 1) * kv.page_size // max(kv.num_seqs - 1, 1)
+    return min(runtime.model.max_len, max(per_slot, 256))
 
 
 def conditional_nodes_supported() -> bool:

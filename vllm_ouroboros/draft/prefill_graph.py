@@ -31,7 +31,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
-from vllm_ouroboros.draft.device_round import BATCH_BUCKETS, RecordedGraph, bucket
+from vllm_ouroboros.draft.device_round import BATCH_BUCKETS, RecordedGraph, bucket, initial_graph_len
 from vllm_ouroboros.host_copy import copy_into
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -63,8 +63,9 @@ class PrefillGraphs:
         self._generation = None
         self._pool = None
         # Cache tokens a captured forward may read per row (the attention's bound, fixed at
-        # capture): doubled, and the graphs captured again, when a stretch lies further out.
-        self.graph_len = min(runtime.model.max_len, 256)
+        # capture; the round's first bound): doubled, and the graphs captured again, when a
+        # stretch lies further out.
+        self.graph_len = initial_graph_len(runtime)
         dev = runtime.device
         self._col = torch.arange(chunk, device=dev)
         self._causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()

@@ -14,6 +14,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   curves  t(n) of one forward of n new tokens over a cached prefix, draft (argmax of the last
           position) and target-shaped (argmax of every position, as verification reads them),
           eager and replayed from a CUDA graph.
+  fusion_choice  (CUDA) what an engine's load keeps of the draft's optional fusions (RoPE inside
+          the attention, norm_gemm), each timed on and off (draft/fusion_choice.py).
   rounds  DraftRuntime.run_round per round and per draft forward, decode-only and phrase
           drafting, draft_round = host / device / graph (graph-fixed: without the conditional
           nodes; graph+fused: through kernels/fused_ops.py, OuroborosConfig.draft_fused_ops;
@@ -34,6 +36,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
   profile where the W=G=4 round's time goes at one request (scripts/profile_round.py): the eager
           device round by region of our code (device activities, device and host ms; through the
           fused kernels too on CUDA), the graph round's totals and the device's busy share.
+  prefill the draft's prefill of new prompts (1 x 300, 1 x 2000, 8 x 300 tokens), eager vs in
+          64-token chunks replayed from CUDA graphs (draft/prefill_graph.py).
   inserts a step's pool insert (vllm_ouroboros/pool_writer.py) of 16, 64, 256 rows into a pool of
           the draft's vocabulary: eager vs replayed from a CUDA graph, in torch and (CUDA) through
           the pool's Triton kernels (kernels/pool_insert.py).

@@ -189,13 +189,11 @@ def test_a_failed_capture_leaves_the_eager_prefill(tiny_models, device, monkeypa
 def test_bad_inputs_are_refused(tiny_models, device):
     rt = make(str(tiny_models["draft"]), device, graphs=True, slots=pg.MAX_ROWS + 1)
     pgs = rt.prefill_graphs
-    tab = np.zeros((pg.MAX_ROWS + 1, 200), np.int64)
     slots = np.arange(pg.MAX_ROWS + 1, dtype=np.int64)
-    lens = np.full(pg.MAX_ROWS + 1, 200)
     with pytest.raises(ValueError, match="1..16 rows of at most 64"):
-        pgs.forward(slots, tab, slots, lens, np.ones(pg.MAX_ROWS + 1, np.int64))
+        pgs.forward(slots, np.zeros((pg.MAX_ROWS + 1, 1), np.int64), np.ones(pg.MAX_ROWS + 1, np.int64))
     with pytest.raises(ValueError, match="at most 64 tokens, got 1 rows of up to 65"):
-        pgs.forward(slots[:1], tab, slots[:1], lens[:1], np.array([65]))
+        pgs.forward(slots[:1], np.zeros((1, 65), np.int64), np.array([65]))
     if device != "cuda":
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
             pg.PrefillGraphs(rt)

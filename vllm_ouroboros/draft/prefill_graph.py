@@ -44,6 +44,17 @@ MAX_ROWS = 16
 INBOX = 3
 
 
+def prefill_mask(count: torch.Tensor, Q: int) -> torch.Tensor:
+    """The mask of a prefill forward of Q tokens per row whose first count[r] are real: causal
+    among a row's real tokens, a padding token seeing only itself (so that its softmax is
+    defined). Shape: count [R] int64 -> [R, Q, Q] bool. The eager and the graph prefill's."""
+    col = torch.arange(Q, device=count.device)
+    real = col[None, :] < count[:, None]
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=count.device).tril()
+    eye = torch.eye(Q, dtype=torch.bool, device=count.device)
+    return (causal[None] & real[:, None, :]) | (eye[None] & ~real[:, :, None])
+
+
 class PrefillGraphs:
     """Prefill forwards of CHUNK tokens per row replayed from CUDA graphs (module docstring).
 
@@ -66,10 +77,7 @@ class PrefillGraphs:
         # capture; the round's first bound): doubled, and the graphs captured again, when a
         # stretch lies further out.
         self.graph_len = initial_graph_len(runtime)
-        dev = runtime.device
-        self._col = torch.arange(chunk, device=dev)
-        self._causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
-        self._eye = torch.eye(chunk, dtype=torch.bool, device=dev)
+        self._col = torch.arange(chunk, device=runtime.device)
 
     def rows_per_forward(self, n: int) -> list[int]:
         """How a pass of n rows is split into forwards: MAX_ROWS each, then the rest."""
@@ -93,18 +101,17 @@ class PrefillGraphs:
             self._pool = None
             self._generation = rt.generation
 
-    def forward(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray,
-                count: np.ndarray) -> None:
-        """One chunk for R <= MAX_ROWS rows: the next count[r] (<= chunk) uncached tokens of
-        slots[r] (rows[r] of the host table token_ids, whose context is lens[r] tokens), written
-        at the slots' committed lengths (rt.kv_len, which the caller then advances). Queued on
-        the device, no host wait. Raises where the graph cannot be captured (`enabled` is then
-        False: the caller prefills this chunk eagerly)."""
+    def forward(self, slots: np.ndarray, tokens: np.ndarray, count: np.ndarray) -> None:
+        """One chunk for R <= MAX_ROWS rows: tokens [R, Q <= chunk] int64, the next uncached
+        tokens of slots[r] (the first count[r] real), written at the slots' committed lengths
+        (rt.kv_len, which the caller then advances). Queued on the device, no host wait.
+        Raises where the graph cannot be captured (`enabled` is then False: the caller
+        prefills this chunk eagerly)."""
         rt, C = self.rt, self.chunk
         R = len(slots)
-        if not 0 < R <= MAX_ROWS or int(count.max()) > C:
+        if not 0 < R <= MAX_ROWS or int(count.max()) > C or tokens.shape[1] > C:
             raise ValueError(f"a prefill chunk takes 1..{MAX_ROWS} rows of at most {C} tokens, "
-                             f"got {R} rows of up to {int(count.max(initial=0))}")
+                             f"got {R} rows of up to {max(int(count.max(initial=0)), tokens.shape[1])}")
         kv = rt.kv_len[slots]
         self._check_generation(int(kv.max()) + C)
         A = self.padded_rows(R)
@@ -114,8 +121,7 @@ class PrefillGraphs:
         box = np.zeros((A, INBOX + C), np.int64)
         box[:, 0] = rt.pad_slot
         box[:R, 0], box[:R, 1], box[:R, 2] = slots, kv, count
-        idx = kv[:, None] + np.arange(C)[None, :]
-        box[:R, INBOX:] = token_ids[rows[:, None], np.minimum(idx, lens[:, None] - 1)]
+        box[:R, INBOX:INBOX + tokens.shape[1]] = tokens
         copy_into(self._inbox[A], box)  # in stream order: the previous chunk's replay has read its inbox
         graph.replay()
 
@@ -124,10 +130,8 @@ class PrefillGraphs:
         rt, C = self.rt, self.chunk
         box = self._inbox[A]
         slots, kv, cnt, ids = box[:, 0], box[:, 1], box[:, 2], box[:, INBOX:]
-        real = self._col[None, :] < cnt[:, None]
-        mask = (self._causal[None] & real[:, None, :]) | (self._eye[None] & ~real[:, :, None])
         model = rt.model
-        model.forward(ids, kv[:, None] + self._col[None, :], slots, kv, mask,
+        model.forward(ids, kv[:, None] + self._col[None, :], slots, kv, prefill_mask(cnt, C),
                       max_cache_len=min(self.graph_len, model.max_len - C))
 
     def _capture(self, A: int):

@@ -32,7 +32,7 @@ from vllm_ouroboros.cost_model import CostCurve, prefill_groups
 from vllm_ouroboros.device_clock import DeviceClock
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
-from vllm_ouroboros.draft.prefill_graph import PrefillGraphs
+from vllm_ouroboros.draft.prefill_graph import PrefillGraphs, prefill_mask
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
 from vllm_ouroboros.draft.lookahead import (
     build_layout,
@@ -443,28 +443,30 @@ class DraftRuntime:
         this chunk, and the prefill from then on, eagerly)."""
         if not graphs.enabled:
             return False
+        toks = self._prefill_tokens(s, token_ids, r, lens, count)
         try:
-            graphs.forward(s, token_ids, r, lens, count)
+            graphs.forward(s, toks, count)
         except Exception:  # noqa: BLE001 - logged by PrefillGraphs; eager forwards still prefill
             if graphs.enabled:
                 raise
             return False
-        idx = self.kv_len[s, None] + np.arange(int(count.max()))[None, :]
-        self._commit(s, token_ids[r[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64), count)
+        self._commit(s, toks, count)
         return True
+
+    def _prefill_tokens(self, s, token_ids, r, lens, count) -> np.ndarray:
+        """[R, max(count)] int64: the next uncached tokens of slots s (rows r of token_ids,
+        context lengths lens), each row's past its count[r] repeating its last context token."""
+        idx = self.kv_len[s, None] + np.arange(int(count.max()))[None, :]
+        return token_ids[r[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
 
     def _prefill_forward(self, s, token_ids, r, lens, count) -> None:
         """One causal forward over the next `count` [R] uncached tokens of slots s [R] (rows r
         of token_ids, context lengths lens), padded to the longest."""
-        Q = int(count.max())
-        idx = self.kv_len[s, None] + np.arange(Q)[None, :]
-        toks = token_ids[r[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
+        toks = self._prefill_tokens(s, token_ids, r, lens, count)
+        Q = toks.shape[1]
         cnt, kv, toks_t, s_t = to_device(self.device, count, self.kv_len[s], toks, s)
         col = torch.arange(Q, device=self.device)
-        real = col[None, :] < cnt[:, None]
-        causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
-        mask = (causal[None] & real[:, None, :]) | (torch.eye(Q, dtype=torch.bool, device=self.device)[None] & ~real[:, :, None])
-        self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, mask,
+        self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, prefill_mask(cnt, Q),
                            max_cache_len=int(self.kv_len[s].max()))
         self._commit(s, toks, count)
 

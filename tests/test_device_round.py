@@ -473,9 +473,28 @@ def test_capture_and_replay_bookkeeping(config, early_exit, tiny_models, device)
         assert outs[1].forwards == (outs[0].forwards if early_exit else dr.max_forwards)
         assert np.array_equal(host.kv_len[slots], rec.kv_len[slots])
         generations.add(rec.generation)
+        assert dr.bounds.generation == rec.generation, "states and graphs kept from a moved cache"
     assert len(generations) > 1, "the cache never grew: the recapture path went untested"
     assert dr.graph_len >= 128  # doubled for the long context, then again
     assert all(st.graphs for st in dr._states.values())
+
+
+def test_states_and_graphs_go_when_the_cache_moves(tiny_models, device):
+    """A round's state and graphs hold the cache's and the window's addresses: after they are
+    reallocated (more slots), the next round of that bucket builds a new state, with new
+    graphs; until then the same state serves every round of the bucket."""
+    from vllm_ouroboros.draft.device_round import DeviceRound
+
+    rec = make(str(tiny_models["draft"]), device, "device", round_forwards=99)
+    rec.device_round = dr = DeviceRound(rec, graphs=True, emulate_graphs=True)
+    dr.capture([1])
+    first = dr._state(1)
+    assert first.graphs and dr._state(1) is first and dr.bounds.generation == rec.generation
+    before = rec.generation
+    rec._grow(rec._slots + 4)
+    assert rec.generation != before
+    again = dr._state(1)
+    assert again is not first and not again.graphs and dr.bounds.generation == rec.generation
 
 
 @pytest.mark.parametrize("graphs", ["emulated", "cuda"])

@@ -192,11 +192,19 @@ class DeviceRound:
         self.kernel_reason: str | None = None
         self._prepare, self._commit = self._pick_kernels(s.round_kernels)
         self._states: dict[int, RoundState] = {}
-        self._generation = -1  # runtime.generation the states (and graphs) were built for
-        self._pool = None  # CUDA graph memory pool shared by all captures (never run concurrently)
+        # The cache generation the states (and graphs) were built for, the cache tokens a
+        # captured forward reads per row and the captures' memory pool (never run concurrently).
+        self.bounds = GraphBounds(runtime)
         self._recent: list[int] = []  # forwards the last rounds needed
-        # Graphs: the cache tokens a captured forward reads per row (initial_graph_len).
-        self.graph_len = initial_graph_len(runtime)
+
+    @property
+    def graph_len(self) -> int:
+        """Cache tokens per row a captured forward reads (GraphBounds)."""
+        return self.bounds.graph_len
+
+    @graph_len.setter
+    def graph_len(self, value: int) -> None:
+        self.bounds.graph_len = value
 
     @property
     def kernels(self) -> str:
@@ -244,22 +252,14 @@ class DeviceRound:
     # ---- state -------------------------------------------------------------------------------
     def _state(self, A: int) -> RoundState:
         rt = self.rt
-        if self._generation != rt.generation:  # the cache or the window was reallocated
-            self._drop_graphs()
-            self._generation = rt.generation
+        if self.bounds.stale():  # the cache or the window was reallocated: states hold addresses
+            self._states.clear()
         st = self._states.get(A)
         if st is None:
             L, K = rt.L, self.K
             st = self._states[A] = RoundState.empty(A, L, self.max_draft + L + 2,
                                                     self.max_draft + 7 + K * L + K, rt.device)
         return st
-
-    def _drop_graphs(self) -> None:
-        """Forget every bucket's state and graphs, and their memory pool with them: torch's
-        allocator refuses a capture into a pool whose graphs were all freed (an internal assert in
-        capture_begin, seen on an H200 with torch 2.11), so the next captures take a new one."""
-        self._states.clear()
-        self._pool = None
 
     def _inbox(self, st: RoundState, U: int) -> torch.Tensor:
         box = st.inbox.get(U)
@@ -287,9 +287,8 @@ class DeviceRound:
         self._layouts(U)
         if self.graphs:  # before the inputs go in: a capture runs on a neutral inbox
             need = int(kv0.max()) + U + (self.max_forwards - 1) * (rt.L + 1)
-            if need > self.graph_len:  # longer contexts than the graphs read: capture again
-                self.graph_len = min(max(2 * self.graph_len, need), rt.model.max_len)
-                self._drop_graphs()
+            if self.bounds.stale(need):  # longer contexts than the graphs read: capture again
+                self._states.clear()
                 st = self._state(A)
             self._ensure_captured(st, U)
         # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued
@@ -506,8 +505,6 @@ class DeviceRound:
             fn()  # the warm-up (every conditional step runs); the "capture" only records
             st.graphs[name] = RecordedGraph(lambda: fn(_host_if))
             return
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
 
         def run(graph):  # the warm-up (graph None) runs every step: nothing is first used in a capture
             if graph is None:
@@ -522,7 +519,7 @@ class DeviceRound:
 
             fn(if_node)
 
-        st.graphs[name] = capture_graph(run, rt.device, self._pool, inference=True)
+        st.graphs[name] = capture_graph(run, rt.device, self.bounds.pool(), inference=True)
 
 
 def fed_tokens_torch(layout, unc: torch.Tensor, slots: torch.Tensor, window: torch.Tensor,
@@ -617,6 +614,42 @@ def initial_graph_len(runtime) -> int:
     kv = runtime.kv
     per_slot = (kv.num_pages - 1) * kv.page_size // max(kv.num_seqs - 1, 1)
     return min(runtime.model.max_len, max(per_slot, 256))
+
+
+class GraphBounds:
+    """What a set of the draft's captured graphs was captured for, kept alike by the drafting
+    round's (DeviceRound) and the prefill's (prefill_graph.PrefillGraphs): the runtime's cache
+    generation (a reallocated cache or window moves the addresses a graph holds), the cache
+    tokens per row a captured forward reads (graph_len: initial_graph_len, doubled where a
+    forward needs more) and the memory pool of the captures."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.graph_len = initial_graph_len(runtime)
+        self.generation: int | None = None  # runtime.generation of the graphs; None: none yet
+        self._pool = None
+
+    def stale(self, need: int = 0) -> bool:
+        """Whether the owner must drop every graph (and the state they hold): the cache moved,
+        or a forward reads `need` cache tokens per row, past graph_len (which is then doubled,
+        at most the cache's length). The pool goes with them: torch's allocator refuses a
+        capture into a pool whose graphs were all freed (an internal assert in capture_begin,
+        seen on an H200 with torch 2.11), so the next captures take a new one."""
+        rt = self.rt
+        grow = need > self.graph_len
+        if grow:
+            self.graph_len = min(max(2 * self.graph_len, need), rt.model.max_len)
+        if not grow and self.generation == rt.generation:
+            return False
+        self.generation = rt.generation
+        self._pool = None
+        return True
+
+    def pool(self):
+        """The CUDA graph memory pool of the current captures (taken at the first)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
 
 def conditional_nodes_supported() -> bool:

@@ -31,7 +31,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.cuda_graph import capture_graph
-from vllm_ouroboros.draft.device_round import BATCH_BUCKETS, RecordedGraph, bucket, initial_graph_len
+from vllm_ouroboros.draft.device_round import BATCH_BUCKETS, GraphBounds, RecordedGraph, bucket
 from vllm_ouroboros.host_copy import copy_into
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -71,13 +71,20 @@ class PrefillGraphs:
         self.enabled = True  # False after a failed capture: the runtime prefills eagerly
         self._graphs: dict[int, object] = {}
         self._inbox: dict[int, torch.Tensor] = {}
-        self._generation = None
-        self._pool = None
-        # Cache tokens a captured forward may read per row (the attention's bound, fixed at
-        # capture; the round's first bound): doubled, and the graphs captured again, when a
-        # stretch lies further out.
-        self.graph_len = initial_graph_len(runtime)
+        # The cache generation of the graphs, the cache tokens a captured forward may read per
+        # row (the attention's bound, fixed at capture; the round's first bound, doubled where
+        # a stretch lies further out) and the captures' memory pool: kept as the round keeps its own.
+        self.bounds = GraphBounds(runtime)
         self._col = torch.arange(chunk, device=runtime.device)
+
+    @property
+    def graph_len(self) -> int:
+        """Cache tokens per row a captured chunk forward reads (GraphBounds)."""
+        return self.bounds.graph_len
+
+    @graph_len.setter
+    def graph_len(self, value: int) -> None:
+        self.bounds.graph_len = value
 
     def rows_per_forward(self, n: int) -> list[int]:
         """How a pass of n rows is split into forwards: MAX_ROWS each, then the rest."""
@@ -88,18 +95,11 @@ class PrefillGraphs:
         return bucket(n, BATCH_BUCKETS)
 
     def _check_generation(self, need: int) -> None:
-        """Drop every graph where the cache or window moved (the graphs hold their addresses)
-        or a stretch reads past graph_len; the next captures take a new memory pool (torch's
-        allocator refuses a capture into a pool whose graphs were all freed)."""
-        rt = self.rt
-        grow = need > self.graph_len
-        if grow:
-            self.graph_len = min(max(2 * self.graph_len, need), rt.model.max_len)
-        if grow or self._generation != rt.generation:
+        """Drop every graph where the cache or window moved or a chunk reads `need` cache
+        tokens per row, past graph_len (GraphBounds.stale)."""
+        if self.bounds.stale(need):
             self._graphs.clear()
             self._inbox.clear()
-            self._pool = None
-            self._generation = rt.generation
 
     def forward(self, slots: np.ndarray, tokens: np.ndarray, count: np.ndarray) -> None:
         """One chunk for R <= MAX_ROWS rows: tokens [R, Q <= chunk] int64, the next uncached
@@ -145,9 +145,7 @@ class PrefillGraphs:
                 self._run(A)  # the warm-up; the "capture" records
                 graph = RecordedGraph(lambda: self._run(A))
             else:
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                graph = capture_graph(lambda _: self._run(A), rt.device, self._pool, inference=True)
+                graph = capture_graph(lambda _: self._run(A), rt.device, self.bounds.pool(), inference=True)
         except Exception as e:
             self.enabled = False
             self._inbox.pop(A, None)

@@ -430,6 +430,7 @@ def _proposer(cap=None, slots=16):
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
+    p._prefill_scale_graphed = False
     p._draft_scale = np.ones(2)
     p._draft_scale_rounds = np.zeros(2, np.int64)
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
@@ -660,6 +661,33 @@ def test_chunked_prefill_is_charged_per_chunk():
     assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk == 64
     p.runtime.prefill_graphs.enabled = False
     assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk is None
+
+
+def test_prefill_scale_restarts_when_the_prefill_graphs_fail():
+    """A prefill capture that fails while serving leaves the prefill eager, priced on the graph
+    curve: the first eager prefill's measured ratio replaces the graphs' scale at once (a
+    running mean from it would plan the next catch-ups at a fraction of their cost); later
+    eager prefills move it as a running mean again."""
+    from vllm_ouroboros.proposer import ESTIMATE_RATE
+
+    p = _proposer()
+    p.prefill_cost = BENCH_DRAFT
+    p.runtime.prefill_graphs = SimpleNamespace(chunk=64, enabled=True)
+    p._prefill_scale_graphed = True
+    sizes = (128, 64)
+    modeled = BENCH_DRAFT(128) + BENCH_DRAFT(64)
+    measured = lambda ratio: SimpleNamespace(prefill_sizes=sizes, prefill_seconds=ratio * modeled)  # noqa: E731
+    for _ in range(30):
+        p._calibrate_prefill(measured(0.8))
+    assert p._prefill_scale == pytest.approx(0.8, rel=1e-3)
+    p.runtime.prefill_graphs.enabled = False  # a recapture failed: eager from now on
+    p._calibrate_prefill(measured(7.0))
+    assert p._prefill_scale == pytest.approx(7.0) and not p._prefill_scale_graphed
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).scale == pytest.approx(7.0)
+    p._calibrate_prefill(measured(6.0))
+    assert p._prefill_scale == pytest.approx(7.0 + ESTIMATE_RATE * (6.0 - 7.0))
+    p._calibrate_prefill(measured(40.0))  # clipped, as before
+    assert p._prefill_scale == pytest.approx(6.7 + ESTIMATE_RATE * (10.0 - 6.7))
 
 
 def test_drafting_mode_priors_are_the_measured_rows():

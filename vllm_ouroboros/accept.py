@@ -81,10 +81,10 @@ def _assemble(lay: TreeLayout, tokens: np.ndarray, l_d: np.ndarray, branch: np.n
     l_d, branch, hits = (np.asarray(x, np.int64) for x in (l_d, branch, hits))
     num_acc = l_d + hits
     # K == 0 keeps one dummy suffix column in the layout; hits are 0 there.
-    start = lay.sstart[rows, np.clip(branch, 0, lay.sstart.shape[1] - 1)][:, None]
+    start = lay.sstart[rows, np.minimum(np.maximum(branch, 0), lay.sstart.shape[1] - 1)][:, None]
     nodes = np.where(t < l_d[:, None], t, np.where(t < num_acc[:, None], start + t - l_d[:, None], -1))
     emitted = np.full((B, N + 1), -1, np.int64)
-    emitted[:, :N] = np.where(nodes >= 0, np.take_along_axis(tokens, np.maximum(nodes, 0), 1), -1)
+    emitted[:, :N] = np.where(nodes >= 0, tokens[rows[:, None], np.maximum(nodes, 0)], -1)
     emitted[rows, num_acc] = last_token
     return AcceptResult(accepted_nodes=nodes, num_accepted=num_acc, emitted=emitted,
                         num_emitted=num_acc + 1, kv_keep_src=nodes.copy(), draft_accepted=l_d,
@@ -109,13 +109,13 @@ def accept_greedy(tree: TokenTree, target_next: np.ndarray | torch.Tensor,
     tok = _host(tree.tokens) if tokens is None else tokens
     rows = np.arange(B)
     # Node i is right iff it is the target's prediction after its parent.
-    match = (tok == np.take_along_axis(tn, lay.parents + 1, 1)) & lay.valid
+    match = (tok == tn[rows[:, None], lay.parents + 1]) & lay.valid
     n = lay.n
     l_d = np.cumprod(match & lay.is_draft, 1).sum(1)
     if K and L:
         j = np.arange(L)[None, None, :]
         idx = np.minimum(lay.sstart[:, :K, None] + j, N - 1)  # [B, K, L]
-        sm = np.take_along_axis(match, idx.reshape(B, -1), 1).reshape(B, K, L) & (j < lay.slen[:, :, None])
+        sm = match[rows[:, None, None], idx] & (j < lay.slen[:, :, None])
         hits = np.cumprod(sm, 2).sum(2) * (l_d == n)[:, None]  # suffixes only after a full draft
         # Longest match, lowest k on ties (explicit: argmax's tie rule is not relied upon).
         best = (hits * K + (K - 1 - np.arange(K))[None, :]).argmax(1)

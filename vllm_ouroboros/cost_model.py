@@ -55,7 +55,9 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
 
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,8 +84,20 @@ class CostCurve:
 
     def __call__(self, n: float) -> float:
         """t(n) by linear interpolation (the first point's time below it); beyond the last
-        point, linear in n with the last segment's slope (compute-bound)."""
-        return float(self.at(n))
+        point, linear in n with the last segment's slope (compute-bound).
+
+        The same value as `at` (np.interp's arithmetic, in Python floats): a step calls this
+        a few times with one n, where `at`'s array set-up is most of its ~15 us."""
+        xs, ys, x = self.n, self.seconds, float(n)
+        if x > xs[-1]:
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) if len(xs) > 1 else 0.0
+            return float(ys[-1] + slope * (x - xs[-1]))
+        if x <= xs[0]:
+            return float(ys[0])
+        j = bisect.bisect_right(xs, x) - 1  # xs[j] <= x < xs[j + 1] (x == xs[-1]: j is last)
+        if x == xs[j]:
+            return float(ys[j])
+        return float((ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j]) + ys[j])
 
     def at(self, n: np.ndarray) -> np.ndarray:
         """t(n) for an array of n (the rule of calling the curve)."""
@@ -324,7 +338,7 @@ class CurveCalibration:
 
     def __init__(self, base: CostCurve):
         self.base = base
-        self._log_n = np.log(np.asarray(base.n, float))
+        self._log_n = [math.log(n) for n in base.n]  # a list: one step's lookup in Python floats
         self.ratio = np.ones(len(base.n))
         self.samples = 0
 
@@ -332,8 +346,9 @@ class CurveCalibration:
         """One measured forward of `tokens` tokens that took `seconds`."""
         if tokens < 1 or tokens > self.REACH * self.base.n[-1] or seconds <= 0:
             return
-        r = float(np.clip(seconds / max(self.base(tokens), 1e-12), 0.25, 4.0))
-        i = int(np.abs(self._log_n - np.log(tokens)).argmin())
+        r = min(max(seconds / max(self.base(tokens), 1e-12), 0.25), 4.0)
+        log_t = math.log(tokens)
+        i = min(range(len(self._log_n)), key=lambda p: abs(self._log_n[p] - log_t))
         self.ratio[i] += self.RATE * (r - self.ratio[i])
         self.samples += 1
 

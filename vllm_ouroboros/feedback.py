@@ -70,8 +70,11 @@ def inspiration(draft: np.ndarray, target: np.ndarray, lens: np.ndarray, owners:
     agree = _agreement(draft, target, lens)
     if l_d is None:
         l_d = np.cumprod(agree, axis=1).sum(axis=1)
-    # run[b, j] = agree[b, j .. j+L-1] all true, for j in 0 .. D-L.
-    runs = np.lib.stride_tricks.sliding_window_view(agree, L, axis=1).all(axis=2)
+    # run[b, j] = agree[b, j .. j+L-1] all true, for j in 0 .. D-L: L agreements in the
+    # window (a count difference: a fifth of sliding_window_view's overhead at these sizes).
+    count = np.zeros((B, D + 1), np.int64)
+    np.cumsum(agree, axis=1, out=count[:, 1:])
+    runs = count[:, L:] - count[:, :D - L + 1] == L
     j = np.arange(D - L + 1)[None, :]
     ok = runs & (j >= l_d[:, None] + 1) & (j + L <= lens[:, None])
     b_idx, j_idx = np.nonzero(ok)

@@ -133,10 +133,11 @@ class OuroborosProposer:
         # so that a request starts by speculating and measures; one hard request does not stop
         # the others.
         self.cost: cost_model.CostCurve | None = None  # the draft's
-        # The draft's prefill forward: eager on every device (the graph round replays drafting
-        # forwards only), so on a GPU launch-bound at ~10x a replay; else `cost` itself.
+        # The draft's prefill forwards: `cost` itself (chunks replayed from graphs in the graph
+        # round, eager forwards elsewhere), or an eager curve where the prefill graphs failed at load.
         self.prefill_cost: cost_model.CostCurve | None = None
         self._prefill_scale = 1.0  # measured / modeled prefill seconds (_calibrate_prefill)
+        self._prefill_scale_graphed = False  # whether that scale was measured on graph replays
         self._draft_scale = np.ones(2)  # measured / modeled round seconds: whole, chain (_calibrate_draft)
         self._draft_scale_rounds = np.zeros(2, np.int64)  # rounds measured into each
         self.drafting_costs: dict[str, float] = {}  # modeled seconds per output token, by mode
@@ -332,6 +333,12 @@ class OuroborosProposer:
                 n = self.runtime.prefill_graphs.capture([1, 2, 4])
                 logger.info("ouroboros: captured %d CUDA graphs of the draft's prefill (%d-token chunks)",
                             n, self.runtime.prefill_graphs.chunk)
+            if not self._prefill_graphed() and cfg.draft_cost_ms is None:
+                # Eager prefill forwards cost ~10x the graph curve on an H200: the catch-up is
+                # planned on an eager curve of its own.
+                self.prefill_cost = self.runtime.prefill_cost = cost_model.measure_draft_curve(
+                    model, min(init_len, 256), graphs=False)
+        self._prefill_scale_graphed = self._prefill_graphed()
         self._writer = PoolWriter(self.pool, graphs=settings.draft_round == "graph")
         if self._writer.graphs:
             logger.info("ouroboros: captured %d CUDA graphs of the step's pool inserts",
@@ -534,10 +541,10 @@ class OuroborosProposer:
         probe's idea, per position)."""
         k = np.arange(1, self.num_spec_tokens + 1)[None, :]
         seen = k <= cut[:, None]
-        for est, hit in ((self._accepted, k <= accepted[:, None]), (self._sent, k <= sent[:, None])):
-            est[slots] += np.where(seen, ESTIMATE_RATE * (hit - est[slots]), 0.0)
-        A = self._accepted[slots]
-        self._accepted[slots] = np.where(seen, A, A + UNSEEN_DRIFT * (self._prior_accepted - A))
+        A, S = self._accepted[slots], self._sent[slots]
+        self._accepted[slots] = np.where(seen, A + ESTIMATE_RATE * ((k <= accepted[:, None]) - A),
+                                         A + UNSEEN_DRIFT * (self._prior_accepted - A))
+        self._sent[slots] = np.where(seen, S + ESTIMATE_RATE * ((k <= sent[:, None]) - S), S)
 
     def _learn(self, slots, n, num_nodes, paths, plen, slen, tokens, tn, num_acc, sfx_idx) -> None:
         """Pool updates and counters from one verification, through one chain per suffix:
@@ -724,17 +731,18 @@ class OuroborosProposer:
         # path is on, else the best one), within the token cap, in flat order. Near
         # max_model_len a row gets only what the scheduler can place: the root sits at position
         # len - 1, so the proposal ends by max_model_len - 1.
-        cap = np.clip(self.max_model_len - 1 - lens_ctx, 0, cut)
+        cap = np.minimum(np.maximum(self.max_model_len - 1 - lens_ctx, 0), cut)
         L = self.cfg.phrase_len
         R = len(rows)
         n_main = np.minimum(out.draft_lens, cap)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
         valid = out.suffix_valid[:, :K]
         order = np.argsort(~valid, axis=1, kind="stable")  # valid suffixes first, in pool order
-        sfx = np.take_along_axis(out.suffixes[:, :K], order[:, :, None], axis=1)
-        lens = np.where(np.take_along_axis(valid, order, axis=1), L, 0)
+        r = np.arange(R)[:, None]
+        sfx = out.suffixes[r, order]
+        lens = np.where(valid[r, order], L, 0)
         before = np.cumsum(lens, axis=1) - lens
-        lens = np.clip(cap[:, None] - n_main[:, None] - before, 0, lens)
+        lens = np.minimum(np.maximum(cap[:, None] - n_main[:, None] - before, 0), lens)
         if self.cfg.use_suffixes is None and lens.any():
             send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft)
             lens[~send] = 0
@@ -743,10 +751,10 @@ class OuroborosProposer:
         src_mat = np.concatenate([out.drafts, sfx.reshape(R, K * L)], axis=1)
         t = np.arange(max(int(total.max()), 1))[None, :]
         u = t - n_main[:, None]
-        k = (u[:, :, None] >= (before + lens)[:, None, :]).sum(2).clip(max=max(K - 1, 0))
-        j = u - np.take_along_axis(before, k, axis=1) if K else u
+        k = np.minimum((u[:, :, None] >= (before + lens)[:, None, :]).sum(2), max(K - 1, 0))
+        j = u - before[r, k] if K else u
         src = np.where(u < 0, t, Dd + k * L + j)
-        chain = np.take_along_axis(src_mat, np.clip(src, 0, src_mat.shape[1] - 1), axis=1)
+        chain = src_mat[r, np.minimum(np.maximum(src, 0), src_mat.shape[1] - 1)]
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
 
@@ -878,9 +886,14 @@ class OuroborosProposer:
         u = lens - cached
         left = np.maximum(self._len_limit[slots] - lens, 1)
         share = np.minimum((1 + np.cumsum(accepted, 1)) / left[:, None], 1.0)  # [B, S]: by draft length
-        graphs = rt.prefill_graphs
         return cost_model.CatchUp(np.where(u > rt.prefill_threshold, u, 0), share, self._prefill_scale,
-                                  graphs.chunk if graphs is not None and graphs.enabled else None)
+                                  rt.prefill_graphs.chunk if self._prefill_graphed() else None)
+
+    def _prefill_graphed(self) -> bool:
+        """Whether the draft's prefill replays chunks from CUDA graphs (else eager forwards:
+        no graph round, or its prefill capture failed, at load or since)."""
+        graphs = self.runtime.prefill_graphs
+        return graphs is not None and graphs.enabled
 
     def _calibrate_draft(self, out, cut: int, seconds: float) -> None:
         """The back-off's draft cost from the rounds that ran: a running ratio, for whole rounds
@@ -900,9 +913,9 @@ class OuroborosProposer:
         chain = rt.drafts_chain(cut)
         n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
         R = len(out.row_forwards)
-        forwards = out.forwards if rt.device_round is not None else float(out.row_forwards.mean())
+        forwards = out.forwards if rt.device_round is not None else int(out.row_forwards.sum()) / R
         modeled = forwards * self.cost(R * n_d)
-        ratio = float(np.clip((seconds - out.prefill_seconds) / max(modeled, 1e-9), 0.25, 4.0))
+        ratio = min(max((seconds - out.prefill_seconds) / max(modeled, 1e-9), 0.25), 4.0)
         k = int(chain)
         self._draft_scale[k] += ESTIMATE_RATE * (ratio - self._draft_scale[k])
         self._draft_scale_rounds[k] += 1
@@ -917,8 +930,15 @@ class OuroborosProposer:
         if not out.prefill_sizes or self.prefill_cost is None or not self.cfg.calibrate_costs:
             return
         modeled = float(self.prefill_cost.at(np.asarray(out.prefill_sizes)).sum())
-        ratio = float(np.clip(out.prefill_seconds / max(modeled, 1e-9), 0.1, 10.0))
-        self._prefill_scale += ESTIMATE_RATE * (ratio - self._prefill_scale)
+        ratio = min(max(out.prefill_seconds / max(modeled, 1e-9), 0.1), 10.0)
+        graphed = self._prefill_graphed()
+        if graphed == self._prefill_scale_graphed:
+            self._prefill_scale += ESTIMATE_RATE * (ratio - self._prefill_scale)
+        else:
+            # A prefill capture failed while serving: the prefill is eager from now on, priced
+            # on the graph curve. Its first measured ratio replaces the graphs' at once, where a
+            # running mean would plan several more catch-ups at a fraction of their cost.
+            self._prefill_scale, self._prefill_scale_graphed = ratio, graphed
 
     def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
                        batch: int, draft_seconds: float) -> np.ndarray:

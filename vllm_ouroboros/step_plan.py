@@ -45,7 +45,7 @@ def truncate_layout(num_scheduled: np.ndarray, draft_len: np.ndarray,
     n_cut = np.where(known, np.minimum(n, c), c)
     rem = np.where(known, c - n_cut, 0)
     before = sl.cumsum(1) - sl
-    sl_cut = np.clip(rem[:, None] - before, 0, sl)
+    sl_cut = np.minimum(np.maximum(rem[:, None] - before, 0), sl)
     return n_cut, sl_cut
 
 

@@ -663,6 +663,19 @@ def test_chunked_prefill_is_charged_per_chunk():
     assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk is None
 
 
+def test_curve_at_one_n_is_the_array_rule_exactly():
+    """CostCurve(n) (Python floats, for the step's few single lookups) gives bit for bit what
+    CostCurve.at gives (np.interp, the slope past the last point) on random curves, at the
+    points themselves, between, below and past them."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        xs = tuple(sorted({int(v) for v in rng.integers(1, 300, rng.integers(1, 9))}))
+        curve = CostCurve(xs, tuple(float(v) for v in rng.random(len(xs)) * 1e-2))
+        for n in [*xs, 0, 0.5, *(rng.random(6) * 400), int(rng.integers(300, 600))]:
+            assert curve(n) == float(curve.at(n)), (curve, n)
+            assert curve(n) == float(curve.at(np.array([n, 1.0]))[0])
+
+
 def test_prefill_scale_restarts_when_the_prefill_graphs_fail():
     """A prefill capture that fails while serving leaves the prefill eager, priced on the graph
     curve: the first eager prefill's measured ratio replaces the graphs' scale at once (a

@@ -372,7 +372,7 @@ def test_graph_replay_equals_eager_device_round(config, recapture, tiny_models, 
     graph = make(path, device, "graph", round_forwards=99, **CONFIGS[config])
     dr = graph.device_round
     if recapture:
-        dr.graph_len = 48
+        dr.bounds.graph_len = 48
         assert dr.capture([1, 3]) > 0  # graphs in the pool before the drop
     V = eager.model.vocab_size
     rng = np.random.default_rng(5)
@@ -381,7 +381,7 @@ def test_graph_replay_equals_eager_device_round(config, recapture, tiny_models, 
         assert np.array_equal(eager.kv_len[slots], graph.kv_len[slots])
     assert dr._states and all(st.graphs for st in dr._states.values())
     if recapture:
-        assert dr.graph_len >= 128, "the graphs were never captured again"
+        assert dr.bounds.graph_len >= 128, "the graphs were never captured again"
 
 
 def _syncs(fn):
@@ -459,7 +459,7 @@ def test_capture_and_replay_bookkeeping(config, early_exit, tiny_models, device)
     rec.device_round = DeviceRound(rec, graphs=True, emulate_graphs=True, early_exit=early_exit)
     dr = rec.device_round
     # Graphs that read 48 cache tokens per row: the 70-token context needs more, a recapture.
-    dr.graph_len = 48
+    dr.bounds.graph_len = 48
     assert dr.capture([1, 3]) > 0  # ahead of time: buckets 1 and 4, all widths
     captured = {A: set(st.graphs) for A, st in dr._states.items()}
     rest = {"rest"} if early_exit else {"step", "finish"}
@@ -475,7 +475,7 @@ def test_capture_and_replay_bookkeeping(config, early_exit, tiny_models, device)
         generations.add(rec.generation)
         assert dr.bounds.generation == rec.generation, "states and graphs kept from a moved cache"
     assert len(generations) > 1, "the cache never grew: the recapture path went untested"
-    assert dr.graph_len >= 128  # doubled for the long context, then again
+    assert dr.bounds.graph_len >= 128  # doubled for the long context, then again
     assert all(st.graphs for st in dr._states.values())
 
 
@@ -601,7 +601,7 @@ def test_conditions_read_nothing(tiny_models, device):
     st = next(iter(dr._states.values()))
     inside: dict = {}
     with no_host_reads(inside):
-        dr._rest(st, dr.graph_len, when)
+        dr._rest(st, dr.bounds.graph_len, when)
     assert inside == {}, f"host reads in the conditional steps: {inside}"
     assert len(preds) == dr.max_forwards - 1
     assert all(p.dtype == torch.bool and p.dim() == 0 and p.device.type == rt.device.type for p in preds)

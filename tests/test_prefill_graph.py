@@ -138,16 +138,16 @@ def test_graphs_are_captured_again_when_the_cache_moves_or_reads_further(tiny_mo
     assert pgs.capture([1]) == 0
     captures = []
     real = pgs._capture
-    monkeypatch.setattr(pgs, "_capture", lambda A: captures.append((A, pgs.graph_len)) or real(A))
-    pgs.graph_len = 128  # a 300-token prompt reads past it: doubled until it fits, captured again
+    monkeypatch.setattr(pgs, "_capture", lambda A: captures.append((A, pgs.bounds.graph_len)) or real(A))
+    pgs.bounds.graph_len = 128  # a 300-token prompt reads past it: doubled until it fits, captured again
     rng = np.random.default_rng(8)
     V = eager.model.vocab_size
     contexts = [rng.integers(3, V, 300).tolist()]
     for out_e, out_g in rounds([eager, graph], contexts, rng, 3):
         assert np.array_equal(out_e.drafts, out_g.drafts)
-    assert pgs.graph_len >= 300 and len(captures) >= 2, captures
+    assert pgs.bounds.graph_len >= 300 and len(captures) >= 2, captures
     lens = [g for _, g in captures]
-    assert lens == sorted(lens) and lens[-1] == pgs.graph_len
+    assert lens == sorted(lens) and lens[-1] == pgs.bounds.graph_len
     # the cache reallocated (more slots: a new block table): the graphs go, captured again on use
     before = len(captures)
     contexts.append(rng.integers(3, V, 200).tolist())

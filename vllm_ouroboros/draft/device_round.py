@@ -198,15 +198,6 @@ class DeviceRound:
         self._recent: list[int] = []  # forwards the last rounds needed
 
     @property
-    def graph_len(self) -> int:
-        """Cache tokens per row a captured forward reads (GraphBounds)."""
-        return self.bounds.graph_len
-
-    @graph_len.setter
-    def graph_len(self, value: int) -> None:
-        self.bounds.graph_len = value
-
-    @property
     def kernels(self) -> str:
         """How the work around each forward runs: "triton" (kernels/round_steps.py) or "torch"."""
         return "torch" if self._prepare is None else "triton"
@@ -486,7 +477,7 @@ class DeviceRound:
         st.real.zero_()
         st.active.zero_()
         st.next_u.fill_(1)
-        bound = self.graph_len  # graphs cannot depend on the round: a bound for every round
+        bound = self.bounds.graph_len  # graphs cannot depend on the round: a bound for every round
         if name.startswith("start"):
             box = self._inbox(st, U)
             box[:, 0], box[:, 2], box[:, 3] = rt.pad_slot, 1, 0

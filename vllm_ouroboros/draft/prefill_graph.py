@@ -77,15 +77,6 @@ class PrefillGraphs:
         self.bounds = GraphBounds(runtime)
         self._col = torch.arange(chunk, device=runtime.device)
 
-    @property
-    def graph_len(self) -> int:
-        """Cache tokens per row a captured chunk forward reads (GraphBounds)."""
-        return self.bounds.graph_len
-
-    @graph_len.setter
-    def graph_len(self, value: int) -> None:
-        self.bounds.graph_len = value
-
     def rows_per_forward(self, n: int) -> list[int]:
         """How a pass of n rows is split into forwards: MAX_ROWS each, then the rest."""
         return [MAX_ROWS] * (n // MAX_ROWS) + ([n % MAX_ROWS] if n % MAX_ROWS else [])
@@ -132,7 +123,7 @@ class PrefillGraphs:
         slots, kv, cnt, ids = box[:, 0], box[:, 1], box[:, 2], box[:, INBOX:]
         model = rt.model
         model.forward(ids, kv[:, None] + self._col[None, :], slots, kv, prefill_mask(cnt, C),
-                      max_cache_len=min(self.graph_len, model.max_len - C))
+                      max_cache_len=min(self.bounds.graph_len, model.max_len - C))
 
     def _capture(self, A: int):
         """Capture bucket A's chunk forward on a neutral inbox (every row padding: the spare

@@ -89,6 +89,20 @@ def assert_same_caches(a, b, slots):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
+def test_prefill_mask_written_out():
+    """prefill_mask by hand: row r's token i sees the real tokens j <= i, and a padding token
+    also itself (its softmax row is never empty); the same with a kept arange as with its own."""
+    count = torch.tensor([3, 0, 5])
+    Q = 5
+    want = torch.zeros(3, Q, Q, dtype=torch.bool)
+    for r, c in enumerate(count.tolist()):
+        for i in range(Q):
+            for j in range(Q):
+                want[r, i, j] = (j <= i and j < c) or (i == j and i >= c)
+    assert torch.equal(pg.prefill_mask(count, Q), want)
+    assert torch.equal(pg.prefill_mask(count, Q, torch.arange(Q)), want)
+
+
 @pytest.mark.parametrize("round_kind", ["host", "device", "graph-emulated"])
 def test_graph_prefill_drafts_what_the_eager_prefill_drafts(tiny_models, device, round_kind):
     path = str(tiny_models["draft"])

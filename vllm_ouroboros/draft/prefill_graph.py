@@ -44,15 +44,16 @@ MAX_ROWS = 16
 INBOX = 3
 
 
-def prefill_mask(count: torch.Tensor, Q: int) -> torch.Tensor:
-    """The mask of a prefill forward of Q tokens per row whose first count[r] are real: causal
-    among a row's real tokens, a padding token seeing only itself (so that its softmax is
-    defined). Shape: count [R] int64 -> [R, Q, Q] bool. The eager and the graph prefill's."""
-    col = torch.arange(Q, device=count.device)
+def prefill_mask(count: torch.Tensor, Q: int, col: torch.Tensor | None = None) -> torch.Tensor:
+    """The mask of a prefill forward of Q tokens per row whose first count[r] are real: a
+    token sees the real tokens up to itself, a padding token also itself (so that its softmax
+    is defined; its output is never read). Shape: count [R] int64 -> [R, Q, Q] bool. The eager and the graph prefill's.
+    col: arange(Q) on count's device where the caller keeps one: a captured chunk then builds
+    its mask from comparisons alone, with nothing allocated or filled at each replay."""
+    col = torch.arange(Q, device=count.device) if col is None else col
+    i, j = col[:, None], col[None, :]
     real = col[None, :] < count[:, None]
-    causal = torch.ones(Q, Q, dtype=torch.bool, device=count.device).tril()
-    eye = torch.eye(Q, dtype=torch.bool, device=count.device)
-    return (causal[None] & real[:, None, :]) | (eye[None] & ~real[:, :, None])
+    return ((i >= j)[None] & real[:, None, :]) | ((i == j)[None] & ~real[:, :, None])
 
 
 class PrefillGraphs:
@@ -122,7 +123,7 @@ class PrefillGraphs:
         box = self._inbox[A]
         slots, kv, cnt, ids = box[:, 0], box[:, 1], box[:, 2], box[:, INBOX:]
         model = rt.model
-        model.forward(ids, kv[:, None] + self._col[None, :], slots, kv, prefill_mask(cnt, C),
+        model.forward(ids, kv[:, None] + self._col[None, :], slots, kv, prefill_mask(cnt, C, self._col),
                       max_cache_len=min(self.bounds.graph_len, model.max_len - C))
 
     def _capture(self, A: int):

@@ -466,7 +466,7 @@ class DraftRuntime:
         Q = toks.shape[1]
         cnt, kv, toks_t, s_t = to_device(self.device, count, self.kv_len[s], toks, s)
         col = torch.arange(Q, device=self.device)
-        self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, prefill_mask(cnt, Q),
+        self.model.forward(toks_t, kv[:, None] + col[None, :], s_t, kv, prefill_mask(cnt, Q, col),
                            max_cache_len=int(self.kv_len[s].max()))
         self._commit(s, toks, count)
 

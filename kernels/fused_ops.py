@@ -18,6 +18,8 @@ CPU torch, numpy in the interpreter, libdevice on CUDA, which torch's CUDA kerne
 
 Kernels launch with `enable_fp_fusion=False`: torch's eager ops round every product, and an FMA
 contracted from `x * cos + rot * sin` would not (fp32 RoPE would then differ in the last bit).
+The tree-attention kernel runs `_rope_half` inside its launch (ROPE_IN) with fusion on, for its
+softmax: there the RoPE itself rounds in inline PTX (PTX_RN), which nothing contracts.
 
 Triton's CPU interpreter (3.9) rounds fp32 -> bf16 casts by truncation, not to nearest even; under
 the interpreter only, bf16 results are rounded in integer arithmetic first (`_round_to`,
@@ -125,11 +127,36 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + offs, out, mask=ok)
 
     @triton.jit
-    def _rope_half(x, rot, c, s, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    def _mul_rn(a, b, PTX_RN: tl.constexpr):
+        # fp32 a * b rounded once, never contracted into an FMA with a later add (inline PTX is
+        # opaque to LLVM and ptxas; libdevice's mul_rn would do it too, but Triton links libdevice
+        # with flush-to-zero, which torch's kernels do not use).
+        if PTX_RN:
+            y = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            y = a * b
+        return y
+
+    @triton.jit
+    def _add_rn(a, b, PTX_RN: tl.constexpr):
+        if PTX_RN:
+            y = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            y = a + b
+        return y
+
+    @triton.jit
+    def _rope_half(x, rot, c, s, dtype: tl.constexpr, SOFT_BF16: tl.constexpr, PTX_RN: tl.constexpr):
         # torch's `x * cos + rot * sin`: both products rounded to dtype, then the sum rounded.
-        a = _round_to(x * c, dtype, SOFT_BF16).to(tl.float32)
-        b = _round_to(rot * s, dtype, SOFT_BF16).to(tl.float32)
-        return _round_to(a + b, dtype, SOFT_BF16)
+        # PTX_RN (compiled for NVIDIA): in mul.rn / add.rn, so that a launch with fp fusion on (the
+        # tree-attention kernel's, for its softmax) cannot make it x * cos + rot * sin with one
+        # rounding fewer, which torch's eager ops never compute (fp32, and bf16 once LLVM narrows
+        # the ops: on an H200 every ROPE_IN case was off by an ulp or two before this).
+        a = _round_to(_mul_rn(x, c, PTX_RN), dtype, SOFT_BF16).to(tl.float32)
+        b = _round_to(_mul_rn(rot, s, PTX_RN), dtype, SOFT_BF16).to(tl.float32)
+        return _round_to(_add_rn(a, b, PTX_RN), dtype, SOFT_BF16)
 
     @triton.jit
     def rope_qkv_write_kernel(
@@ -147,6 +174,7 @@ if triton is not None:
         HKV_PAD: tl.constexpr,       # next power of two >= NUM_KV_HEADS
         HALF_PAD: tl.constexpr,      # next power of two >= HEAD_DIM // 2 (40 -> 64, masked)
         SOFT_BF16: tl.constexpr,
+        PTX_RN: tl.constexpr,
     ):
         # One program per token (grid (Q, B)), all its heads as the rows of one tile: the token's
         # cos/sin and write index are read once for its Hq + 2 Hkv heads, and a token is
@@ -176,8 +204,8 @@ if triton is not None:
         x1 = tl.load(row + col, mask=q_ok, other=0.0).to(tl.float32)
         x2 = tl.load(row + HALF + col, mask=q_ok, other=0.0).to(tl.float32)
         q_row = q_out_ptr + (b.to(tl.int64) * tl.num_programs(0) + j) * (NUM_HEADS * HEAD_DIM)
-        tl.store(q_row + col, _rope_half(x1, -x2, cos1, sin1, dtype, SOFT_BF16), mask=q_ok)
-        tl.store(q_row + HALF + col, _rope_half(x2, x1, cos2, sin2, dtype, SOFT_BF16), mask=q_ok)
+        tl.store(q_row + col, _rope_half(x1, -x2, cos1, sin1, dtype, SOFT_BF16, PTX_RN), mask=q_ok)
+        tl.store(q_row + HALF + col, _rope_half(x2, x1, cos2, sin2, dtype, SOFT_BF16, PTX_RN), mask=q_ok)
 
         # k heads (roped) and v heads (copied) to cache[page, row, h] with index = page *
         # page_size + row. An out-of-range index (a caller bug; torch's index_put would raise) is
@@ -199,8 +227,8 @@ if triton is not None:
         # where, not `kv_ok & in_cache`: the interpreter (3.9) turns a tensor & scalar bool into
         # int32, which tl.store rejects as a mask.
         w_ok = tl.where(in_cache, kv_ok, False)
-        tl.store(k_dst, _rope_half(x1, -x2, cos1, sin1, dtype, SOFT_BF16), mask=w_ok)
-        tl.store(k_dst + HALF, _rope_half(x2, x1, cos2, sin2, dtype, SOFT_BF16), mask=w_ok)
+        tl.store(k_dst, _rope_half(x1, -x2, cos1, sin1, dtype, SOFT_BF16, PTX_RN), mask=w_ok)
+        tl.store(k_dst + HALF, _rope_half(x2, x1, cos2, sin2, dtype, SOFT_BF16, PTX_RN), mask=w_ok)
         v_dst = (v_cache_ptr + page * stride_vc_p + prow * stride_vc_r
                  + hk[:, None].to(tl.int64) * stride_vc_h + offs[None, :])
         # v is copied in its own dtype: no arithmetic, bits unchanged.
@@ -295,6 +323,12 @@ def _next_pow2(x: int) -> int:
 def _launch_ctx(device: torch.device):
     # Triton launches on the current CUDA device.
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def ptx_rn(kernel) -> bool:
+    """Whether `kernel` compiles for an NVIDIA GPU, where _rope_half's PTX_RN rounds in inline
+    PTX (not under the interpreter, which never fuses, nor on ROCm, whose torch has no PTX)."""
+    return not _is_interpreted(kernel) and torch.version.hip is None
 
 
 def _flags(kernel, dtype: torch.dtype) -> dict:
@@ -465,7 +499,7 @@ def rope_qkv_write(
             k_cache.shape[0], k_cache.shape[1],
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=D,
             HQ_PAD=_next_pow2(num_heads), HKV_PAD=_next_pow2(num_kv_heads),
-            HALF_PAD=_next_pow2(D // 2),
+            HALF_PAD=_next_pow2(D // 2), PTX_RN=ptx_rn(kernel),
             num_warps=4, enable_fp_fusion=False, **_flags(kernel, dtype),
         )
     return q

@@ -237,8 +237,11 @@ def insert_triton(pool, keys: torch.Tensor, phrases: torch.Tensor, owners: torch
     if kernel is None or keys.shape[0] > MAX_ROWS:
         return False
     N, L, W, P = keys.shape[0], pool.L, pool.W, pool.num_pages
-    keys, owners, phrases = keys.to(dev).long(), owners.to(dev).long(), phrases.to(dev)
-    valid = None if valid is None else valid.to(dev, torch.bool)
+    # The kernels step keys, owners and valid by one element (phrases by their strides): a column
+    # of a wider table (a caller's packed upload) is copied first, a no-op where contiguous.
+    keys, owners = keys.to(dev).long().contiguous(), owners.to(dev).long().contiguous()
+    phrases = phrases.to(dev)
+    valid = None if valid is None else valid.to(dev, torch.bool).contiguous()
     scratch = torch.empty(3, N, dtype=torch.int32, device=dev)
     kept, page, rank = scratch.unbind(0)
     members = torch.empty(N, W, dtype=torch.int32, device=dev)

@@ -103,8 +103,10 @@ def lookup_triton(pool, keys: torch.Tensor, slots: torch.Tensor, n: int, rows: t
     B = keys.shape[0]
     if kernel is None or B == 0:
         return None
-    keys, slots = keys.to(dev).long(), slots.to(dev).long()
-    rows = None if rows is None else rows.to(dev, torch.bool)
+    # The kernel steps keys, slots and rows by one element: a column of a wider table is copied
+    # first, a no-op where contiguous.
+    keys, slots = keys.to(dev).long().contiguous(), slots.to(dev).long().contiguous()
+    rows = None if rows is None else rows.to(dev, torch.bool).contiguous()
     L, W = pool.L, pool.W
     phrases = torch.empty(B, n, L, dtype=torch.int64, device=dev)
     valid = torch.empty(B, n, dtype=torch.bool, device=dev)

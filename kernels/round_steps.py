@@ -101,7 +101,9 @@ if triton is not None:
         tl.store(lens_ptr + b, kv.to(tl.int32))
         tl.store(query_start_ptr + b, (b * Q).to(tl.int32))
         if b == A - 1:
-            tl.store(query_start_ptr + A, (A * Q).to(tl.int32))
+            # (b + 1) * Q, not A * Q: Triton compiles an int argument equal to 1 as a constant, so
+            # where A = 1 (one request) A * Q is a Python int, which has no `.to`.
+            tl.store(query_start_ptr + b + 1, ((b + 1) * Q).to(tl.int32))
         for p0 in range(0, MP, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
             tl.store(block_rows_ptr + b * MP + p, tl.load(block_table_ptr + slot * MP + p, mask=p < MP),

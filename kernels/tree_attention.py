@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from .fused_ops import ptx_rn
 from .reference import tree_attention_reference
 from .triton_runtime import import_triton, pick_kernel
 from .triton_runtime import is_interpreted as _is_interpreted
@@ -135,6 +136,7 @@ if triton is not None:
         ROPE_IN: tl.constexpr,       # q and the tree's k, v from the projection (RoPE applied
                                      # here), the tree's k, v written to the cache (the draft's)
         SOFT_BF16: tl.constexpr,     # interpreter + bf16 only (fused_ops._round_to)
+        PTX_RN: tl.constexpr,        # ROPE_IN's RoPE in mul.rn / add.rn PTX (fused_ops._rope_half)
     ):
         # One program per (block of BLOCK_Q tree nodes, kv head, request), times S with SPLIT_KV.
         # Its tile rows are the BLOCK_Q nodes x the GROUP query heads of this kv head (row m = node
@@ -192,7 +194,7 @@ if triton is not None:
             c = tl.load(cos_ptr + q_row[:, None] * stride_ct + offs_d[None, :], mask=qmask, other=0.0)
             sn = tl.load(sin_ptr + q_row[:, None] * stride_st + offs_d[None, :], mask=qmask, other=0.0)
             q = _rope_half(x, tl.where(first[None, :], -xp, xp), c.to(tl.float32), sn.to(tl.float32),
-                           dtype, SOFT_BF16)
+                           dtype, SOFT_BF16, PTX_RN)
         else:
             q_off = q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
             q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -234,7 +236,7 @@ if triton is not None:
                 ck = tl.load(cos_ptr + t_row[None, :] * stride_ct + offs_d[:, None], mask=kmask, other=0.0)
                 sk = tl.load(sin_ptr + t_row[None, :] * stride_st + offs_d[:, None], mask=kmask, other=0.0)
                 k_t = _rope_half(xk, tl.where(first[:, None], -xkp, xkp), ck.to(tl.float32),
-                                 sk.to(tl.float32), dtype, SOFT_BF16)
+                                 sk.to(tl.float32), dtype, SOFT_BF16, PTX_RN)
                 vmask = j_ok[:, None] & d_ok[None, :]
                 v_src = qkv_ptr + t_row[:, None] * stride_xt + ((num_kv * GROUP + num_kv + kvh) * HEAD_DIM
                                                                 + offs_d[None, :])
@@ -599,7 +601,9 @@ class TreeAttentionPlan:
             else _pick_kernel(device)
         for name, t in (("block_table", block_table), ("prefix_lens", prefix_lens),
                         ("query_start", query_start), ("tree_mask", tree_mask)):
-            if t.stride(-1) != 1:
+            # A one-entry axis has any stride (a column of an [A, n] inbox at A = 1 keeps the
+            # row stride through `.to(int32)`): the kernel never steps along it.
+            if t.stride(-1) != 1 and t.shape[-1] > 1:
                 raise ValueError(f"{name} must be contiguous in its last axis, strides {t.stride()}")
         self.q_shape, self.kv_shape, self.dtype, self.device = q.shape, k_cache.shape, q.dtype, device
         self.meta = (block_table, prefix_lens, query_start, tree_mask)
@@ -625,7 +629,8 @@ class TreeAttentionPlan:
                                                           prefix_bound, device, num_splits, tiles)
         interpreted_bf16 = q.dtype == torch.bfloat16 and _is_interpreted(kernel)
         cfg.update(GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=self.num_splits > 1,
-                   UPCAST_DOT=interpreted_bf16, SOFT_BF16=interpreted_bf16)
+                   UPCAST_DOT=interpreted_bf16, SOFT_BF16=interpreted_bf16,
+                   PTX_RN=ptx_rn(kernel))
         self.cfg = cfg
         # The q block is the fastest grid axis: the programs that stream the same request's K/V
         # (same b, same kv head, same split) are launched together and share those reads through L2.
@@ -669,7 +674,8 @@ class TreeAttentionPlan:
         want = {"qkv": (T, (hq + 2 * hkv) * d), "cos": (T, d), "sin": (T, d), "write_index": (T,)}
         for name, t in zip(want, rope):
             dtype = torch.int64 if name == "write_index" else self.dtype
-            if tuple(t.shape) != want[name] or t.dtype != dtype or t.device != self.device or t.stride(-1) != 1:
+            strided = t.stride(-1) != 1 and t.shape[-1] > 1  # a one-entry axis has any stride
+            if tuple(t.shape) != want[name] or t.dtype != dtype or t.device != self.device or strided:
                 raise ValueError(f"rope's {name} must be {want[name]} {dtype} on {self.device} with a unit "
                                  f"last stride, got {tuple(t.shape)} {t.dtype} on {t.device}, strides "
                                  f"{t.stride()}")

@@ -88,14 +88,38 @@ def not_compilable_reason(kernel) -> str | None:
     return None if isinstance(kernel, triton.JITFunction) else "TRITON_INTERPRET is set: unset it for --compile-only"
 
 
+def ones_specialised(fn, signature: dict, constexprs: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) of the binary Triton's launcher compiles when every int argument
+    it specialises is 1: it then passes the argument as the constant 1, so an expression of
+    such arguments alone is a Python int inside the kernel (`(A * Q).to(...)` fails to compile
+    where A = 1, a one-request batch; the CPU interpreter never specialises, so only a GPU or
+    this compile shows it). Arguments in `do_not_specialize` stay as they are."""
+    sig, consts = dict(signature), dict(constexprs)
+    for p in fn.params:
+        if not p.is_constexpr and not p.do_not_specialize and sig.get(p.name) in ("i32", "i64"):
+            sig[p.name], consts[p.name] = "constexpr", 1
+    return sig, consts
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+
+
 def compile_report(fn, signature: dict, constexprs: dict, options: dict, arch: int) -> tuple[object, str, int]:
     """compile_for_nvidia for a table that reports every configuration: (compiled, usage, 0), or
-    (None, "FAILED: <error and its first line>", 1) where the compiler raises."""
+    (None, "FAILED: <error and its first line>", 1) where the compiler raises, for these
+    arguments or for the same with every specialisable int argument 1 (ones_specialised)."""
     try:
         compiled, usage = compile_for_nvidia(fn, signature, constexprs, options, arch)
-        return compiled, usage, 0
     except Exception as e:  # noqa: BLE001 - the table goes on; the caller's exit status says it failed
-        return None, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}", 1
+        return None, f"FAILED: {_first_line(e)}", 1
+    ones = ones_specialised(fn, signature, constexprs)
+    if ones != (signature, constexprs):
+        try:
+            compile_for_nvidia(fn, *ones, options, arch)
+        except Exception as e:  # noqa: BLE001
+            return None, f"FAILED with its int arguments 1, as Triton specialises them: {_first_line(e)}", 1
+    return compiled, usage, 0
 
 
 def check_once(cache: dict, kernel, device, import_error: str | None, differs) -> str | None:

@@ -218,7 +218,7 @@ def compile_only(archs: list[int]) -> int:
             opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
             for split in (False, True):
                 consts = dict(cfg, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, SPLIT_KV=split,
-                              UPCAST_DOT=False, ROPE_IN=rope, SOFT_BF16=False)
+                              UPCAST_DOT=False, ROPE_IN=rope, SOFT_BF16=False, PTX_RN=True)
                 usage, smem, bad = build(kernel, _signature(kernel, ptr_of[dtype]), consts, opts, arch)
                 rc |= bad
                 print(f"{arch:>5} {dtype:>8} {group:>2} {head_dim:>4} {tree:>4} {cfg['BLOCK_M']:>3} "

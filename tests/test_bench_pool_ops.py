@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "scripts" / "bench_pool_ops.py")
 
@@ -31,6 +35,11 @@ def test_torch_forms_time_and_agree():
 
 
 def test_kernel_forms_are_checked_under_the_interpreter():
+    if CUDA:
+        pytest.skip("this machine has CUDA: there the kernel forms run compiled (tests/test_pool_kernels.py, "
+                    "gpu_check's pool_ops), and Triton 3.6's interpreter under numpy 2.5, the lent GPU "
+                    "machines' pair, cannot take the kernels' loaded loop bounds ('only 0-dimensional "
+                    "arrays can be converted')")
     out = run("--rows", "8", "40", "--vocab", "300", "--pages", "16", "--calls", "2", "--device", "cpu",
               interpret=True)
     lines = out.splitlines()
@@ -45,8 +54,6 @@ def test_kernels_compile_for_nvidia_without_spills():
     # block size too large for the registers (kernels/pool_insert._ROWS)
     import importlib.util
 
-    import pytest
-
     spec = importlib.util.find_spec("triton")
     tools = Path(spec.origin).parent / "backends" / "nvidia" / "bin" if spec else None
     if tools is None or not all((tools / t).exists() for t in ("ptxas", "cuobjdump")):
@@ -57,7 +64,8 @@ def test_kernels_compile_for_nvidia_without_spills():
 
 
 def test_launch_counts():
-    out = run("--launches", "--rows", "16", "--vocab", "300", "--pages", "64", interpret=True)
+    # Compiled where there is CUDA (see the skip above), the same launches
+    out = run("--launches", "--rows", "16", "--vocab", "300", "--pages", "64", interpret=not CUDA)
     rows = {tuple(c.strip() for c in ln.split("|")[1:4]): tuple(int(c) for c in ln.split("|")[4:6])
             for ln in out.splitlines() if ln.startswith(("| insert", "| lookup"))}
     assert rows[("insert", "16", "triton")] == (3, 4) and rows[("lookup", "16", "triton")] == (1, 1), out

@@ -47,6 +47,10 @@ def test_kernels_match_the_torch_pool(trial):
         phrases = rnd(3, n, L)
         owners = rnd(4, n, lo=-1)
         valid = None if rng.random() < 0.3 else torch.rand(n, generator=g, device=DEVICE) < 0.8
+        if step % 2:  # rows as columns of wider tables, as a packed upload hands them over
+            keys, owners = (torch.stack([t, -t, t], 1)[:, 2] for t in (keys, owners))
+            valid = None if valid is None else torch.stack([~valid, valid], 1)[:, 1]
+            phrases = phrases.T.contiguous().T
         op, new, m, out = rng.random(), rnd(3, n, L), rng.randint(1, W), []
         for p in pools:
             if op < 0.6:
@@ -64,8 +68,11 @@ def test_kernels_match_the_torch_pool(trial):
             assert all(torch.equal(a, b) for a, b in zip(*out)), (trial, step)
         if step % 3 != 2:
             continue
-        # every key for every owner: what a reader sees (and the recency and counters it moves)
+        # every key for every owner: what a reader sees (and the recency and counters it moves);
+        # the keys a column of a wider table at every other check
         keys = torch.arange(-1, V + 1, device=DEVICE).repeat(5)
+        if step % 6 == 5:
+            keys = torch.stack([keys, keys + 1], 1)[:, 0]
         owners = torch.arange(-1, 4, device=DEVICE).repeat_interleave(V + 2)
         got = [p.lookup(keys, owners, W) for p in pools]
         assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), (trial, step)

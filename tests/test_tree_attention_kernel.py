@@ -477,6 +477,23 @@ def test_wrapper_rejects_bad_inputs():
         tree_attention(**{**batch, **too_big}, backend="triton")
 
 
+def test_one_request_metadata_may_be_a_column_of_a_wider_table():
+    """One request's prefix_lens is one entry: a column of an [A, n] inbox at A = 1 keeps the row
+    stride through `.to(int32)` (the graph prefill's), and the kernel never steps along it. It
+    was refused as non-contiguous on a GPU, so the prefill's graphs were never captured there."""
+    rng = random.Random(9)
+    batch, _, _ = make_batch([37], [random_parents("chain", 5, rng)], hkv=2, group=2, head_dim=32,
+                             block_size=16, seed=9)
+    batch = on_device(batch)
+    inbox = torch.zeros(1, 67, dtype=torch.long, device=DEVICE)
+    inbox[0, 1] = batch["prefix_lens"][0]
+    column = inbox[:, 1].to(torch.int32)
+    assert column.stride() == (67,)  # what `.to` keeps for a one-entry tensor
+    want = tree_attention(**batch, backend="triton")
+    got = tree_attention(**{**batch, "prefix_lens": column}, backend="triton")
+    assert torch.equal(got, want)
+
+
 def test_ancestor_bitmask_hand_made():
     #   request 0:  0 ── 1 ── 2          request 1 (2 nodes + padding):  0 ── 1
     #               │    └─── 3 ── 4

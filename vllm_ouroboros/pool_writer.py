@@ -61,7 +61,9 @@ class PoolWriter:
         self.pool = pool
         self.graphs = graphs
         self.emulate = emulate_graphs
-        self._boxes: dict[int, torch.Tensor] = {}  # bucket -> [Nb, 3 + L] int64, on the device
+        # bucket -> [3 + L, Nb] int64 on the device, one row per field: keys, owners and the
+        # valid flags are then contiguous, as the pool's insert kernels read them
+        self._boxes: dict[int, torch.Tensor] = {}
         self._replays: dict[int, object] = {}  # bucket -> captured graph
         self._graph_pool = None
         self.replayed = 0  # inserts that ran from a graph (the rest ran eagerly)
@@ -100,10 +102,10 @@ class PoolWriter:
         if not self.graphs or N > BUCKETS[-1] or not self._ready(Nb):
             self.pool.insert(*to_device(self.pool.device, keys, phrases, owners))
             return
-        packed = np.zeros((Nb, _HEAD + self.pool.L), np.int64)
-        packed[:, 0] = -1
-        packed[:N, 0], packed[:N, 1], packed[:N, 2] = keys, owners, 1
-        packed[:N, _HEAD:] = phrases
+        packed = np.zeros((_HEAD + self.pool.L, Nb), np.int64)
+        packed[0] = -1
+        packed[0, :N], packed[1, :N], packed[2, :N] = keys, owners, 1
+        packed[_HEAD:, :N] = phrases.T
         copy_into(self._boxes[Nb], packed)
         self._replays[Nb].replay()
         self.replayed += 1
@@ -121,12 +123,12 @@ class PoolWriter:
         where the capture fails."""
         if Nb in self._replays:
             return True
-        box = torch.zeros(Nb, _HEAD + self.pool.L, dtype=torch.long, device=self.pool.device)
-        box[:, 0] = -1  # a neutral insert: every row masked
+        box = torch.zeros(_HEAD + self.pool.L, Nb, dtype=torch.long, device=self.pool.device)
+        box[0] = -1  # a neutral insert: every row masked
         pool = self.pool
 
         def fn():
-            pool.insert(box[:, 0], box[:, _HEAD:], box[:, 1], valid=box[:, 2] > 0)
+            pool.insert(box[0], box[_HEAD:].T, box[1], valid=box[2] > 0)
 
         try:
             if self.emulate:

@@ -1,7 +1,8 @@
 """draft/fusion_choice.py: which of the draft's optional fusions an engine keeps after timing
 them at load. The decision with given timings (either side faster, per width, ties), the
 switch left as the caller set it where there is nothing to choose or the timing fails, the
-widths where a fusion does not change the forward left untimed; then the real timer on the
+widths where a fusion does not change the forward left untimed, both switches judged together
+(every combination timed, what fails left out); then the real timer on the
 tiny draft (Triton under the interpreter on a CPU, compiled on CUDA): the forms' outputs are
 the same and the choice is what its own timings say."""
 
@@ -117,49 +118,77 @@ def test_a_failed_timing_leaves_the_switch_on_and_raises(draft):
     assert draft.norm_gemm
 
 
-def test_choose_all_turns_off_what_fails_while_timed(draft, caplog):
-    """In the engine (choose_all) a fusion whose forward fails while timed goes off with a
-    warning, and the others are still timed."""
+def both_timer(ms: dict, seen: list):
+    """timer(model, n) for both switches: seconds ms[(rope, norm_gemm, n)] as set at the
+    timer's making; each call records whether it ran under that form."""
+    def make(model, n):
+        form = (model.rope_in_attention, model.norm_gemm)
+        return lambda: seen.append((model.rope_in_attention, model.norm_gemm) == form) or ms[(*form, n)] / 1e3
+    return make
+
+
+def test_choose_all_judges_the_switches_together(draft, caplog):
+    """Every combination is timed and the fastest kept. Timed one after the other (RoPE first,
+    beside the products still on, as before) these timings would keep neither: RoPE loses
+    beside the slow products (3.50 vs 3.48 ms), then the products go off (2.58 ms), where RoPE
+    without the products is the fastest form (2.507 ms)."""
     draft.rope_in_attention = True
     draft.attention_backend = "triton"  # so that RoPE inside the attention applies here
-
-    def make(model, n):  # norm_gemm stays on while RoPE is timed; its own "off" form fails
-        if not model.norm_gemm:
-            raise RuntimeError("out of resources: shared memory (test)")
-        return lambda: 0.001
-
-    log = logging.getLogger(LOGGER_NAME)
-    log.addHandler(caplog.handler)
-    real = fc.choose
-    try:
-        fc.choose = lambda *a, **k: real(*a, **{**k, "timer": make})
-        out = fc.choose_all(draft, [1], False, reps=1)
-    finally:
-        fc.choose = real
-        log.removeHandler(caplog.handler)
-    assert [t.name for t in out] == ["rope_in_attention"] and not draft.norm_gemm
-    assert "norm_gemm is off: its forward failed while timed (RuntimeError: out of resources" in caplog.text
-
-
-def test_choose_all_times_the_named_switches_in_order(draft, monkeypatch, caplog):
-    order = []
-
-    def choose(model, name, *a, **k):
-        order.append(name)
-        return fc.FusionTiming(name, (1,), (1.0,), (2.0,), True)
-    monkeypatch.setattr(fc, "choose", choose)
+    ms = {(True, True, 1): 1.30, (True, True, 34): 2.20, (False, True, 1): 1.28, (False, True, 34): 2.20,
+          (True, False, 1): 1.168, (True, False, 34): 1.339, (False, False, 1): 1.20, (False, False, 34): 1.38}
+    seen = []
     log = logging.getLogger(LOGGER_NAME)  # vLLM's logging config may stop it propagating
     log.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
-            out = fc.choose_all(draft, [1], False, names=["norm_gemm", "rope_in_attention"])
+            out = fc.choose_all(draft, [34, 1], False, reps=2, timer=both_timer(ms, seen))
     finally:
         log.removeHandler(caplog.handler)
-    assert order == ["rope_in_attention", "norm_gemm"] and [t.name for t in out] == order
-    assert "norm_gemm on (on vs off: 1 tokens 1.000 vs 2.000 ms)" in caplog.text
-    order.clear()
-    fc.choose_all(draft, [1], False, names=["norm_gemm"])
-    assert order == ["norm_gemm"]
+    assert draft.rope_in_attention and not draft.norm_gemm
+    assert len(seen) == 4 * 2 * (1 + 2) and all(seen)  # 4 forms x 2 widths, warm-up and 2 reps
+    rope, prod = out
+    assert (rope.name, rope.widths, rope.kept, prod.name, prod.kept) == (
+        "rope_in_attention", (1, 34), True, "norm_gemm", False)
+    # each side: the fastest combination with the switch on / off
+    assert rope.on_ms == pytest.approx((1.168, 1.339)) and rope.off_ms == pytest.approx((1.20, 1.38))
+    assert prod.on_ms == pytest.approx((1.28, 2.20)) and prod.off_ms == pytest.approx((1.168, 1.339))
+    assert "rope_in_attention on (on vs off: 1 tokens 1.168 vs 1.200 ms, 34 tokens 1.339 vs 1.380 ms)" \
+        in caplog.text and "norm_gemm off (on vs off:" in caplog.text
+    # only the named switches: RoPE is left as it is, the products timed beside it
+    draft.norm_gemm, seen[:] = True, []
+    (only,) = fc.choose_all(draft, [1, 34], False, names=["norm_gemm"], reps=1, timer=both_timer(ms, seen))
+    assert only.name == "norm_gemm" and not only.kept and draft.rope_in_attention and len(seen) == 2 * 2 * 2
+
+
+def test_choose_all_turns_off_what_fails_while_timed(draft, caplog):
+    """In the engine (choose_all) a fusion whose forwards all fail while timed goes off with a
+    warning; the combinations without it are still timed and chosen among."""
+    draft.rope_in_attention = True
+    draft.attention_backend = "triton"
+
+    def make(model, n):
+        if model.norm_gemm:
+            raise RuntimeError("out of resources: shared memory (test)")
+        return lambda: 0.001 if model.rope_in_attention else 0.002
+
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(caplog.handler)
+    try:
+        out = fc.choose_all(draft, [1], False, reps=1, timer=make)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert [t.name for t in out] == ["rope_in_attention"] and out[0].kept
+    assert draft.rope_in_attention and not draft.norm_gemm
+    assert "norm_gemm is off: its forward failed while timed" in caplog.text
+    assert ("forward with rope_in_attention and norm_gemm failed while timed (RuntimeError: out of resources"
+            in caplog.text)
+    # every form failing: every switch off
+    draft.rope_in_attention = draft.norm_gemm = True
+
+    def broken(model, n):
+        raise RuntimeError("no device (test)")
+    assert fc.choose_all(draft, [1], False, reps=1, timer=broken) == []
+    assert not draft.rope_in_attention and not draft.norm_gemm
 
 
 @pytest.mark.usefixtures("one_thread", "triton_interpreter")

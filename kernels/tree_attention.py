@@ -25,6 +25,7 @@ import contextlib
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -424,8 +425,11 @@ def _tile_config(dtype: torch.dtype, group_pad: int, head_dim_pad: int, max_quer
     )
 
 
-# Split-KV heuristic constants. Guesses, NOT TUNED ON A GPU: each is a named knob to time first.
+# Split-KV heuristic constants.
 MAX_SPLITS = 64  # bounds the scratch (T x Hq x S x (D + 2) fp32) and the merge tile (S x D)
+# The two thresholds below are guesses, never timed on a GPU, and serve only where no rule was
+# measured for the shapes and device (`SplitRule`, kernels/split_tuning.py, which the draft's and
+# the target's kernel checks run on CUDA).
 # A split shorter than this costs about as much in its partial-state store (M x (D + 2) fp32 ~ one
 # bf16 K+V tile) and in the merge as it saves in key tiles.
 MIN_SPLIT_TOKENS = 256
@@ -434,24 +438,74 @@ MIN_SPLIT_TOKENS = 256
 MIN_PREFIX_TO_SPLIT = 1024
 
 
+@dataclass(frozen=True)
+class SplitRule:
+    """choose_num_splits' two thresholds: no split below `min_prefix` prefix tokens, no chunk
+    shorter than `min_chunk` tokens. `measured`: how they were measured, "" for the shipped
+    guesses."""
+
+    min_prefix: int = MIN_PREFIX_TO_SPLIT
+    min_chunk: int = MIN_SPLIT_TOKENS
+    measured: str = ""
+
+
+@dataclass(frozen=True)
+class SplitKey:
+    """What a measured SplitRule holds for: the device, the kernel's dtype and shapes, and whether
+    the call is replayed from a CUDA graph (device time alone) or launched eagerly (the merge's
+    second launch also costs host time)."""
+
+    device: str
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    graphed: bool
+
+
+_SPLIT_RULES: dict[SplitKey, SplitRule] = {}
+
+
+def register_split_rule(key: SplitKey, rule: SplitRule) -> None:
+    """Every later plan for `key` splits by `rule` (a process-wide table, like an autotuner's
+    cache). Plans made already keep their S."""
+    _SPLIT_RULES[key] = rule
+
+
+def split_rule(key: SplitKey) -> SplitRule:
+    """The rule measured for `key`, else the shipped thresholds."""
+    return _SPLIT_RULES.get(key, _DEFAULT_SPLIT_RULE)
+
+
+def clear_split_rules() -> None:
+    """Forget every measured rule (tests)."""
+    _SPLIT_RULES.clear()
+
+
+_DEFAULT_SPLIT_RULE = SplitRule()
+
+
 @functools.lru_cache(maxsize=1024)  # called on every launch: a dict hit instead of the S loop
 def choose_num_splits(batch: int, num_kv_heads: int, num_q_blocks: int, num_sms: int,
-                      max_prefix_len: int, block_n: int, max_splits: int = MAX_SPLITS) -> int:
+                      max_prefix_len: int, block_n: int, max_splits: int = MAX_SPLITS,
+                      min_prefix: int = MIN_PREFIX_TO_SPLIT, min_chunk: int = MIN_SPLIT_TOKENS) -> int:
     """How many chunks S to cut each request's prefix into, from host-known shapes only.
 
     FlashAttention-2's `num_splits_heuristic` with this kernel's tiles: no split once the
     single-pass grid (batch x num_kv_heads x num_q_blocks programs, one per SM at the register use
-    of `_TILES`) covers 80% of the SMs; otherwise the smallest S whose last wave of programs is at
-    least 85% as full as the best S's, among the S that each shorten the longest chunk (in
-    key tiles of block_n) and leave chunks of at least MIN_SPLIT_TOKENS. `max_prefix_len` is an
+    of `_TILES`) covers 80% of the SMs, nor below `min_prefix` prefix tokens; otherwise the
+    smallest S whose last wave of programs is at least 85% as full as the best S's, among the S
+    that each shorten the longest chunk (in key tiles of block_n) and leave chunks of at least
+    `min_chunk` tokens (min_prefix, min_chunk: a SplitRule's). `max_prefix_len` is an
     upper bound (the block table's width in tokens, or the caller's hint); a loose bound only makes
     the last splits empty.
     """
     programs = batch * num_kv_heads * num_q_blocks
-    if programs <= 0 or programs >= 0.8 * num_sms or max_prefix_len < MIN_PREFIX_TO_SPLIT:
+    if programs <= 0 or programs >= 0.8 * num_sms or max_prefix_len < max(1, min_prefix):
         return 1
     tiles = -(-max_prefix_len // block_n)
-    most = min(max_splits, num_sms, max_prefix_len // MIN_SPLIT_TOKENS)
+    most = min(max_splits, num_sms, max_prefix_len // max(1, min_chunk))
 
     def wave_efficiency(s: int) -> float:
         waves = programs * s / num_sms
@@ -481,18 +535,29 @@ def _merge_warps(splits_pad: int, head_dim_pad: int) -> int:
     return max(1, min(8, splits_pad * head_dim_pad // 512))
 
 
+def _capturing(device: torch.device) -> bool:
+    # A host-side query (no sync); a plan made under capture is replayed from the graph.
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _launch_plan(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, batch: int,
                  max_query_len: int, prefix_bound: int, device: torch.device,
                  num_splits: int | None = None,
-                 tiles: tuple[int, int, int, int] | None = None) -> tuple[dict, int, int]:
+                 tiles: tuple[int, int, int, int] | None = None,
+                 block_size: int = 0) -> tuple[dict, int, int]:
     """(tile config, q blocks per request, S) of one `tree_attention` call; host values only.
-    The benchmark prints the S chosen here."""
+    S follows the SplitRule measured for these shapes on `device` (graph-replayed where a CUDA
+    graph is being captured, else eager), or the shipped thresholds. The benchmark prints the S
+    chosen here."""
     group_pad = _next_pow2(num_heads // num_kv_heads)
     cfg = _tile_config(dtype, group_pad, max(16, _next_pow2(head_dim)), max_query_len, tiles)
     num_q_blocks = -(-max_query_len // cfg["BLOCK_Q"])
     if num_splits is None:
+        rule = split_rule(SplitKey(str(device), dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                   _capturing(device))) if _SPLIT_RULES else _DEFAULT_SPLIT_RULE
         num_splits = choose_num_splits(batch, num_kv_heads, num_q_blocks, _num_sms(device),
-                                       prefix_bound, cfg["BLOCK_N"])
+                                       prefix_bound, cfg["BLOCK_N"], MAX_SPLITS,
+                                       rule.min_prefix, rule.min_chunk)
     return cfg, num_q_blocks, num_splits
 
 
@@ -626,7 +691,7 @@ class TreeAttentionPlan:
         self.empty = max_query_len <= 0
         prefix_bound = block_table.shape[1] * block_size if max_prefix_len is None else max_prefix_len
         cfg, num_q_blocks, self.num_splits = _launch_plan(q.dtype, hq, hkv, head_dim, batch, max_query_len,
-                                                          prefix_bound, device, num_splits, tiles)
+                                                          prefix_bound, device, num_splits, tiles, block_size)
         interpreted_bf16 = q.dtype == torch.bfloat16 and _is_interpreted(kernel)
         cfg.update(GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=self.num_splits > 1,
                    UPCAST_DOT=interpreted_bf16, SOFT_BF16=interpreted_bf16,

@@ -734,12 +734,15 @@ def kernel_section(args, device: torch.device, budget: Budget, skipped: dict) ->
 
     from vllm_ouroboros.kernels.tree_attention import tree_attention
 
-    rows = []
+    rows, split_rules = [], {}
     if device.type == "cuda":
         dtype = torch.bfloat16
         configs = [(b, p, n, d, 32, 8, 16) for d in args.kernel_head_dim for b in args.kernel_batch
                    for p in args.kernel_prefix for n in args.kernel_tree]
         configs = configs[:1] if args.tiny else configs  # --tiny: the code path, not the table
+        if not args.kernel_shipped_splits:
+            for d in sorted({c[3] for c in configs}):
+                split_rules[d] = tune_kernel_splits(d, dtype, tuple(args.kernel_tree), device)
     else:
         dtype = torch.float32
         configs = [(2, 21, 9, 32, 4, 2, 16)]  # bench_tree_attention.cpu_smoke's case
@@ -762,23 +765,55 @@ def kernel_section(args, device: torch.device, budget: Budget, skipped: dict) ->
         kernel()
         err = (out.float() - bta.tree_attention_reference(**kargs).float()).abs().max().item()
         g_ratio = g_kernel / g_sdpa if g_kernel and g_sdpa else None
+        splits = {mode: _kernel_splits(kargs, n, hq, hkv, block, mode == "graph") for mode in ("eager", "graph")}
         rows.append({"batch": b, "prefix": p, "tree": n, "head_dim": d, "q_heads": hq, "kv_heads": hkv,
-                     "block": block, "dtype": str(dtype).removeprefix("torch."), "kernel_ms": t_kernel,
+                     "block": block, "dtype": str(dtype).removeprefix("torch."), "splits": splits, "kernel_ms": t_kernel,
                      "sdpa_ms": t_sdpa, "ratio": t_kernel / t_sdpa, "kernel_graph_ms": g_kernel,
                      "sdpa_graph_ms": g_sdpa, "graph_ratio": g_ratio, "max_abs_err": err, "sdpa_mode": sdpa_mode})
         graph = (f"  graph: kernel {g_kernel:8.4f} SDPA {g_sdpa:8.4f} ratio {g_ratio:5.2f}" if g_ratio else "")
-        print(f"  B={b:>2} prefix={p:>5} tree={n:>2} D={d:>3}: kernel {t_kernel:8.4f} ms  SDPA "
+        print(f"  B={b:>2} prefix={p:>5} tree={n:>2} D={d:>3} S={splits['eager']}/{splits['graph']}: "
+              f"kernel {t_kernel:8.4f} ms  SDPA "
               f"{t_sdpa:8.4f} ms  ratio {t_kernel / t_sdpa:5.2f}{graph}  err {err:.1e}", flush=True)
         del kargs, dq, dk, dv, out
     worst = max(rows, key=lambda r: r["ratio"])
     graphed = [r["graph_ratio"] for r in rows if r["graph_ratio"] is not None]
-    return {"interpreted": device.type != "cuda", "rows": rows, "worst_ratio": worst["ratio"],
+    return {"interpreted": device.type != "cuda", "rows": rows, "split_rules": split_rules,
+            "worst_ratio": worst["ratio"],
             "worst_graph_ratio": max(graphed) if len(graphed) == len(rows) else None,
             "complete": len(rows) == len(configs), "configs": len(configs),
             "worst": {k: worst[k] for k in ("batch", "prefix", "tree", "head_dim")}}
 
 
 KERNEL_TARGET = 1.25  # issue 15: the kernel within 1.25x of SDPA at every configuration
+
+
+def tune_kernel_splits(head_dim: int, dtype: torch.dtype, trees: tuple[int, ...], device: torch.device) -> dict:
+    """The split rules of the kernel table's shapes (Hq 32, Hkv 8, 16-token pages) at this head
+    dim, measured and registered as the plugin's kernel check does at load (kernels/
+    split_tuning.py), eager and graph-replayed: {"eager" / "graph": {min_prefix, min_chunk} or
+    None where the measurement failed (the shipped thresholds then hold)}."""
+    from vllm_ouroboros.kernels.split_tuning import tune_splits
+
+    t0 = time.perf_counter()
+    kv = torch.randn(2, 16, 16, 8, head_dim, device=device).to(dtype)  # pages the prefixes map onto
+    rules = tune_splits(kv[0], kv[1], 32, nodes=trees)
+    out = {"graph" if g else "eager": ({"min_prefix": rules[g].min_prefix, "min_chunk": rules[g].min_chunk}
+                                       if g in rules else None) for g in (True, False)}
+    print(f"  split rules, D={head_dim}: {out} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return out
+
+
+def _kernel_splits(kargs: dict, n: int, hq: int, hkv: int, block: int, graphed: bool) -> int:
+    """The S a kernel-table call picks, eager or under capture (the rule registered for that mode)."""
+    from vllm_ouroboros.kernels import tree_attention as ta
+
+    q, bound = kargs["q"], kargs["block_table"].shape[1] * block
+    d = q.shape[2]
+    cfg, nq, _ = ta._launch_plan(q.dtype, hq, hkv, d, kargs["block_table"].shape[0], n, bound, q.device, 1,
+                                 None, block)
+    rule = ta.split_rule(ta.SplitKey(str(q.device), q.dtype, hq, hkv, d, block, graphed))
+    return ta.choose_num_splits(kargs["block_table"].shape[0], hkv, nq, ta._num_sms(q.device), bound,
+                                cfg["BLOCK_N"], ta.MAX_SPLITS, rule.min_prefix, rule.min_chunk)
 
 
 def kernel_tiles_section(args, device: torch.device, kern: dict, budget: Budget, skipped: dict) -> dict:
@@ -1191,12 +1226,20 @@ def _md_kernel(k: dict | None) -> list[str]:
     lines = ["", f"## Tree-attention kernel vs SDPA{note}: worst ratio {k['worst_ratio']:.2f} at {k['worst']}", "",
              "Eager: back-to-back calls (host wrapper and launches included); graph: replayed from a CUDA graph "
              "(device time).", "",
-             "| batch | prefix | tree | D | kernel ms | SDPA ms | ratio | graph kernel ms | graph SDPA ms | graph ratio "
-             "| max err |", "|---" * 11 + "|"]
-    return lines + [f"| {r['batch']} | {r['prefix']} | {r['tree']} | {r['head_dim']} | {r['kernel_ms']:.4f} | "
+             "S: prefix splits, eager / graph, by the split rules measured first (kernels/split_tuning.py): "
+             + (", ".join(f"D {d}: {v}" for d, v in k.get("split_rules", {}).items()) or "not measured: shipped thresholds")
+             + ".", "",
+             "| batch | prefix | tree | D | S | kernel ms | SDPA ms | ratio | graph kernel ms | graph SDPA ms | "
+             "graph ratio | max err |", "|---" * 12 + "|"]
+    return lines + [f"| {r['batch']} | {r['prefix']} | {r['tree']} | {r['head_dim']} | "
+                    f"{_splits_cell(r.get('splits'))} | {r['kernel_ms']:.4f} | "
                     f"{r['sdpa_ms']:.4f} | {r['ratio']:.2f} | {_ms(r.get('kernel_graph_ms'), 4)} | "
                     f"{_ms(r.get('sdpa_graph_ms'), 4)} | {_ms(r.get('graph_ratio'), 2)} | {r['max_abs_err']:.1e} |"
                     for r in k["rows"]]
+
+
+def _splits_cell(splits: dict | None) -> str:
+    return f"{splits['eager']} / {splits['graph']}" if splits else "-"
 
 
 def _md_kernel_tiles(t: dict | None) -> list[str]:
@@ -1282,6 +1325,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kernel-prefix", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--kernel-tree", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--kernel-head-dim", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--kernel-shipped-splits", action="store_true",
+                    help="the kernel table with the shipped split thresholds, not measured first")
     ap.add_argument("--counters", type=Path, nargs="+",
                     default=[REPO / "results" / "drafting_modes.json",
                              REPO / "results" / "device_round_counters.json"],

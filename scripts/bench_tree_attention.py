@@ -2,7 +2,7 @@
 
     python scripts/bench_tree_attention.py [--batch 1 8 32] [--prefix 512 2048 8192] [--tree 16 32 64]
         [--head-dim 64 128] [--q-heads 32] [--kv-heads 8] [--block-size 16] [--dtype bfloat16]
-        [--splits S]
+        [--splits S] [--graph] [--no-tune-splits]
 
 Per configuration: B requests, each with a prefix of P cached tokens and a tree of N nodes (a draft
 chain of N/2 plus suffix chains off its last node, the Ouroboros shape). The kernel reads the paged
@@ -13,6 +13,9 @@ time includes its host wrapper (shape checks, launches). `--graph` adds both rep
 graphs: device time alone, what a captured forward pays. Per configuration: S, the number of
 prefix splits (split-KV) the wrapper's heuristic picked (or `--splits S`), the kernel's time with
 it, and, where S > 1, the single-pass (S = 1) time beside it, so the heuristic can be checked.
+Before the table the heuristic's thresholds are measured on this GPU for each head dim
+(kernels/split_tuning.py), as the plugin measures them for its shapes when it checks the kernel at
+load; `--no-tune-splits` keeps the shipped ones.
 Each configuration is also checked against the plain-torch reference. Without a GPU, runs one tiny
 case under Triton's interpreter (single pass and split) and exits 0.
 `--compile-only [SM ...]` needs no GPU: it builds cubins with Triton's bundled ptxas for the tile
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import math
 import os
 import shlex
 import sys
@@ -80,45 +82,25 @@ def make_inputs(batch, prefix, tree, head_dim, hq, hkv, block_size, dtype, devic
 
 
 def time_ms(fn, warmup=10, reps=50, rounds=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
+    """ms per call launched back to back (vllm_ouroboros.cuda_graph.time_calls_ms): the host's
+    wrapper and launches included where the device waits for them."""
+    from vllm_ouroboros.cuda_graph import time_calls_ms
+
+    return time_calls_ms(fn, warmup, reps, rounds)
 
 
 def time_graph_ms(fn, calls=20, rounds=5) -> float | None:
-    """Device time per call: `calls` calls captured in one CUDA graph, replayed (best of
-    `rounds` replays, ms per call); None where fn cannot be captured. The host's part of a call
-    (the Python wrapper, Triton's launcher) drops out: what a call costs inside a captured
-    forward, or wherever the GPU, not the host, is the bottleneck. time_ms keeps the host."""
-    from vllm_ouroboros.cuda_graph import capture_graph
+    """Device time per call replayed from a CUDA graph (vllm_ouroboros.cuda_graph.time_graph_ms);
+    None where fn cannot be captured. The host's part of a call (the Python wrapper, Triton's
+    launcher) drops out: what a call costs inside a captured forward, or wherever the GPU, not
+    the host, is the bottleneck. time_ms keeps the host."""
+    from vllm_ouroboros.cuda_graph import time_graph_ms as graph_ms
 
     try:
-        graph = capture_graph(lambda _: [fn() for _ in range(calls)],
-                              torch.device("cuda", torch.cuda.current_device()))
+        return graph_ms(fn, calls, rounds)
     except Exception:  # noqa: BLE001 - a baseline torch cannot capture: no graph column
         torch.cuda.synchronize()
         return None
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
 
 
 def sdpa_fn(dense_q, dense_k, dense_v, scale):
@@ -161,7 +143,8 @@ def cpu_smoke() -> int:
         print(f"interpreter: B=2 prefix=21 tree=9 D=32 Hq=4 Hkv=2 block=16 fp32 S={splits}: "
               f"max abs err {err:.2e}")
     print("S the wrapper would pick on a 132-SM H100 for issue 15's grid (Hq 32, Hkv 8, bf16, "
-          "block 16, block table as wide as prefix + tree), prefix 512 / 2048 / 8192:")
+          "block 16, block table as wide as prefix + tree), prefix 512 / 2048 / 8192, with the shipped "
+          "thresholds (on a GPU they are measured first: kernels/split_tuning.py):")
     for d, b, n in itertools.product((64, 128), (1, 8, 32), (16, 64)):
         picks = []
         for p in (512, 2048, 8192):
@@ -246,7 +229,7 @@ def bench_one(b: int, p: int, n: int, d: int, a: argparse.Namespace, dtype: torc
     # The S the wrapper picks for this call (from the same host values), or --splits; the timed call
     # runs the heuristic itself, as a caller's would.
     _, _, splits = ta._launch_plan(dtype, a.q_heads, a.kv_heads, d, b, n, bt.shape[1] * a.block_size,
-                                   q.device, a.splits)
+                                   q.device, a.splits, None, a.block_size)
     t_kernel = time_ms(lambda: tree_attention(**args, out=out, max_query_len=n, num_splits=a.splits))
     t_single = float("nan")
     if splits > 1:
@@ -270,6 +253,18 @@ def bench_one(b: int, p: int, n: int, d: int, a: argparse.Namespace, dtype: torc
             f"{t_kernel / t_sdpa:>6.2f} {t_flash:>9.4f} {t_kernel / t_flash:>6.2f}{graph} {err:>8.1e}  {mode}")
 
 
+def tune_split_rules(a: argparse.Namespace, d: int, dtype: torch.dtype) -> str:
+    """Measure and register the split rules for head dim d at the benchmark's shapes, as the
+    plugin's kernel check does at load (eager; graph-replayed too with --graph); one line."""
+    from vllm_ouroboros.kernels.split_tuning import tune_splits
+
+    blocks = -(-256 // a.block_size)  # the measured prefixes map onto these pages (only read)
+    kv = torch.randn(2, blocks, a.block_size, a.kv_heads, d, device="cuda").to(dtype)
+    rules = tune_splits(kv[0], kv[1], a.q_heads, nodes=tuple(a.tree), modes=(False, True) if a.graph else (False,))
+    return "; ".join(f"{'graph' if g else 'eager'}: split from {r.min_prefix} tokens, chunks >= {r.min_chunk}"
+                     for g, r in rules.items()) or "split rules not measured (see the log): shipped thresholds"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -283,6 +278,9 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the reference")
     ap.add_argument("--splits", type=int, default=None, metavar="S",
                     help="force S prefix splits (1 = single pass) instead of the wrapper's heuristic")
+    ap.add_argument("--no-tune-splits", action="store_true",
+                    help="keep the shipped split thresholds instead of measuring them first on this GPU, "
+                         "as the plugin does at load (kernels/split_tuning.py)")
     ap.add_argument("--graph", action="store_true",
                     help="also time kernel and SDPA replayed from CUDA graphs (device time, no host "
                          "wrapper): three more columns")
@@ -306,6 +304,9 @@ def main() -> int:
     graph_cols = f" {'graph krn':>9} {'graph SDPA':>9} {'ratio':>6}" if a.graph else ""
     header = (f"{'batch':>5} {'prefix':>6} {'tree':>4} {'D':>4} {'S':>3} {'ms kernel':>10} {'ms S=1':>9} "
               f"{'ms SDPA':>9} {'ratio':>6} {'ms flash':>9} {'ratio':>6}{graph_cols} {'max err':>8}  sdpa mode")
+    for d in a.head_dim:
+        if a.splits is None and not a.no_tune_splits:
+            print(f"# D={d}: " + tune_split_rules(a, d, dtype))
     print(header)
     for d in a.head_dim:
         for b in a.batch:

@@ -98,7 +98,7 @@ python -c "import importlib.util as u, sys; sys.exit(not u.find_spec('xdist') or
 python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
 # The tests that run the draft side and our target step on the GPU (the CUDA-only sync counts
 # among them), first.
-GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_fused_ops.py tests/test_norm_gemm.py tests/test_draft_model.py tests/test_device_clock.py
+GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_split_tuning.py tests/test_fused_ops.py tests/test_norm_gemm.py tests/test_draft_model.py tests/test_device_clock.py
            tests/test_draft_attention_layout.py tests/test_draft_runtime.py tests/test_device_round.py tests/test_prefill_graph.py tests/test_fusion_choice.py
            tests/test_cuda_graph.py tests/test_pool_writer.py tests/test_kv_cache.py tests/test_pool.py
            tests/test_pool_kernels.py tests/test_round_steps_kernel.py
@@ -119,7 +119,7 @@ if [[ $PART == bench || $PART == all ]]; then
     timed bench $(( budget + 45 < $(left) ? budget + 45 : $(left) )) "$OUT/bench.log" python \
         scripts/bench_gpu.py "${extra[@]}" --budget-s "$budget" --json "$OUT/bench_gpu.json" \
         --md "$OUT/bench_gpu.md"
-    { echo "== bench acceptance"; grep -E "PASS|FAIL|NOT MEASURED|INCOMPLETE|^\[errors\]|^\[kernel tiles\]|^\[profile\] |^\[fusion_choice\] |^  prefill " "$OUT/bench.log"; } \
+    { echo "== bench acceptance"; grep -E "PASS|FAIL|NOT MEASURED|INCOMPLETE|^\[errors\]|^\[kernel tiles\]|^\[profile\] |^\[fusion_choice\] |^  prefill |^  split rules" "$OUT/bench.log"; } \
         >> "$SUMMARY" 2>/dev/null
 fi
 

@@ -434,6 +434,13 @@ class DraftModel(nn.Module):
                     logger.warning("ouroboros: the draft's RoPE and KV write stay outside the attention "
                                    "kernel on %s: %s", self.device, why)
                     self.rope_in_attention = False
+            if reason is None and self.device.type == "cuda":
+                from vllm_ouroboros.kernels.split_tuning import tune_splits
+
+                # Where a prefix is worth splitting, timed on this GPU: replayed from graphs (the
+                # round's forwards) and launched eagerly (prefill, rounds without graphs), at the
+                # decode and lookahead widths.
+                tune_splits(kv[0], kv[1], self.num_heads, nodes=(1, 32))
         if reason is not None:
             if self.attention_backend == "triton":
                 raise RuntimeError(f"draft attention 'triton': the kernel failed its check on "

@@ -21,6 +21,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.kernels.tree_attention import MAX_TREE_NODES, TreeAttentionPlan, check_kernel
+from vllm_ouroboros.kernels.split_tuning import tune_splits
 from vllm_ouroboros.patches._util import require
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -150,7 +151,13 @@ def check_layout_kernel(backend: str, block_shape: tuple[int, ...], dtype: torch
     scratch = torch.randn((blocks, *block_shape), generator=gen, device=device,
                           dtype=torch.float32).to(dtype)
     k, v = _LAYOUTS[backend](scratch, head_size)
-    return check_kernel(k, v, num_heads, max_query_len=max_nodes)
+    reason = check_kernel(k, v, num_heads, max_query_len=max_nodes)
+    if reason is None and torch.device(device).type == "cuda":
+        # Where a prefix is worth splitting, timed on this GPU for these shapes. Only eager
+        # launches: full CUDA graphs turn the tree off (install), so the target's attention runs
+        # between vLLM's piecewise graphs.
+        tune_splits(k, v, num_heads, nodes=(16, 32), modes=(False,))
+    return reason
 
 
 def check_layer_kernel(layer, max_nodes: int = MAX_TREE_NODES) -> str | None:

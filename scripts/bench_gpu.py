@@ -33,9 +33,10 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           where it misses 1.25x, the tile entries of kernels/tree_attention.TILE_CANDIDATES
           timed at every configuration of the failing head dims (kernel tiles: the best entry
           per head dim is what to set in the kernel's table).
-  profile where the W=G=4 round's time goes at one request (scripts/profile_round.py): the eager
-          device round by region of our code (device activities, device and host ms; through the
-          fused kernels too on CUDA), the graph round's totals and the device's busy share.
+  profile where a round's time goes at one request (scripts/profile_round.py): the graph round
+          as it serves on CUDA (graph+fused; W=G=4 and decode-only) by kernel name, its totals
+          and the device's busy share; the eager W=G=4 device round by region of our code
+          (device activities, device and host ms; through the fused kernels too on CUDA).
   prefill the draft's prefill of new prompts (1 x 300, 1 x 2000, 8 x 300 tokens), eager vs in
           64-token chunks replayed from CUDA graphs (draft/prefill_graph.py).
   inserts a step's pool insert (vllm_ouroboros/pool_writer.py) of 16, 64, 256 rows into a pool of
@@ -606,25 +607,28 @@ def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -
     return out
 
 
-def profile_section(model: DraftModel, plan: Plan, modes: list[str], budget: Budget, skipped: dict,
-                    out: dict) -> dict:
-    """scripts/profile_round.py's view of the W = G = 4 round at one request, into `out` by
-    mode: the eager device round by region ("device", "device+fused": through the fused
-    kernels), the graph round's totals ("graph")."""
+def profile_section(model: DraftModel, plan: Plan, cases: list[tuple[str, str]], budget: Budget,
+                    skipped: dict, out: dict) -> dict:
+    """scripts/profile_round.py's view of rounds at one request, (setting, mode) each, into `out`
+    by mode (W = G = 4) or "mode, setting": the eager device round by region ("device",
+    "device+fused": through the fused kernels), the graph round's totals and its device time
+    by kernel name ("graph+fused": what serves on CUDA)."""
     import profile_round
 
-    window, guesses = ROUND_SETTINGS["phrases W=G=4"]
-    for mode in modes:
+    for setting, mode in cases:
+        key = mode if setting == "phrases W=G=4" else f"{mode}, {setting}"
         if budget.spent():
-            skipped[f"profile/{mode}"] = budget.reason()
+            skipped[f"profile/{key}"] = budget.reason()
             continue
+        window, guesses = ROUND_SETTINGS[setting]
         try:
             runner = RoundRunner(model, window, guesses, 1, mode, plan, seed=0)
-            out[mode] = p = profile_round.profile_rounds(runner.run, plan.profile_rounds, model.device,
-                                                         attribute=not mode.startswith("graph"))
+            p = profile_round.profile_rounds(runner.run, plan.profile_rounds, model.device,
+                                             attribute=not mode.startswith("graph"))
         finally:
             model.fused_ops = False
-        for line in profile_round.report_lines(f"{mode} round, 1 request, phrases W=G=4", p):
+        out[key] = p = {"setting": setting, "mode": mode, **p}
+        for line in profile_round.report_lines(f"{mode} round, 1 request, {setting}", p):
             print(line, flush=True)
     return out
 
@@ -1208,14 +1212,19 @@ def _md_inserts(pts: list | None) -> list[str]:
 
 def _md_profile(prof: dict | None) -> list[str]:
     lines = []
-    for mode, p in (prof or {}).items():
+    for key, p in (prof or {}).items():
         busy = "" if not p["device_activities"] else \
             f", device busy {p['device_ms']:.2f} ms ({100 * p['device_busy']:.0f}% of the wall)"
-        lines += ["", f"## Profile: {mode} round, 1 request, phrases W=G=4 (scripts/profile_round.py; per round)", "",
+        lines += ["", f"## Profile: {p.get('mode', key)} round, 1 request, {p.get('setting', 'phrases W=G=4')} "
+                  "(scripts/profile_round.py; per round)", "",
                   f"{p['wall_ms']:.2f} ms wall{busy}, {p['device_activities']:.0f} device activities.", "",
                   "| region | calls | device activities | device ms | host ms |", "|---|---|---|---|---|"]
         lines += [f"| {r['region']} | {r['calls']:.1f} | {r['device_activities']:.1f} | {r['device_ms']:.3f} | "
                   f"{r['host_ms']:.3f} |" for r in p["regions"]]
+        if p.get("kernels"):
+            lines += ["", "Device time by kernel name (the most first):", "", "| kernel | calls | device ms |",
+                      "|---|---|---|"]
+            lines += [f"| `{k['name'][:90]}` | {k['calls']:.1f} | {k['device_ms']:.3f} |" for k in p["kernels"]]
     return lines
 
 
@@ -1313,9 +1322,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="default bfloat16 (--tiny: float32)")
     ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["target", "rounds", "kernel", "graph", "inserts", "fused", "profile", "prefill"],
+                    choices=["target", "rounds", "kernel", "tiles", "graph", "inserts", "fused", "profile",
+                             "prefill"],
                     help="sections to leave out (graph: no CUDA-graph timings; fused: no graph rounds "
-                         "through the fused layer kernels, DraftModel.fused_ops, which run on CUDA)")
+                         "through the fused layer kernels, DraftModel.fused_ops, which run on CUDA; tiles: "
+                         "no tile sweep where the kernel table misses 1.25x)")
     ap.add_argument("--budget-s", type=float,
                     help="stop measuring after this many seconds: what is left is skipped with that "
                          "reason (sections run most needed first: curves, the rounds the issue's "
@@ -1507,27 +1518,40 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     else:
         res["kernel"] = section("kernel", lambda: kernel_section(args, device, budget, skipped))
         checkpoint()
+
+    def tiles() -> None:
         kern = res["kernel"]
-        if kern and kern["rows"] and (kern["interpreted"] or kern["worst_ratio"] > KERNEL_TARGET):
+        if "tiles" in args.skip:
+            skipped["kernel_tiles"] = "skipped: --skip tiles"
+        elif kern and kern["rows"] and (kern["interpreted"] or kern["worst_ratio"] > KERNEL_TARGET):
             res["kernel_tiles"] = section("kernel_tiles", lambda: kernel_tiles_section(
                 args, device, kern, budget, skipped))
             checkpoint()
         elif kern:
             skipped["kernel_tiles"] = f"skipped: the shipped tiles are within {KERNEL_TARGET}x of SDPA"
-    # The graph round's profile comes last: CUPTI tracing graph replays (conditional nodes
-    # included) is the least tried thing here, and what is measured before it is kept.
-    profiles = [["device"] + (["device+fused"] if graphs and "fused" not in args.skip else []),
-                ["graph"] if graphs else []]
 
-    def profile(modes: list[str]) -> None:
+    # The graph round as it serves (fused on CUDA), profiled by kernel name: where its time
+    # goes beyond the forward's (results/README.md, "Session of 2026-11-28 (fifth)": 1.31 ms per
+    # decode forward in the round, 1.15 alone). After the figures the issue's targets read and
+    # the kernel table, before the tile sweep (49 s on the H200, which cut the profile from the
+    # last full run): CUPTI tracing graph replays is the least tried thing here, and what is
+    # measured before it is written already.
+    wgg = "phrases W=G=4"
+    graph_mode = "graph+fused" if fused else "graph"
+    profiles = [[(wgg, graph_mode), ("decode-only", graph_mode)] if graphs else [],
+                [(wgg, "device")] + ([(wgg, "device+fused")] if graphs and "fused" not in args.skip else [])]
+
+    def profile(cases: list[tuple[str, str]]) -> None:
         if "profile" in args.skip:
             skipped["profile"] = "skipped: --skip profile"
-        elif modes:
+        elif cases:
             res["profile"] = res["profile"] or {}
-            section("profile", lambda: profile_section(draft, plan, modes, budget, skipped, res["profile"]))
+            section("profile", lambda: profile_section(draft, plan, cases, budget, skipped, res["profile"]))
             checkpoint()
 
     profile(profiles[0])
+    tiles()
+    profile(profiles[1])
     rounds([c for c in cases if c not in first])
     if "prefill" in args.skip:
         skipped["prefill"] = "skipped: --skip prefill"
@@ -1544,7 +1568,6 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     else:
         res["inserts"] = section("inserts", lambda: insert_section(draft.vocab_size, plan, device, graphs))
         checkpoint()
-    profile(profiles[1])
     del draft
     gc.collect()
 

@@ -9,8 +9,9 @@ Two views of one setting (scripts/bench_gpu.py's RoundRunner):
           are torch.profiler.record_function ranges wrapped around our functions for the
           profile only, then restored);
   graph   the graph round (CUDA): the same kernels replayed from CUDA graphs, where no Python
-          runs to attribute them: totals only, and the device's busy share of the wall time
-          (near 1: the GPU's own work bounds the round; far below: gaps between replays).
+          runs to attribute them: totals, the device's busy share of the wall time (near 1:
+          the GPU's own work bounds the round; far below: gaps between replays), and the
+          device time by kernel name (which of the round's kernels cost what).
 On a CPU there are no device activities: host time per region only (what --tiny tests).
 No vLLM imports.
 """
@@ -98,13 +99,20 @@ def profile_rounds(run_round: Callable[[], object], rounds: int, device: torch.d
                 run_round()
             sync()
             wall_ms = 1000 * (time.perf_counter() - t0)
-    return summarize(prof.events(), rounds, wall_ms)
+    return {**summarize(prof.events(), rounds, wall_ms), "attributed": attribute}
+
+
+# The most device time by kernel name a profile keeps (`kernels`): in a graph-replayed round,
+# where no region can be charged, the names are what says where the time goes.
+KERNELS_KEPT = 25
 
 
 def summarize(events, rounds: int, wall_ms: float) -> dict:
     """Per round: wall ms, device activities and their ms (all of them), and per region its
     calls, the device activities charged to it and their ms, its host ms (exclusive of nested
-    regions), largest device time first (host time where there is none).
+    regions), largest device time first (host time where there is none); and `kernels`: the
+    device activities by name (calls and ms per round, the KERNELS_KEPT largest), which a
+    graph-replayed round, whose replays no region can be charged with, is read by.
 
     Device activities are charged through the CPU event the profiler links them to (the op, or
     the range, that launched them), to that event's innermost region."""
@@ -141,13 +149,21 @@ def summarize(events, rounds: int, wall_ms: float) -> dict:
         r["device_activities"] += len(device_events) - charged
         r["device_ms"] += max(device_ms - sum(x["device_ms"] for x in rows.values()), 0.0)
     per = lambda v: v / rounds  # noqa: E731
+    by_name: dict[str, list] = {}
+    for e in device_events:
+        k = by_name.setdefault(e.name, [0, 0.0])
+        k[0] += 1
+        k[1] += e.time_range.elapsed_us() / 1000
+    kernels = sorted(({"name": name, "calls": per(n), "device_ms": per(ms)} for name, (n, ms) in by_name.items()),
+                     key=lambda k: -k["device_ms"])
     out_rows = [{"region": r["region"], "calls": per(r["calls"]),
                  "device_activities": per(r["device_activities"]), "device_ms": per(r["device_ms"]),
                  "host_ms": per(r["host_ms"])} for r in rows.values()]
     out_rows.sort(key=lambda r: (-r["device_ms"], -r["host_ms"]))
     return {"rounds": rounds, "wall_ms": per(wall_ms), "device_ms": per(device_ms),
             "device_activities": per(len(device_events)),
-            "device_busy": device_ms / wall_ms if wall_ms else None, "regions": out_rows}
+            "device_busy": device_ms / wall_ms if wall_ms else None, "regions": out_rows,
+            "kernels": kernels[:KERNELS_KEPT]}
 
 
 def _nested_regions(e, labels: set[str]) -> list:
@@ -163,7 +179,9 @@ def _nested_regions(e, labels: set[str]) -> list:
 
 
 def report_lines(name: str, p: dict, top: int = 8) -> list[str]:
-    """`[profile]` lines: the totals, then the `top` regions."""
+    """`[profile]` lines: the totals, then the `top` regions, and for a round whose kernels
+    no region could be charged with (a graph-replayed round: p["attributed"] False) the `top`
+    kernels by name."""
     busy = "" if p["device_busy"] is None or not p["device_activities"] else \
         f", device busy {p['device_ms']:.2f} ms ({100 * p['device_busy']:.0f}% of the wall)"
     lines = [f"[profile] {name}: {p['wall_ms']:.2f} ms/round wall{busy}, "
@@ -171,4 +189,8 @@ def report_lines(name: str, p: dict, top: int = 8) -> list[str]:
     for r in p["regions"][:top] if p["regions"] else []:
         lines.append(f"[profile]   {r['region']:<46} {r['calls']:6.1f} calls {r['device_activities']:7.1f} act "
                      f"{r['device_ms']:8.3f} device ms {r['host_ms']:8.3f} host ms  (per round)")
+    if not p.get("attributed", True):
+        for k in p.get("kernels", [])[:top]:
+            lines.append(f"[profile]   kernel {k['name'][:70]:<70} {k['calls']:6.1f} calls "
+                         f"{k['device_ms']:8.3f} device ms  (per round)")
     return lines

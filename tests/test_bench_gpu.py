@@ -368,7 +368,8 @@ def test_round_profile_charges_each_region(tiny_run):
 
     _, result, md, output = tiny_run
     prof = result["profile"]
-    assert set(prof) == ({"device", "device+fused", "graph"} if CUDA else {"device"})
+    assert set(prof) == ({"device", "device+fused", "graph+fused", "graph+fused, decode-only"} if CUDA
+                         else {"device"})
     p = prof["device"]
     regions = {r["region"]: r for r in p["regions"]}
     for name in ("pool: lookup", "pool: insert", "draft: matrix products", "draft: attention",
@@ -388,3 +389,27 @@ def test_round_profile_charges_each_region(tiny_run):
     after = PhrasePool.__dict__["insert"], DraftLayer.__dict__["project"], profile_round._owner(
         "vllm_ouroboros.draft.model").rms_norm
     assert all(x is y for x, y in zip(before, after))
+
+
+def test_profile_names_the_kernels_a_graph_round_spends_its_time_in():
+    """A graph-replayed round has no regions to charge: its device time by kernel name is what
+    the profile reports (scripts/profile_round.summarize / report_lines), the costliest first."""
+    from types import SimpleNamespace
+
+    import profile_round
+    from torch.autograd import DeviceType
+
+    def kernel(name, us):
+        return SimpleNamespace(device_type=DeviceType.CUDA, name=name,
+                               time_range=SimpleNamespace(elapsed_us=lambda us=us: us))
+
+    events = [kernel("prepare_kernel", 10.0), kernel("prepare_kernel", 20.0), kernel("gemm", 50.0),
+              kernel("commit_kernel", 5.0)]
+    p = profile_round.summarize(events, rounds=2, wall_ms=1.0)
+    assert [k["name"] for k in p["kernels"]] == ["gemm", "prepare_kernel", "commit_kernel"]
+    assert p["kernels"][1] == {"name": "prepare_kernel", "calls": 1.0, "device_ms": pytest.approx(0.015)}
+    assert p["device_ms"] == pytest.approx(0.0425) and p["device_activities"] == 2
+    lines = profile_round.report_lines("graph+fused round", {**p, "attributed": False})
+    assert any("kernel gemm" in line and "0.025 device ms" in line for line in lines), lines
+    # an eager round's regions carry its kernels: they are what is listed
+    assert not any("kernel " in line for line in profile_round.report_lines("device round", {**p, "attributed": True}))

@@ -38,8 +38,8 @@ logger = logging.getLogger("vllm.ouroboros")
 
 PREFIXES = (128, 256, 512, 1024, 2048)  # tokens; the H200's worst kernel rows had 512
 CHUNKS = (64, 128, 256)  # candidate min_chunk, tokens
-# A split must save this fraction of the single pass's time at a prefix to count as paying there:
-# a tie keeps the one launch.
+# A split is priced at 1 / (1 - MARGIN) of its measured time: it must save this fraction of the
+# single pass's to be chosen (a tie keeps the one launch; timing noise does not tip it).
 MARGIN = 0.03
 
 # timer(run, (nodes, prefix, S)) -> seconds per call of run

@@ -544,17 +544,18 @@ def _launch_plan(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim
                  max_query_len: int, prefix_bound: int, device: torch.device,
                  num_splits: int | None = None,
                  tiles: tuple[int, int, int, int] | None = None,
-                 block_size: int = 0) -> tuple[dict, int, int]:
+                 block_size: int = 0, graphed: bool | None = None) -> tuple[dict, int, int]:
     """(tile config, q blocks per request, S) of one `tree_attention` call; host values only.
-    S follows the SplitRule measured for these shapes on `device` (graph-replayed where a CUDA
-    graph is being captured, else eager), or the shipped thresholds. The benchmark prints the S
-    chosen here."""
+    S follows the SplitRule measured for these shapes on `device` for graph-replayed calls
+    (`graphed`; None: whether a CUDA graph is being captured now) or eager ones, else the
+    shipped thresholds. The benchmarks print the S chosen here."""
     group_pad = _next_pow2(num_heads // num_kv_heads)
     cfg = _tile_config(dtype, group_pad, max(16, _next_pow2(head_dim)), max_query_len, tiles)
     num_q_blocks = -(-max_query_len // cfg["BLOCK_Q"])
     if num_splits is None:
+        graphed = _capturing(device) if graphed is None else graphed
         rule = split_rule(SplitKey(str(device), dtype, num_heads, num_kv_heads, head_dim, block_size,
-                                   _capturing(device))) if _SPLIT_RULES else _DEFAULT_SPLIT_RULE
+                                   graphed)) if _SPLIT_RULES else _DEFAULT_SPLIT_RULE
         num_splits = choose_num_splits(batch, num_kv_heads, num_q_blocks, _num_sms(device),
                                        prefix_bound, cfg["BLOCK_N"], MAX_SPLITS,
                                        rule.min_prefix, rule.min_chunk)

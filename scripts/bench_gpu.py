@@ -796,11 +796,10 @@ def tune_kernel_splits(head_dim: int, dtype: torch.dtype, trees: tuple[int, ...]
     dim, measured and registered as the plugin's kernel check does at load (kernels/
     split_tuning.py), eager and graph-replayed: {"eager" / "graph": {min_prefix, min_chunk} or
     None where the measurement failed (the shipped thresholds then hold)}."""
-    from vllm_ouroboros.kernels.split_tuning import tune_splits
+    import bench_tree_attention as bta
 
     t0 = time.perf_counter()
-    kv = torch.randn(2, 16, 16, 8, head_dim, device=device).to(dtype)  # pages the prefixes map onto
-    rules = tune_splits(kv[0], kv[1], 32, nodes=trees)
+    rules = bta.measure_split_rules(head_dim, dtype, 32, 8, 16, trees, (True, False))
     out = {"graph" if g else "eager": ({"min_prefix": rules[g].min_prefix, "min_chunk": rules[g].min_chunk}
                                        if g in rules else None) for g in (True, False)}
     print(f"  split rules, D={head_dim}: {out} ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -811,13 +810,9 @@ def _kernel_splits(kargs: dict, n: int, hq: int, hkv: int, block: int, graphed: 
     """The S a kernel-table call picks, eager or under capture (the rule registered for that mode)."""
     from vllm_ouroboros.kernels import tree_attention as ta
 
-    q, bound = kargs["q"], kargs["block_table"].shape[1] * block
-    d = q.shape[2]
-    cfg, nq, _ = ta._launch_plan(q.dtype, hq, hkv, d, kargs["block_table"].shape[0], n, bound, q.device, 1,
-                                 None, block)
-    rule = ta.split_rule(ta.SplitKey(str(q.device), q.dtype, hq, hkv, d, block, graphed))
-    return ta.choose_num_splits(kargs["block_table"].shape[0], hkv, nq, ta._num_sms(q.device), bound,
-                                cfg["BLOCK_N"], ta.MAX_SPLITS, rule.min_prefix, rule.min_chunk)
+    q, bt = kargs["q"], kargs["block_table"]
+    return ta._launch_plan(q.dtype, hq, hkv, q.shape[2], bt.shape[0], n, bt.shape[1] * block, q.device,
+                           block_size=block, graphed=graphed)[2]
 
 
 def kernel_tiles_section(args, device: torch.device, kern: dict, budget: Budget, skipped: dict) -> dict:

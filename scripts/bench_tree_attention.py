@@ -253,14 +253,23 @@ def bench_one(b: int, p: int, n: int, d: int, a: argparse.Namespace, dtype: torc
             f"{t_kernel / t_sdpa:>6.2f} {t_flash:>9.4f} {t_kernel / t_flash:>6.2f}{graph} {err:>8.1e}  {mode}")
 
 
-def tune_split_rules(a: argparse.Namespace, d: int, dtype: torch.dtype) -> str:
-    """Measure and register the split rules for head dim d at the benchmark's shapes, as the
-    plugin's kernel check does at load (eager; graph-replayed too with --graph); one line."""
+def measure_split_rules(d: int, dtype: torch.dtype, q_heads: int, kv_heads: int, block_size: int,
+                        trees: tuple[int, ...], modes: tuple[bool, ...]) -> dict:
+    """The split rules for these shapes, measured and registered on the current GPU as the plugin's
+    kernel check does at load (kernels/split_tuning.tune_splits; modes: True graph-replayed,
+    False eager): {mode: SplitRule} of those measured."""
     from vllm_ouroboros.kernels.split_tuning import tune_splits
 
-    blocks = -(-256 // a.block_size)  # the measured prefixes map onto these pages (only read)
-    kv = torch.randn(2, blocks, a.block_size, a.kv_heads, d, device="cuda").to(dtype)
-    rules = tune_splits(kv[0], kv[1], a.q_heads, nodes=tuple(a.tree), modes=(False, True) if a.graph else (False,))
+    blocks = -(-256 // block_size)  # the measured prefixes map onto these pages (only read)
+    kv = torch.randn(2, blocks, block_size, kv_heads, d, device="cuda").to(dtype)
+    return tune_splits(kv[0], kv[1], q_heads, nodes=trees, modes=modes)
+
+
+def tune_split_rules(a: argparse.Namespace, d: int, dtype: torch.dtype) -> str:
+    """`measure_split_rules` for head dim d at this run's shapes (eager; graph-replayed too with
+    --graph); one line."""
+    rules = measure_split_rules(d, dtype, a.q_heads, a.kv_heads, a.block_size, tuple(a.tree),
+                                (False, True) if a.graph else (False,))
     return "; ".join(f"{'graph' if g else 'eager'}: split from {r.min_prefix} tokens, chunks >= {r.min_chunk}"
                      for g, r in rules.items()) or "split rules not measured (see the log): shipped thresholds"
 

@@ -143,6 +143,10 @@ def test_plans_split_by_the_rule_of_their_shapes_and_launch_mode(many_sms, monke
     assert splits(True) > 1
     ta.register_split_rule(ta.SplitKey(**key, graphed=False), ta.SplitRule(128, 64, "test"))
     assert 1 < splits() <= 200 // 64
+    # the mode may also be given (the benchmarks print each mode's S outside a capture)
+    plan_splits = [ta._launch_plan(torch.float32, 2, 1, 16, 1, 5, 200, device, block_size=4, graphed=g)[2]
+                   for g in (False, True)]
+    assert plan_splits == [splits(False), splits(True)]
     # other shapes keep the shipped thresholds
     ta.register_split_rule(ta.SplitKey(**{**key, "block_size": 16}, graphed=False), ta.SplitRule(4096, 256))
     assert 1 < splits()

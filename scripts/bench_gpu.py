@@ -43,7 +43,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           the draft's vocabulary: eager vs replayed from a CUDA graph, in torch and (CUDA) through
           the pool's Triton kernels (kernels/pool_insert.py).
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
-          runs' counters (results/drafting_modes.json, results/device_round_counters.json).
+          runs' counters (results/drafting_modes.json, results/device_round_counters.json,
+          results/pool_mode.json: the pool mode, no draft forward).
 What the issue's targets read comes first (curves, the rounds they name, the target step, the
 kernel, the profile; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
 with that reason. Then the issue's acceptance lines, PASS / FAIL only
@@ -919,7 +920,8 @@ def generate_row(r: dict) -> dict:
             # One request at a time, what a round costs is the forwards it ran: a device
             # round runs F of them even where its row needed fewer (round_length.py).
             "draft_forwards": c["draft_forward_calls"] if conc == 1 else c["draft_forwards"],
-            "settings": {k: st[k] for k in ("window_size", "num_guesses", "phrase_len", "draft_round")},
+            "settings": {**{k: st[k] for k in ("window_size", "num_guesses", "phrase_len", "draft_round")},
+                         "drafting_mode": st.get("drafting_mode")},
             "spec": {"num_drafts": c["target_forwards"], "num_accepted_tokens": c["accepted_tokens"],
                      "num_draft_tokens": c["drafted_tokens"], "per_pos": []}}
 
@@ -964,9 +966,11 @@ def with_step_cost(row: dict, t1_ms: float, step_ms: float) -> float:
 
 
 def phrase_drafting(row: dict) -> bool:
-    """The row drafted with the Jacobi window and pool guesses (the flags' row stands for it)."""
+    """The row drafted with the Jacobi window and pool guesses (the flags' row stands for it);
+    not a pool-mode row (no draft forward: its window and guesses settings are never used)."""
     st = row.get("settings", {})
-    return row["method"] == "flags" or (st.get("window_size", 0) > 0 and st.get("num_guesses", 0) > 0)
+    return row["method"] == "flags" or (st.get("window_size", 0) > 0 and st.get("num_guesses", 0) > 0
+                                        and st.get("drafting_mode") != "pool")
 
 
 def round_curve(rounds: list[dict], mode: str) -> dict[int, float] | None:
@@ -1335,7 +1339,8 @@ def parse_args() -> argparse.Namespace:
                     help="the kernel table with the shipped split thresholds, not measured first")
     ap.add_argument("--counters", type=Path, nargs="+",
                     default=[REPO / "results" / "drafting_modes.json",
-                             REPO / "results" / "device_round_counters.json"],
+                             REPO / "results" / "device_round_counters.json",
+                             REPO / "results" / "pool_mode.json"],
                     help="CPU runs whose ouroboros rows give the counters: scripts/generate.py --json "
                          "files, or benchmark.py's results/benchmark.json")
     ap.add_argument("--tokens-per-target-forward", type=float, help="instead of --counters (with the next)")

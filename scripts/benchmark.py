@@ -349,7 +349,7 @@ def hardware_rule(rows, t_curve, d_curve, target: Path, draft: Path) -> str:
     k1 = next((x for x in rows if x["method"] == "ouroboros-k1"), None)
     a = k1["suffix_accepted"] / max(k1["target_forwards"], 1) if k1 else 0.5 * cfg.phrase_len
     lines = ["", "Per-hardware defaults (vllm_ouroboros/cost_model.py) under each pair of curves:", "",
-             "| curves | drafting mode (modeled ms per output token: chain / guesses / phrases, %d-token "
+             "| curves | drafting mode (modeled ms per output token: " + " / ".join(m.name for m in cost_model.MODES) + ", %d-token "
              "phrase forward) | largest batch whose requests all speculate, whole drafts / drafts cut "
              "to the tokens shown (E=%.2f, F=%.2f, s=%d, step overhead c=%.0f ms) | one request sends its "
              "suffix (%d tokens, a=%.2f accepted per step) |" % (la, E, F, s, c, cfg.phrase_len, a),

@@ -341,6 +341,19 @@ def test_counters_from_generate_json(tmp_path):
     assert bench_gpu.phrase_modeled(mod, "graph drafting (graph round)") == host["modeled"]
 
 
+def test_pool_mode_row_is_modeled_from_target_forwards_alone():
+    """results/pool_mode.json's row (the pool mode: no draft forward, though its settings carry
+    the runtime's window and guesses) is not phrase drafting, and its modeled speedup on a flat
+    target curve is tokens per target forward over every step, plain ones included."""
+    (r,) = bench_gpu.modeled(bench_gpu.counter_rows(_args(counters=[REPO / "results" / "pool_mode.json"])),
+                             {1: 2.0, 64: 2.0}, {1: 1.0, 64: 1.0})
+    rows = json.loads((REPO / "results" / "pool_mode.json").read_text())
+    c = next(x for x in rows if x["config"] == "pool-pinned")
+    assert r["row"] == "pool-pinned" and not r["phrase_drafting"] and r["draft_forwards_per_token"] == 0
+    assert r["modeled"] == pytest.approx(c["tokens"] / (c["tokens"] - c["counters"]["accepted_tokens"]))
+    assert r["modeled"] == pytest.approx(1.47, abs=0.01)
+
+
 def test_modeled_only_prints_the_counters_under_given_curves():
     """--modeled-only needs no GPU: the modeled speedup of each counters row under the curves given
     (flat curves here: per token, d draft forwards of 1 ms and 1/E target forwards of 4 ms)."""

@@ -37,8 +37,13 @@ def _mode(draft, target, **pins):
     return cost_model.choose_drafting_mode(costs, **pins).name
 
 
+# A flat target curve 3.4x the draft's, as the real pair's products are (1.45 / 0.67 ms on an
+# H100, plus the draft's share of launches).
+FLAT_TARGET = CostCurve(FLAT.n, (3.4,) * 8)
+
+
 def test_drafting_mode_phrases_when_flat_chain_when_compute_bound():
-    assert _mode(FLAT, FLAT) == "phrases"
+    assert _mode(FLAT, FLAT_TARGET) == "phrases"
     assert _mode(FLAT, None) == "phrases"
     assert _mode(CPU, CPU_TARGET) == "chain"
     # A draft whose 18-token forward costs what a 2-token one does, steep past it: pool guesses
@@ -57,6 +62,25 @@ def test_drafting_mode_costs_follow_the_formula():
         assert costs[m.name] == pytest.approx(want)
     assert cost_model.drafting_mode_costs(draft, None, 4, 2, 4, 9)["chain"] == pytest.approx(
         cost_model.MODES[0].draft_forwards_per_token * draft(2))
+
+
+def test_pool_mode_where_a_draft_forward_costs_what_the_target_does():
+    """A draft forward as dear as the target's (a launch-bound draft round on a GPU): drafting
+    from the pool alone wins (0.68 against phrases' 0.72 per output token here); a cheaper draft
+    keeps phrase drafting. Without a target curve nothing prices the pool mode: never chosen."""
+    costs = cost_model.drafting_mode_costs(FLAT, FLAT, 4, 4, 4, 9)
+    assert costs["pool"] == pytest.approx(1.0 / 1.47)
+    assert _mode(FLAT, FLAT) == "pool"
+    assert _mode(CostCurve(FLAT.n, (0.8,) * 8), FLAT) == "phrases"
+    assert cost_model.drafting_mode_costs(FLAT, None, 4, 4, 4, 9)["pool"] == float("inf")
+    assert _mode(FLAT, None) != "pool"
+    # A pin of the draft's own switches (on or off) keeps the draft model; use_draft False is
+    # the pool mode whatever they say.
+    assert _mode(FLAT, FLAT, use_lookahead=True) == "phrases"
+    assert _mode(FLAT, FLAT, use_guesses=False) == "chain"
+    assert _mode(FLAT, FLAT, use_draft=True) == "phrases"
+    assert _mode(FLAT_TARGET, FLAT, use_draft=False) == "pool"
+    assert _mode(FLAT, FLAT_TARGET, use_draft=False, use_lookahead=True) == "pool"
 
 
 def test_drafting_mode_keeps_what_the_user_pinned():
@@ -709,9 +733,19 @@ def test_drafting_mode_priors_are_the_measured_rows():
     import json
     from pathlib import Path
 
-    rows = {r["config"]: r for r in json.loads(
-        (Path(__file__).resolve().parents[1] / "results" / "drafting_modes.json").read_text())}
+    results = Path(__file__).resolve().parents[1] / "results"
+    rows = {r["config"]: r for r in json.loads((results / "drafting_modes.json").read_text())}
     for m in cost_model.MODES:
+        if not m.uses_draft:
+            # results/pool_mode.json: E over every step, those that found no phrase included
+            # (each a plain step: one target forward, one token).
+            r = {r["config"]: r for r in json.loads((results / "pool_mode.json").read_text())}["pool-pinned"]
+            c = r["counters"]
+            assert r["identical"] and c["draft_forward_calls"] == 0 and r["settings"]["drafting_mode"] == "pool"
+            assert m.tokens_per_target_forward == pytest.approx(
+                r["tokens"] / (r["tokens"] - c["accepted_tokens"]), abs=0.006)
+            assert m.draft_forwards_per_token == 0
+            continue
         r = rows[f"{m.name}-pinned"]
         assert r["identical"]
         assert (r["settings"]["window_size"] > 0, r["settings"]["num_guesses"] > 0) == (

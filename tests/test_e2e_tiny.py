@@ -471,6 +471,30 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
     assert sum(v["rounds"] for v in per_f.values()) <= s["rounds"], (per_f, s["rounds"])
 
 
+def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenario, tiny_models):
+    """Curves (as configured) where a draft forward costs what the target's does: the cost model
+    picks the pool mode at load (no draft forward; pool_draft.py), the auto back-off and suffix
+    choice run on it, K = 3 trees. Same output as without speculation, greedy requests beside a
+    sampled one too; no draft or prefill forward ran, and the pool's drafts were accepted."""
+    base, _, _ = runs
+    curve = {"1": 6.0, "64": 7.0}
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
+            "draft_cost_ms": curve, "target_cost_ms": curve}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                             (("mixed", scenario["mixed"]),))
+    assert snaps["loaded"]["settings"]["drafting_mode"] == "pool", snaps["loaded"]["settings"]
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"pool mode: request {i} ({scenario['params'][i]}) differs"
+    assert_greedy_requests_identical(base["mixed"], ours["mixed"], scenario["mixed"][1], "mixed, pool mode")
+    s = snaps["mixed"]
+    print({k: s[k] for k in ("draft_rounds", "target_forwards", "drafted_tokens", "accepted_tokens",
+                             "suffix_accepted", "backoff_steps", "draft_forward_calls")})
+    assert s["draft_forward_calls"] == 0 and s["prefill_forward_calls"] == 0, s
+    assert s["draft_rounds"] > 0 and s["accepted_tokens"] > 0 and s["suffix_accepted"] > 0, s
+    costs = s["settings"]["drafting_mode_ms_per_token"]
+    assert costs["pool"] == min(costs.values()), costs
+
+
 def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
     """The auto back-off on a compute-bound device (the curves this CPU measured for the real
     pair, as configured): with many requests decoding it sends short chain drafts instead of

@@ -55,6 +55,9 @@ class OuroborosConfig:
     # decided at load from the draft's cost curve on this device (cost_model.py).
     use_lookahead: bool | None = None
     use_guesses: bool | None = None
+    # The draft model drafts; false: the pool alone does, with no draft forward (the "pool"
+    # mode, pool_draft.py); None = decided at load with the two switches above (cost_model.py).
+    use_draft: bool | None = None
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's
     # acceptance, with drafts cut short where load makes the target's tokens dear
@@ -186,7 +189,7 @@ _INT_RANGES = {
     "correction_phrases": (0, 15),
 }
 _OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch", "correction_phrases"}  # None = derived / auto / off
-_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_suffixes", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
+_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_draft", "use_suffixes", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
               if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}

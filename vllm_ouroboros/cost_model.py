@@ -241,6 +241,7 @@ class DraftingMode:
     use_guesses: bool  # pool phrases verified in each draft forward
     tokens_per_target_forward: float  # E
     draft_forwards_per_token: float  # d
+    uses_draft: bool = True  # False: drafts from the pool alone (pool_draft.py)
 
     def row_tokens(self, window_size: int, num_guesses: int, phrase_len: int) -> int:
         """Tokens per row of a draft forward in this mode (draft_row_tokens)."""
@@ -260,6 +261,12 @@ MODES = (
     DraftingMode("chain", False, False, 4.78, 0.89),
     DraftingMode("guesses", False, True, 5.39, 0.60),
     DraftingMode("phrases", True, True, 5.51, 0.54),
+    # No draft forward: the pool's phrases chained as the draft (pool_draft.py; the same
+    # protocol, the pool-pinned row of results/pool_mode.json, results/README.md "Drafting from
+    # the pool alone"). E counts every step: 129 of its 395 found no phrase and decoded plainly
+    # (the other modes always propose), so 579 tokens / 395 target forwards, not the 1.69 of
+    # the steps that proposed.
+    DraftingMode("pool", False, False, 1.47, 0.0, uses_draft=False),
 )
 
 
@@ -267,21 +274,31 @@ def drafting_mode_costs(draft: CostCurve, target: CostCurve | None, window_size:
                         phrase_len: int, target_tokens: float) -> dict[str, float]:
     """Modeled seconds per output token of each mode in MODES:
     t_target(target_tokens) / E + d * t_draft(row tokens). Without a target curve the target's
-    share is left out (every mode then pays the same per target forward)."""
+    share is left out (every mode then pays the same per target forward), and with it the
+    pool mode, which only the target's share prices (infinite)."""
     out = {}
     for m in MODES:
+        if target is None and not m.uses_draft:
+            out[m.name] = math.inf
+            continue
         t = target(target_tokens) / m.tokens_per_target_forward if target is not None else 0.0
         out[m.name] = t + m.draft_forwards_per_token * draft(m.row_tokens(window_size, num_guesses, phrase_len))
     return out
 
 
 def choose_drafting_mode(costs: dict[str, float], use_lookahead: bool | None = None,
-                         use_guesses: bool | None = None) -> DraftingMode:
+                         use_guesses: bool | None = None, use_draft: bool | None = None) -> DraftingMode:
     """The cheapest mode per output token (`drafting_mode_costs`) that agrees with the switches
     the user pinned (None: auto). A pin that no mode in MODES has (the window without guesses)
     is kept as pinned by the caller; the auto switch then follows the cheapest mode that agrees
-    with the other pin, or is off."""
-    fits = [m for m in MODES if use_lookahead in (None, m.use_lookahead) and use_guesses in (None, m.use_guesses)]
+    with the other pin, or is off. Pinning the window or the guesses (on or off) configures the
+    draft model's round, so it keeps the draft model; `use_draft` False is the pool mode
+    whatever the other two say."""
+    if use_draft is False:
+        return next(m for m in MODES if not m.uses_draft)
+    drafted = bool(use_draft) or use_lookahead is not None or use_guesses is not None
+    fits = [m for m in MODES if use_lookahead in (None, m.use_lookahead) and use_guesses in (None, m.use_guesses)
+            and not (drafted and not m.uses_draft)]
     return min(fits or MODES[:1], key=lambda m: costs[m.name])
 
 

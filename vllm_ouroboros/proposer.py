@@ -33,6 +33,7 @@ from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
+from vllm_ouroboros.pool_draft import draft_from_pool
 from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
 from vllm_ouroboros.round_length import RoundLength
@@ -87,6 +88,11 @@ class OuroborosProposer:
     """Ouroboros drafting for vLLM's V1 model runner (custom_class interface)."""
 
     is_ouroboros = True  # the runner patches look for this
+
+    # Chosen at load (cost_model.MODES' name); the "pool" mode drafts from the pool alone
+    # (pool_draft.py). Class defaults: a proposer before load_model drafts with the model.
+    drafting_mode: str | None = None
+    pool_only = False
 
     def __init__(self, vllm_config):
         from vllm_ouroboros.patches import ADDITIONAL_CONFIG_KEY, model_runner
@@ -271,19 +277,25 @@ class OuroborosProposer:
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
                                                cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len)
-        mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses)
+        mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses, cfg.use_draft)
         use_lookahead = mode.use_lookahead if cfg.use_lookahead is None else cfg.use_lookahead
         use_guesses = mode.use_guesses if cfg.use_guesses is None else cfg.use_guesses
         self.drafting_costs = costs
+        self.drafting_mode = mode.name
+        self.pool_only = not mode.uses_draft
+        if self.pool_only:  # the back-off prices no draft forward for any request
+            self._draft_forwards[:] = 0.0
         logger.info(
-            "ouroboros: draft forward t(n) on %s%s: %s ms; modeled ms per output token: %s -> Jacobi "
-            "window %s, pool guesses %s%s", self.device.type,
-            " as configured (draft_cost_ms)" if cfg.draft_cost_ms is not None else "",
+            "ouroboros: draft forward t(n) on %s%s: %s ms; modeled ms per output token: %s -> %s%s",
+            self.device.type, " as configured (draft_cost_ms)" if cfg.draft_cost_ms is not None else "",
             _ms(self.cost),
             ", ".join(f"{m.name} ({m.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len)} tokens "
-                      f"per row) {1000 * costs[m.name]:.1f}" for m in cost_model.MODES),
-            "on" if use_lookahead else "off", "on" if use_guesses else "off",
-            "" if cfg.use_lookahead is None and cfg.use_guesses is None else " (as configured where pinned)")
+                      f"per row) {1000 * costs[m.name]:.1f}" if m.uses_draft else
+                      f"{m.name} (no draft forward) {1000 * costs[m.name]:.1f}" for m in cost_model.MODES),
+            "drafts from the pool alone, no draft forward (pool_draft.py)" if self.pool_only else
+            f"Jacobi window {'on' if use_lookahead else 'off'}, pool guesses {'on' if use_guesses else 'off'}",
+            "" if cfg.use_lookahead is None and cfg.use_guesses is None and cfg.use_draft is None
+            else " (as configured where pinned)")
         budget = int(cfg.pool_budget_mb * 2**20)
         if cfg.pool_load_path:
             self.pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
@@ -322,7 +334,7 @@ class OuroborosProposer:
                 if rnd.kernels == "triton" else
                 f"torch ({rnd.kernel_reason or 'as configured, or the kernels serve CUDA only'})"))
         self.runtime.prefill_cost = self.prefill_cost
-        if settings.draft_round == "graph":
+        if settings.draft_round == "graph" and not self.pool_only:
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
             t0 = time.perf_counter()
             n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
@@ -347,9 +359,9 @@ class OuroborosProposer:
         # A round that exits early runs the forwards its rows need, as the host loop does: no F
         # to choose. (Graphs captured at load fell back above if conditional nodes failed; one
         # failing later leaves F to DeviceRound.forwards_for_next_round.)
-        if dr is not None and not dr.early_exit and self.target_cost is not None:
+        if dr is not None and not dr.early_exit and self.target_cost is not None and not self.pool_only:
             self._round_length = RoundLength(dr.max_forwards)
-        logger.info("ouroboros: drafting loop: %s%s", settings.draft_round,
+        logger.info("ouroboros: drafting loop: %s%s", "none (pool mode)" if self.pool_only else settings.draft_round,
                     " (early exit: CUDA graph conditional nodes)" if dr is not None and dr.early_exit
                     else "" if self._round_length is None else
                     f" (forwards per round chosen online, 1..{self._round_length.max_forwards})")
@@ -434,7 +446,7 @@ class OuroborosProposer:
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
             self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
             self._readable[slot] = self._prompt_readable_of is None or bool(self._prompt_readable_of(r))
-            self._draft_forwards[slot] = self.cfg.gamma
+            self._draft_forwards[slot] = 0.0 if self.pool_only else self.cfg.gamma
             self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
             self._suffix_yield[slot] = self._suffix_yield_all
@@ -700,29 +712,33 @@ class OuroborosProposer:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         self._flush_staged()  # what the context insert did not take (none where it ran)
         t_draft = time.perf_counter()
-        forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(rows)))
-        try:
-            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
-        except DraftCacheFull as e:  # nothing changed
-            fit = self._rows_that_fit(req_ids, slots, lens_ctx)
-            if not fit.all():  # the rows that fit draft, the others wait
-                self._cache_retry_wait = self._cache_retry_gap
-                self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
-                logger.warning(
-                    "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, "
-                    "the others decode without a draft (lossless) until growing is tried again in "
-                    "%d steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len "
-                    "leave it room, as do a larger draft_cache_max_mb where it is the bound, or a "
-                    "lower gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
-                    self._cache_retry_wait)
-                self._no_draft(slots[~fit], "cache_full_steps")
-                rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
-                if len(rows) == 0:
-                    self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
-                    return proposals
-            out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
-        else:  # the cache held every row: after a full spell, try growing again soon
-            self._cache_retry_gap = PROBE_GAP
+        if self.pool_only:
+            out = draft_from_pool(self.pool, token_ids_cpu[rows, lens_ctx - 1], slots, self.cfg.max_draft_len,
+                                  self.cfg.tree_suffixes)
+        else:
+            forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(rows)))
+            try:
+                out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
+            except DraftCacheFull as e:  # nothing changed
+                fit = self._rows_that_fit(req_ids, slots, lens_ctx)
+                if not fit.all():  # the rows that fit draft, the others wait
+                    self._cache_retry_wait = self._cache_retry_gap
+                    self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
+                    logger.warning(
+                        "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, "
+                        "the others decode without a draft (lossless) until growing is tried again in "
+                        "%d steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len "
+                        "leave it room, as do a larger draft_cache_max_mb where it is the bound, or a "
+                        "lower gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
+                        self._cache_retry_wait)
+                    self._no_draft(slots[~fit], "cache_full_steps")
+                    rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
+                    if len(rows) == 0:
+                        self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
+                        return proposals
+                out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
+            else:  # the cache held every row: after a full spell, try growing again soon
+                self._cache_retry_gap = PROBE_GAP
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
         self._calibrate_prefill(out)
         self._calibrate_draft(out, cut, t_draft)
@@ -848,9 +864,11 @@ class OuroborosProposer:
         rt = self.runtime
         A, T, F = self._accepted[slots], self._sent[slots], self._draft_forwards[slots]
         n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+        # The pool mode runs no draft forward (F = 0) and keeps no draft cache to catch up.
         decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
-            self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value, rt.chain_below,
-            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, acc), self.prefill_cost,
+            self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value,
+            None if self.pool_only else rt.chain_below, cost_model.draft_row_tokens(0, 0, rt.L),
+            None if self.pool_only else self._catch_up(slots, lens, acc), self.prefill_cost,
             tuple(self._draft_scale))
         plan = decide(A)
         spec = plan.rows
@@ -984,7 +1002,8 @@ class OuroborosProposer:
         if self.runtime is not None:
             out["draft_cache"] = self.runtime.kv.stats()
         if self.runtime is not None:  # what "auto" resolved to on this device
-            out["settings"] = {"window_size": self.runtime.W, "num_guesses": self.runtime.G,
+            out["settings"] = {"drafting_mode": self.drafting_mode,
+                               "window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,
                                "draft_round": self.runtime.s.draft_round,
                                "tree_verification": self._tree_decision,

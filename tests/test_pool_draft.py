@@ -1,0 +1,98 @@
+"""pool_draft.draft_from_pool: the pool mode's drafts, against the lookups done one row at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ouroboros.pool import PhrasePool
+from vllm_ouroboros.pool_draft import draft_from_pool
+
+L = 4
+
+
+def _pool(device="cpu", W=4) -> PhrasePool:
+    return PhrasePool(64, L, W, PhrasePool.budget_for(64, L, W, 32), device=device, shared=True)
+
+
+def _insert(pool, rows):
+    """rows: (key, phrase, owner)."""
+    keys, phrases, owners = zip(*rows)
+    pool.insert(torch.tensor(keys), torch.tensor(phrases), torch.tensor(owners))
+
+
+def _reference(pool, last, slots, draft_len, K):
+    """One row at a time with the pool's own lookup: chain whole phrases from the last token
+    while the key has one, cut to draft_len; then K phrases after the draft's end."""
+    drafts, lens, sfx, sval = [], [], [], []
+    for key, slot in zip(last.tolist(), slots.tolist()):
+        chain = []
+        while len(chain) < draft_len:
+            ph, ok = pool.lookup(torch.tensor([key]), torch.tensor([slot]), 1)
+            if not ok[0, 0]:
+                break
+            chain += ph[0, 0].tolist()
+            key = chain[-1]
+        chain = chain[:draft_len]
+        drafts.append(chain)
+        lens.append(len(chain))
+        if K:
+            ph, ok = pool.lookup(torch.tensor([key]), torch.tensor([slot]), K)
+            sfx.append(ph[0].numpy())
+            sval.append(ok[0].numpy())
+    return drafts, np.array(lens), sfx, sval
+
+
+@pytest.mark.parametrize("draft_len,K", [(8, 2), (6, 1), (4, 3), (3, 0), (12, 1)])
+def test_chained_phrases_match_row_by_row_lookups(draft_len, K):
+    pool = _pool()
+    rng = np.random.default_rng(draft_len * 10 + K)
+    # Chains that continue (5 -> ...9 -> ...13 -> ...), branch by owner, and dead ends.
+    _insert(pool, [(5, [6, 7, 8, 9], 0), (9, [10, 11, 12, 13], 0), (9, [20, 21, 22, 23], 1),
+                   (13, [14, 15, 16, 5], 0), (23, [24, 25, 26, 27], 1), (27, [30, 31, 32, 33], 2),
+                   (27, [40, 41, 42, 43], 1)])
+    _insert(pool, [(int(k), rng.integers(1, 64, L).tolist(), int(o))
+                   for k, o in zip(rng.integers(34, 64, 20), rng.integers(0, 3, 20))])
+    last = np.array([5, 9, 9, 50, 63, 27, 1])
+    slots = np.array([0, 0, 1, 2, 1, 1, 0])
+    want_d, want_n, want_s, want_v = _reference(_pool_copy(pool), last, slots, draft_len, K)
+    out = draft_from_pool(pool, last, slots, draft_len, K)
+    assert out.draft_lens.tolist() == want_n.tolist()
+    for b, d in enumerate(want_d):
+        assert out.drafts[b, :len(d)].tolist() == d
+    assert (out.draft_lens > 0).sum() >= 4  # the chains above were found
+    assert out.draft_lens[0] == min(draft_len, 12)  # 5 -> 9 -> 13 -> 5 ...: through three phrases
+    assert out.suffixes.shape == (len(last), K, L) and out.suffix_valid.shape == (len(last), K)
+    if K:
+        np.testing.assert_array_equal(out.suffix_valid, np.stack(want_v))
+        np.testing.assert_array_equal(out.suffixes, np.stack(want_s))
+    assert out.forwards == 0 and out.prefill_forwards == 0
+    assert not out.row_forwards.any() and not out.row_prefills.any() and not out.guess_tokens.any()
+
+
+def _pool_copy(pool: PhrasePool) -> PhrasePool:
+    """The same phrases in a fresh pool: the reference's lookups then move their own copy's
+    recency and counters, not those of the pool under test."""
+    other = _pool(W=pool.W)
+    other.load_state_dict(pool.state_dict())
+    return other
+
+
+def test_an_empty_pool_proposes_nothing():
+    out = draft_from_pool(_pool(), np.array([3, 4]), np.array([0, 1]), 8, 2)
+    assert out.draft_lens.tolist() == [0, 0] and not out.suffix_valid.any()
+    assert out.drafts.shape[0] == 2 and out.drafts.shape[1] >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the lookups on the GPU's pool")
+def test_on_cuda_same_as_on_cpu():
+    rows = [(5, [6, 7, 8, 9], 0), (9, [10, 11, 12, 13], 0), (13, [1, 2, 3, 4], 1)]
+    cpu, gpu = _pool(), _pool("cuda")
+    _insert(cpu, rows)
+    _insert(gpu, rows)
+    a = draft_from_pool(cpu, np.array([5, 9, 13]), np.array([0, 1, 1]), 8, 2)
+    b = draft_from_pool(gpu, np.array([5, 9, 13]), np.array([0, 1, 1]), 8, 2)
+    np.testing.assert_array_equal(a.drafts, b.drafts)
+    np.testing.assert_array_equal(a.draft_lens, b.draft_lens)
+    np.testing.assert_array_equal(a.suffixes, b.suffixes)

@@ -1,0 +1,69 @@
+"""Drafting from the phrase pool alone: the "pool" drafting mode (cost_model.MODES).
+
+Where a draft forward costs nearly as much as the target's (a small pair on a GPU whose draft
+round is launch-bound: 1.3-2.4 ms per draft forward beside a 2.0 ms target forward on the H200,
+results/README.md), the draft model's forwards can cost more than the tokens they win. The
+pool still knows phrases: the prompt's and the output's own (context phrases) and the target's
+tokens on earlier trees (refinement, inspiration). This mode sends them without a draft forward:
+
+    sentence draft = the pool's best phrase after the last confirmed token, then the best phrase
+                     after that one's last token, ... (up to `draft_len` tokens)
+    suffixes       = the pool's K best phrases after the draft's last token
+
+the same tree as a drafted step (a chain, then K suffixes), verified by the same target forward,
+so greedy output stays the target's and sampling its distribution. The pool keeps learning from
+every verification as in the other modes (proposer._learn). No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_ouroboros.draft.runtime import RoundOutput
+from vllm_ouroboros.host_copy import to_device, to_host
+from vllm_ouroboros.pool import PhrasePool
+
+
+@torch.no_grad()
+def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray, draft_len: int,
+                    num_suffixes: int) -> RoundOutput:
+    """One step's drafts for R requests from the pool, with no draft forward.
+
+    last_tokens [R] (int): each request's last confirmed token; slots [R] (int): their pool
+    owners (a request's own phrases rank first, PhrasePool.lookup); draft_len: the most
+    sentence-draft tokens per row (the round's gamma), chained from whole phrases of
+    pool.L tokens, the last one cut; num_suffixes: K, phrases looked up after the draft's end
+    (0: none).
+    Returns a RoundOutput with drafts [R, draft_len] and draft_lens [R] (a row whose key has no
+    phrase stops there: 0 tokens if the first lookup found none), suffixes [R, K, L] and
+    suffix_valid [R, K], and zero draft and prefill forwards. The lookups stay on the device;
+    one read back at the end.
+    """
+    R, L = len(slots), pool.L
+    dev = pool.device
+    key, owner = to_device(dev, np.asarray(last_tokens, np.int64), np.asarray(slots, np.int64))
+    pieces, took = [], []
+    alive = torch.ones(R, dtype=torch.bool, device=dev)
+    for _ in range(-(-draft_len // L)):
+        phrase, valid = pool.lookup(key, owner, 1, rows=alive)
+        alive = alive & valid[:, 0]
+        pieces.append(torch.where(alive[:, None], phrase[:, 0], 0))
+        took.append(alive)
+        key = torch.where(alive, phrase[:, 0, -1], key)
+    if pieces:
+        drafts = torch.cat(pieces, 1)[:, :draft_len]
+        draft_lens = torch.clamp(torch.stack(took, 1).long().sum(1) * L, max=draft_len)
+    else:
+        drafts = torch.zeros((R, 1), dtype=torch.long, device=dev)  # a column to index
+        draft_lens = torch.zeros(R, dtype=torch.long, device=dev)
+    if num_suffixes:
+        suffixes, suffix_valid = pool.lookup(key, owner, num_suffixes)
+    else:
+        suffixes = torch.zeros((R, 0, L), dtype=torch.long, device=dev)
+        suffix_valid = torch.zeros((R, 0), dtype=torch.bool, device=dev)
+    drafts, draft_lens, suffixes, suffix_valid = to_host(drafts, draft_lens, suffixes, suffix_valid)
+    zeros = np.zeros(R, np.int64)
+    return RoundOutput(drafts.copy(), draft_lens.copy(), suffixes.copy(), suffix_valid.copy(),
+                       forwards=0, prefill_forwards=0, row_forwards=zeros, guess_tokens=zeros.copy(),
+                       guess_hit_forwards=zeros.copy(), row_prefills=zeros.copy())

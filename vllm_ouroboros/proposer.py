@@ -362,6 +362,7 @@ class OuroborosProposer:
         if dr is not None and not dr.early_exit and self.target_cost is not None and not self.pool_only:
             self._round_length = RoundLength(dr.max_forwards)
         logger.info("ouroboros: drafting loop: %s%s", "none (pool mode)" if self.pool_only else settings.draft_round,
+                    "" if self.pool_only else
                     " (early exit: CUDA graph conditional nodes)" if dr is not None and dr.early_exit
                     else "" if self._round_length is None else
                     f" (forwards per round chosen online, 1..{self._round_length.max_forwards})")

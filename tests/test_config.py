@@ -151,6 +151,7 @@ def test_adaptive_draft_length_config(tiny_models, head_files):
 @pytest.mark.parametrize("extra, message", [
     ({"draft_length": "dynamic"}, "'draft_length'='dynamic'; use fixed or adaptive"),
     ({"draft_length": "adaptive"}, "draft_length='adaptive' needs 'acceptance_head'"),
+    ({"draft_length": "adaptive", "use_draft": False}, "use_draft=false .drafts from the pool alone. has none to stop"),
     ({"draft_length": "adaptive", "acceptance_head": "/nonexistent/head.safetensors"},
      "'acceptance_head' '/nonexistent/head.safetensors' does not exist"),
     ({"draft_length": "adaptive", "acceptance_head": "OTHER"},

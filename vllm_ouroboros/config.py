@@ -56,7 +56,8 @@ class OuroborosConfig:
     use_lookahead: bool | None = None
     use_guesses: bool | None = None
     # The draft model drafts; false: the pool alone does, with no draft forward (the "pool"
-    # mode, pool_draft.py); None = decided at load with the two switches above (cost_model.py).
+    # mode, pool_draft.py); None = decided at load with the two switches above (cost_model.py),
+    # the draft model where draft_length is adaptive (its head stops the model's drafts).
     use_draft: bool | None = None
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's
@@ -278,6 +279,10 @@ def _validate_draft_length(cfg: OuroborosConfig) -> None:
             "probability of a rejection at which a draft stops), or null for the head's own")
     if cfg.draft_length != "adaptive":
         return
+    if cfg.use_draft is False:
+        raise OuroborosConfigError(
+            "ouroboros: draft_length='adaptive' stops the draft model's drafts by its acceptance "
+            "head; use_draft=false (drafts from the pool alone) has none to stop")
     if not cfg.acceptance_head:
         raise OuroborosConfigError(
             "ouroboros: draft_length='adaptive' needs 'acceptance_head', a head file trained for "

@@ -277,7 +277,9 @@ class OuroborosProposer:
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
                                                cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len)
-        mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses, cfg.use_draft)
+        # An adaptive draft length is the draft model's (its acceptance head stops its drafts).
+        use_draft = True if cfg.use_draft is None and cfg.draft_length == "adaptive" else cfg.use_draft
+        mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses, use_draft)
         use_lookahead = mode.use_lookahead if cfg.use_lookahead is None else cfg.use_lookahead
         use_guesses = mode.use_guesses if cfg.use_guesses is None else cfg.use_guesses
         self.drafting_costs = costs

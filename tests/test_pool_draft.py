@@ -83,6 +83,8 @@ def test_an_empty_pool_proposes_nothing():
     out = draft_from_pool(_pool(), np.array([3, 4]), np.array([0, 1]), 8, 2)
     assert out.draft_lens.tolist() == [0, 0] and not out.suffix_valid.any()
     assert out.drafts.shape[0] == 2 and out.drafts.shape[1] >= 1
+    with pytest.raises(ValueError, match="draft_len=0 must be >= 1"):
+        draft_from_pool(_pool(), np.array([3]), np.array([0]), 0, 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the lookups on the GPU's pool")

@@ -32,14 +32,16 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
 
     last_tokens [R] (int): each request's last confirmed token; slots [R] (int): their pool
     owners (a request's own phrases rank first, PhrasePool.lookup); draft_len: the most
-    sentence-draft tokens per row (the round's gamma), chained from whole phrases of
-    pool.L tokens, the last one cut; num_suffixes: K, phrases looked up after the draft's end
+    sentence-draft tokens per row (>= 1; the config's max_draft_len), chained from whole
+    phrases of pool.L tokens, the last one cut; num_suffixes: K, phrases looked up after the draft's end
     (0: none).
     Returns a RoundOutput with drafts [R, draft_len] and draft_lens [R] (a row whose key has no
     phrase stops there: 0 tokens if the first lookup found none), suffixes [R, K, L] and
     suffix_valid [R, K], and zero draft and prefill forwards. The lookups stay on the device;
     one read back at the end.
     """
+    if draft_len < 1:
+        raise ValueError(f"draft_len={draft_len} must be >= 1")
     R, L = len(slots), pool.L
     dev = pool.device
     key, owner = to_device(dev, np.asarray(last_tokens, np.int64), np.asarray(slots, np.int64))
@@ -51,12 +53,8 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
         pieces.append(torch.where(alive[:, None], phrase[:, 0], 0))
         took.append(alive)
         key = torch.where(alive, phrase[:, 0, -1], key)
-    if pieces:
-        drafts = torch.cat(pieces, 1)[:, :draft_len]
-        draft_lens = torch.clamp(torch.stack(took, 1).long().sum(1) * L, max=draft_len)
-    else:
-        drafts = torch.zeros((R, 1), dtype=torch.long, device=dev)  # a column to index
-        draft_lens = torch.zeros(R, dtype=torch.long, device=dev)
+    drafts = torch.cat(pieces, 1)[:, :draft_len]
+    draft_lens = torch.clamp(torch.stack(took, 1).long().sum(1) * L, max=draft_len)
     if num_suffixes:
         suffixes, suffix_valid = pool.lookup(key, owner, num_suffixes)
     else:

@@ -285,8 +285,6 @@ class OuroborosProposer:
         self.drafting_costs = costs
         self.drafting_mode = mode.name
         self.pool_only = not mode.uses_draft
-        if self.pool_only:  # the back-off prices no draft forward for any request
-            self._draft_forwards[:] = 0.0
         logger.info(
             "ouroboros: draft forward t(n) on %s%s: %s ms; modeled ms per output token: %s -> %s%s",
             self.device.type, " as configured (draft_cost_ms)" if cfg.draft_cost_ms is not None else "",
@@ -449,7 +447,7 @@ class OuroborosProposer:
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
             self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
             self._readable[slot] = self._prompt_readable_of is None or bool(self._prompt_readable_of(r))
-            self._draft_forwards[slot] = 0.0 if self.pool_only else self.cfg.gamma
+            self._draft_forwards[slot] = self.cfg.gamma
             self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
             self._suffix_yield[slot] = self._suffix_yield_all
@@ -865,9 +863,10 @@ class OuroborosProposer:
         if self.cost is None or self.target_cost is None:
             return cost_model.SpeculationPlan(np.ones(B, bool), S)
         rt = self.runtime
-        A, T, F = self._accepted[slots], self._sent[slots], self._draft_forwards[slots]
-        n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+        A, T = self._accepted[slots], self._sent[slots]
         # The pool mode runs no draft forward (F = 0) and keeps no draft cache to catch up.
+        F = np.zeros(B) if self.pool_only else self._draft_forwards[slots]
+        n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
         decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value,
             None if self.pool_only else rt.chain_below, cost_model.draft_row_tokens(0, 0, rt.L),

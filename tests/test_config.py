@@ -51,6 +51,7 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"use_lookahead": "yes"}, "'use_lookahead' must be true or false"),
     ({"use_suffixes": 1}, "'use_suffixes' must be true or false .or null: auto."),
     ({"use_draft": "no"}, "'use_draft' must be true or false .or null: auto."),
+    ({"mode_review_steps": -1}, "'mode_review_steps'=-1 is out of range >= 0"),
     ({"draft_fused_ops": "on"}, "'draft_fused_ops' must be true or false .or null: auto."),
     ({"draft_norm_gemm": "on"}, "'draft_norm_gemm' must be true or false .or null: auto."),
     ({"gamma": 2.5}, "'gamma' must be an integer"),

@@ -567,6 +567,37 @@ def test_draft_cost_calibrated_by_measured_rounds():
     assert plan((1.0, 1.0)).max_tokens < 4 and plan((0.9, 1.2)).max_tokens >= 4
 
 
+def test_mode_review_switch_resets_the_backoff_estimates():
+    """_review_mode: priced at the engine's measured step (the target's curve plus the overhead
+    measured beyond it), the pool mode chosen at load gives way to the draft model's; the
+    switch turns pool_only off and restarts every request's back-off estimates from the priors
+    (they measured the pool's drafts). The next review, within the margin, keeps it."""
+    from vllm_ouroboros.mode_review import ModeReview
+
+    p = _proposer()
+    modes = {m.name: m for m in cost_model.MODES}
+    target = cost_model.curve_from_ms([(1, 1.45), (256, 1.45)])
+    draft = cost_model.curve_from_ms([(1, 1.2), (34, 1.5), (64, 1.6)])
+    p.cost, p.target_cost, p._target_calibration = draft, target, None
+    p._overhead = cost_model.StepOverhead(target)
+    p.drafting_mode, p.pool_only = "pool", True
+    p._mode_review = ModeReview(modes["phrases"], modes["pool"], "pool", 34, 9, every=2)
+    p._draft_forwards[:] = 1.0
+    assert not np.allclose(p._accepted, p._prior_accepted)
+    p._mode_review.steps = 2
+    p._review_mode()  # no overhead measured: the curve alone, where the pool is the cheaper
+    assert p.drafting_mode == "pool" and p.pool_only
+    p._overhead.value, p._overhead.samples = 0.00051, 10  # a 1.96 ms step
+    p._mode_review.steps = 2
+    p._review_mode()
+    assert p.drafting_mode == "phrases" and not p.pool_only and p._mode_review.switches == 1
+    assert np.allclose(p._accepted, p._prior_accepted) and (p._draft_forwards == p.cfg.gamma).all()
+    assert (p._base_tokens == p._prior_tokens_per_fwd).all()
+    p._mode_review.steps = 2
+    p._review_mode()
+    assert p.drafting_mode == "phrases" and p._mode_review.switches == 1
+
+
 def test_curves_taken_as_given_without_calibration():
     """calibrate_costs=False (another device's curves reproduced here): measured rounds and
     prefills leave the curves' scales at 1."""

@@ -478,8 +478,9 @@ def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenari
     sampled one too; no draft or prefill forward ran, and the pool's drafts were accepted."""
     base, _, _ = runs
     curve = {"1": 6.0, "64": 7.0}
+    # mode_review_steps 0: the load-time choice stays (the next test reviews it).
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
-            "draft_cost_ms": curve, "target_cost_ms": curve}
+            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("mixed", scenario["mixed"]),))
     assert snaps["loaded"]["settings"]["drafting_mode"] == "pool", snaps["loaded"]["settings"]
@@ -493,6 +494,37 @@ def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenari
     assert s["draft_rounds"] > 0 and s["accepted_tokens"] > 0 and s["suffix_accepted"] > 0, s
     costs = s["settings"]["drafting_mode_ms_per_token"]
     assert costs["pool"] == min(costs.values()), costs
+
+
+def test_mode_review_switches_to_the_draft_model_mid_run_greedy_identical(runs, scenario, tiny_models):
+    """Curves (as configured) under which the load-time rule picks the pool mode: the target's
+    sub-millisecond curve leaves out what this CPU's engine spends per step (tens of ms, the
+    overhead measured beyond the curve), which the draft model's higher tokens per target
+    forward amortise. The review (every 8 drafting steps, mode_review.py) moves to the draft
+    model mid-run, whose drafts then catch up on the requests' contexts; the output is the
+    same as without speculation, and both modes drafted."""
+    base, _, _ = runs
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
+            "draft_cost_ms": {"1": 0.6, "64": 0.7}, "target_cost_ms": {"1": 0.5, "64": 0.6},
+            "mode_review_steps": 8}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+    loaded, s = snaps["loaded"]["settings"], snaps["main"]
+    assert loaded["drafting_mode"] == "pool" and loaded["mode_review"]["switches"] == 0, loaded
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"mode review: request {i} ({scenario['params'][i]}) differs"
+    review = s["settings"]["mode_review"]
+    print(review, {k: s[k] for k in ("mode_switches", "draft_rounds", "target_forwards", "accepted_tokens",
+                                     "draft_forward_calls", "prefill_forward_calls", "backoff_steps")})
+    assert s["mode_switches"] == review["switches"] >= 1, review
+    assert s["settings"]["drafting_mode_at_load"] == "pool"
+    # The pool drafted before the switch (its rows were measured), the draft model after it,
+    # from a prefill of the contexts it had not seen.
+    assert review["rows_measured"]["pool"] > 0, review
+    assert s["draft_forward_calls"] > 0 and s["prefill_forward_calls"] > 0, s
+    # The runtime was built at load for the draft model's best mode (flat curves: phrases),
+    # though the pool mode was chosen then.
+    assert s["guess_lookups"] > 0 and s["settings"]["num_guesses"] > 0, s
+    assert s["accepted_tokens"] > 0, s
 
 
 def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):

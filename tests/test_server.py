@@ -140,10 +140,12 @@ def test_serve_spec_method_shorthand(tiny_models, expected):
     assert vllm_counter(text, "vllm:spec_decode_num_draft_tokens_total") > 0
     ours = assert_counts_are_vllms(text)
     # All on auto: the tiny draft's forward (~1 ms here) costs ~5x the tiny target's linear
-    # layers (~0.2 ms), so the load-time choice drafts from the pool alone (no draft forward).
-    # The JSON test below serves through the draft model.
+    # layers (~0.2 ms), so the load-time choice drafts from the pool alone (no draft forward);
+    # the mode review (mode_review.py) then measures the engine's step (tens of ms here), which
+    # the draft model's more tokens per target forward amortise, and switches to it.
     assert ours.get("vllm:ouroboros_rounds_total", 0) > 0, sorted(ours)
-    assert ours.get("vllm:ouroboros_draft_forwards_total", 0) == 0, sorted(ours)
+    assert ours.get("vllm:ouroboros_mode_switches_total", 0) >= 1, sorted(ours)
+    assert ours.get("vllm:ouroboros_draft_forwards_total", 0) > 0, sorted(ours)
     assert ours.get("vllm:ouroboros_accepted_tokens_total", 0) > 0
     assert ours.get("vllm:ouroboros_pool_phrases", 0) > 0
     assert "vllm:ouroboros_backoff_steps_total" in ours  # back-off under load is counted

@@ -59,6 +59,11 @@ class OuroborosConfig:
     # mode, pool_draft.py); None = decided at load with the two switches above (cost_model.py),
     # the draft model where draft_length is adaptive (its head stops the model's drafts).
     use_draft: bool | None = None
+    # With all three switches above on auto: every this-many drafting steps, the draft model's
+    # mode and the pool mode are priced again from what the engine measured (its step time,
+    # tokens per target forward of each mode) and the cheaper one drafts (mode_review.py);
+    # 0 = the mode chosen at load stays.
+    mode_review_steps: int = 64
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's
     # acceptance, with drafts cut short where load makes the target's tokens dear
@@ -188,6 +193,7 @@ _INT_RANGES = {
     "context_phrase_window": (0, None),
     "max_speculative_batch": (1, None),
     "correction_phrases": (0, 15),
+    "mode_review_steps": (0, None),
 }
 _OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch", "correction_phrases"}  # None = derived / auto / off
 _AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_draft", "use_suffixes", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device

@@ -65,6 +65,8 @@ COUNTERS = {
     "slots_evicted": "Requests out of the batch whose draft slot went to a new request (all slots taken)",
     "absent_caches_dropped": "Requests out of the batch whose draft KV pages were released for "
                              "requests in it (the draft KV cache was full)",
+    "mode_switches": "Drafting mode switches while serving, between the draft model and the pool alone "
+                     "(mode_review.py)",
 }
 # Gauges by snapshot section: (section, key) -> help; exported as <section>_<key>.
 GAUGES = {

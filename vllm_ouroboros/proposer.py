@@ -31,6 +31,7 @@ from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_grow
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
 from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
+from vllm_ouroboros.mode_review import ModeReview
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
 from vllm_ouroboros.pool_draft import draft_from_pool
@@ -92,7 +93,12 @@ class OuroborosProposer:
     # Chosen at load (cost_model.MODES' name); the "pool" mode drafts from the pool alone
     # (pool_draft.py). Class defaults: a proposer before load_model drafts with the model.
     drafting_mode: str | None = None
+    drafting_mode_at_load: str | None = None
     pool_only = False
+    _proposed_mode: str | None = None  # the mode that drafted what the next on_verified reads
+    # Switches between the draft model's mode and the pool mode while serving (mode_review.py);
+    # None: the mode stays as chosen (a switch pinned, no target curve, or calibrate_costs off).
+    _mode_review: ModeReview | None = None
 
     def __init__(self, vllm_config):
         from vllm_ouroboros.patches import ADDITIONAL_CONFIG_KEY, model_runner
@@ -280,11 +286,22 @@ class OuroborosProposer:
         # An adaptive draft length is the draft model's (its acceptance head stops its drafts).
         use_draft = True if cfg.use_draft is None and cfg.draft_length == "adaptive" else cfg.use_draft
         mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses, use_draft)
-        use_lookahead = mode.use_lookahead if cfg.use_lookahead is None else cfg.use_lookahead
-        use_guesses = mode.use_guesses if cfg.use_guesses is None else cfg.use_guesses
+        # The runtime is built for the draft model's best mode even where the pool mode was
+        # chosen: the review below may switch to it.
+        drafted = mode if mode.uses_draft else cost_model.choose_drafting_mode(
+            costs, cfg.use_lookahead, cfg.use_guesses, True)
+        use_lookahead = drafted.use_lookahead if cfg.use_lookahead is None else cfg.use_lookahead
+        use_guesses = drafted.use_guesses if cfg.use_guesses is None else cfg.use_guesses
         self.drafting_costs = costs
-        self.drafting_mode = mode.name
+        self.drafting_mode = self.drafting_mode_at_load = mode.name
         self.pool_only = not mode.uses_draft
+        if (self.target_cost is not None and cfg.calibrate_costs and cfg.mode_review_steps and use_draft is None
+                and cfg.use_lookahead is None and cfg.use_guesses is None):
+            pool = next(m for m in cost_model.MODES if not m.uses_draft)
+            self._mode_review = ModeReview(
+                drafted, pool, mode.name,
+                drafted.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len),
+                1 + cfg.gamma + cfg.phrase_len, cfg.mode_review_steps)
         logger.info(
             "ouroboros: draft forward t(n) on %s%s: %s ms; modeled ms per output token: %s -> %s%s",
             self.device.type, " as configured (draft_cost_ms)" if cfg.draft_cost_ms is not None else "",
@@ -296,6 +313,10 @@ class OuroborosProposer:
             f"Jacobi window {'on' if use_lookahead else 'off'}, pool guesses {'on' if use_guesses else 'off'}",
             "" if cfg.use_lookahead is None and cfg.use_guesses is None and cfg.use_draft is None
             else " (as configured where pinned)")
+        if self._mode_review is not None:
+            logger.info("ouroboros: the drafting mode is reviewed every %d drafting steps from what the "
+                        "engine measures, between %s and the pool alone (mode_review.py)",
+                        cfg.mode_review_steps, drafted.name)
         budget = int(cfg.pool_budget_mb * 2**20)
         if cfg.pool_load_path:
             self.pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
@@ -334,7 +355,7 @@ class OuroborosProposer:
                 if rnd.kernels == "triton" else
                 f"torch ({rnd.kernel_reason or 'as configured, or the kernels serve CUDA only'})"))
         self.runtime.prefill_cost = self.prefill_cost
-        if settings.draft_round == "graph" and not self.pool_only:
+        if settings.draft_round == "graph" and self._may_draft:
             # Captured now, while vLLM profiles memory, for the batch sizes it may schedule.
             t0 = time.perf_counter()
             n = self.runtime.device_round.capture(range(1, min(self.max_slots, CAPTURED_BATCH) + 1))
@@ -359,10 +380,12 @@ class OuroborosProposer:
         # A round that exits early runs the forwards its rows need, as the host loop does: no F
         # to choose. (Graphs captured at load fell back above if conditional nodes failed; one
         # failing later leaves F to DeviceRound.forwards_for_next_round.)
-        if dr is not None and not dr.early_exit and self.target_cost is not None and not self.pool_only:
+        if dr is not None and not dr.early_exit and self.target_cost is not None and self._may_draft:
             self._round_length = RoundLength(dr.max_forwards)
-        logger.info("ouroboros: drafting loop: %s%s", "none (pool mode)" if self.pool_only else settings.draft_round,
-                    "" if self.pool_only else
+        logger.info("ouroboros: drafting loop: %s%s", "none (pool mode)" if not self._may_draft else
+                    f"{settings.draft_round} once the mode review moves to the draft model" if self.pool_only
+                    else settings.draft_round,
+                    "" if not self._may_draft else
                     " (early exit: CUDA graph conditional nodes)" if dr is not None and dr.early_exit
                     else "" if self._round_length is None else
                     f" (forwards per round chosen online, 1..{self._round_length.max_forwards})")
@@ -382,6 +405,11 @@ class OuroborosProposer:
                     cfg.draft_model, dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
                     model.kv.num_pages, model.kv.page_size,
                     "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
+
+    @property
+    def _may_draft(self) -> bool:
+        """Whether the draft model may run: its mode was chosen, or a review may choose it."""
+        return not self.pool_only or self._mode_review is not None
 
     def _choose_fusions(self, model: DraftModel, draft_round: str, init_len: int) -> list:
         """The draft's optional fusions timed on this GPU and kept where faster
@@ -528,6 +556,8 @@ class OuroborosProposer:
                 self._round_length.observe(self._round_forwards, float(num_acc[sel].mean()) + 1)
             self._round_forwards = 0
         self._observe_lengths(s, cut, num_acc[sel], n[sel] + slen[sel].sum(1))
+        if self._mode_review is not None:
+            self._mode_review.observe(self._proposed_mode, num_acc[sel][whole] + 1)
         sw = s[whole]
         self._base_tokens[sw] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
@@ -646,10 +676,11 @@ class OuroborosProposer:
         decoding = all(len(t) for t in sampled_token_ids)
         self._overhead.start(req_ids if decoding else None, now)
         # The step's forward as the engine timed it, against the load-time curve: reported
-        # (snapshot settings.target_cost_ratio), not yet acted on. Given the corrected curve
-        # the plan cut one request's drafts and skipped its suffixes, 3% fewer tokens/s at 128
-        # tokens (three runs against four; results/README.md, "Session of 2026-11-26 (sixth)"):
-        # the model's other terms were fitted beside the load-time curve's error.
+        # (snapshot settings.target_cost_ratio), and read by the mode review where no step
+        # overhead was measured (_review_mode); the back-off's plan keeps the load-time curve.
+        # Given the corrected curve the plan cut one request's drafts and skipped its suffixes,
+        # 3% fewer tokens/s at 128 tokens (three runs against four; results/README.md, "Session
+        # of 2026-11-26 (sixth)"): the model's other terms were fitted beside the curve's error.
         forward = self.target_clock.take() if self.target_clock is not None else None
         if forward is not None:
             self._target_calibration.observe(*forward)
@@ -657,7 +688,8 @@ class OuroborosProposer:
         if self._counters.active:
             self._counters.publish(self.stats.exported_totals(
                 requests_returned=self._slot_of.returned, slots_evicted=self._slot_of.evicted,
-                absent_caches_dropped=self._caches_dropped))
+                absent_caches_dropped=self._caches_dropped,
+                mode_switches=0 if self._mode_review is None else self._mode_review.switches))
         self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
         if self._tp.size > 1:
             self._tp.share((proposals, *self.layouts(req_ids)))
@@ -712,6 +744,8 @@ class OuroborosProposer:
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         self._flush_staged()  # what the context insert did not take (none where it ran)
+        if self._mode_review is not None and self._mode_review.due():
+            self._review_mode()
         t_draft = time.perf_counter()
         if self.pool_only:
             out = draft_from_pool(self.pool, token_ids_cpu[rows, lens_ctx - 1], slots, self.cfg.max_draft_len,
@@ -743,6 +777,11 @@ class OuroborosProposer:
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
         self._calibrate_prefill(out)
         self._calibrate_draft(out, cut, t_draft)
+        self._proposed_mode = self.drafting_mode
+        if self._mode_review is not None:
+            self._mode_review.step(len(rows), t_draft - out.prefill_seconds, None if self.pool_only else
+                                   out.forwards if self.runtime.device_round is not None
+                                   else float(out.row_forwards.mean()))
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
         # path is on, else the best one), within the token cap, in flat order. Near
@@ -774,6 +813,10 @@ class OuroborosProposer:
         chain = src_mat[r, np.minimum(np.maximum(src, 0), src_mat.shape[1] - 1)]
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
+        if self._mode_review is not None and self.pool_only and cut >= self.num_spec_tokens and not total.all():
+            # A row the pool had no phrase for decodes plainly: one token for its target forward
+            # (on_verified never sees it), part of what the pool mode yields.
+            self._mode_review.observe(self.drafting_mode, np.ones(int((total == 0).sum())))
 
         ctx_last = token_ids_cpu[rows, lens_ctx - 1].astype(np.int64)
         self._last_main[slots] = n_main
@@ -807,6 +850,37 @@ class OuroborosProposer:
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
+
+    def _review_mode(self) -> None:
+        """Price the draft model's mode and the pool mode at this engine's measurements
+        (mode_review.py) and switch where the other is cheaper. The step without drafting is the
+        target's load-time curve plus the overhead measured beyond it where steps were measured,
+        else the curve corrected by the target's timed forwards."""
+        review = self._mode_review
+        if self._overhead.samples:
+            target, overhead = self.target_cost, self._overhead.value
+        elif self._target_calibration is not None:
+            target, overhead = self._target_calibration.curve, None
+        else:
+            target, overhead = self.target_cost, None
+        new = review.review(target, overhead, self.cost, float(self._draft_scale[0]))
+        if new is None:
+            return
+        old, self.drafting_mode = self.drafting_mode, new
+        self.pool_only = not review.modes[new].uses_draft
+        # The back-off's per-request estimates measured the other mode's drafts: each request
+        # starts this mode from the optimistic priors, as a new request does, and measures.
+        self._accepted[:] = self._prior_accepted
+        self._sent[:] = 1.0
+        self._draft_forwards[:] = self.cfg.gamma
+        self._base_tokens[:] = self._prior_tokens_per_fwd
+        self._probe_gap[:] = self._probe_wait[:] = PROBE_GAP
+        logger.info("ouroboros: drafting mode %s -> %s at %.1f requests per step: modeled ms per output "
+                    "token %s (E %s; review every %d drafting steps, mode_review.py)%s", old, new,
+                    review.batch, {m: round(1000 * p.seconds_per_token, 2) for m, p in review.last.items()},
+                    {m: f"{p.tokens_per_forward:.2f}{'' if p.measured else ' prior'}"
+                     for m, p in review.last.items()}, review.every,
+                    "; the draft catches up on the requests' contexts first" if not self.pool_only else "")
 
     def _round_cost(self, rows: int):
         """cost(F): modeled seconds of a step whose device round for `rows` requests runs F
@@ -1001,10 +1075,13 @@ class OuroborosProposer:
         out["requests_returned"] = self._slot_of.returned
         out["slots_evicted"] = self._slot_of.evicted
         out["absent_caches_dropped"] = self._caches_dropped
+        out["mode_switches"] = 0 if self._mode_review is None else self._mode_review.switches
         if self.runtime is not None:
             out["draft_cache"] = self.runtime.kv.stats()
         if self.runtime is not None:  # what "auto" resolved to on this device
             out["settings"] = {"drafting_mode": self.drafting_mode,
+                               "drafting_mode_at_load": self.drafting_mode_at_load,
+                               "mode_review": None if self._mode_review is None else self._mode_review.stats(),
                                "window_size": self.runtime.W, "num_guesses": self.runtime.G,
                                "phrase_len": self.runtime.L,
                                "draft_round": self.runtime.s.draft_round,

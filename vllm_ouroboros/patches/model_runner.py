@@ -17,7 +17,8 @@
     request up to what fits (proposer caps each row; the scheduler cuts at max_model_len too).
 `_model_forward` (patched): the target's forward is timed (device_clock.ForwardClock: no sync
     of its own) with its token count; the proposer reports it against the target's cost curve
-    measured at load (cost_model.CurveCalibration; the back-off does not act on it yet).
+    measured at load (cost_model.CurveCalibration; the mode review reads it, mode_review.py,
+    the back-off does not).
 `initialize_kv_cache` (patched): once the target's KV cache is allocated, whether the tree can
     run is decided (tree_verify.prepare; on a GPU the tree kernel is compiled and checked then,
     during the engine's start, not in the first request's step).

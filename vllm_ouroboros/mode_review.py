@@ -33,9 +33,10 @@ per output token at the batch the engine runs:
              recent rows), MODES' prior until MIN_ROWS rows were measured
 
 and the engine moves to the cheaper one where it saves more than MARGIN of the current one's
-cost; each switch doubles the steps to the next review (up to MAX_GAP x). The draft model's mode is fixed at load (its window and guesses shape the runtime and its
-CUDA graphs, all built in load_model); only switching the draft model off and on is reviewed,
-and only where the user pinned none of use_draft, use_lookahead, use_guesses. No vLLM imports.
+cost; each switch doubles the steps to the next review (up to MAX_GAP x). The draft model's
+mode is fixed at load (its window and guesses shape the runtime and its CUDA graphs, all built
+in load_model); only switching the draft model off and on is reviewed, and only where the user
+pinned none of use_draft, use_lookahead, use_guesses. No vLLM imports.
 """
 
 from __future__ import annotations

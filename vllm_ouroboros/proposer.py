@@ -717,6 +717,8 @@ class OuroborosProposer:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
+        if self._mode_review is not None and self._mode_review.due():
+            self._review_mode()  # before the plan: a switch changes what drafting costs (F, catch-up)
         plan = self._speculate(slots, lens_ctx)
         spec = plan.rows
         blind = spec & ~self._readable[slots]
@@ -744,8 +746,6 @@ class OuroborosProposer:
         if self.cfg.use_context_phrases:
             self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
         self._flush_staged()  # what the context insert did not take (none where it ran)
-        if self._mode_review is not None and self._mode_review.due():
-            self._review_mode()
         t_draft = time.perf_counter()
         if self.pool_only:
             out = draft_from_pool(self.pool, token_ids_cpu[rows, lens_ctx - 1], slots, self.cfg.max_draft_len,
@@ -779,7 +779,9 @@ class OuroborosProposer:
         self._calibrate_draft(out, cut, t_draft)
         self._proposed_mode = self.drafting_mode
         if self._mode_review is not None:
-            self._mode_review.step(len(rows), t_draft - out.prefill_seconds, None if self.pool_only else
+            # Forwards per round as a whole round runs them (a cut round may draft a chain).
+            whole_round = not self.pool_only and cut >= self.num_spec_tokens
+            self._mode_review.step(len(rows), t_draft - out.prefill_seconds, None if not whole_round else
                                    out.forwards if self.runtime.device_round is not None
                                    else float(out.row_forwards.mean()))
 

@@ -580,8 +580,8 @@ def test_mode_review_switch_resets_the_backoff_estimates():
     draft = cost_model.curve_from_ms([(1, 1.2), (34, 1.5), (64, 1.6)])
     p.cost, p.target_cost, p._target_calibration = draft, target, None
     p._overhead = cost_model.StepOverhead(target)
-    p.drafting_mode, p.pool_only = "pool", True
-    p._mode_review = ModeReview(modes["phrases"], modes["pool"], "pool", 34, 9, every=2)
+    p._mode = modes["pool"]
+    p._mode_review = ModeReview(modes["phrases"], modes["pool"], 34, 9, every=2)
     p._draft_forwards[:] = 1.0
     assert not np.allclose(p._accepted, p._prior_accepted)
     p._mode_review.steps = 2

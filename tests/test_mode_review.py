@@ -21,8 +21,8 @@ def flat(ms):
     return cost_model.curve_from_ms([(1, ms), (256, ms)])
 
 
-def review(current="pool", every=4):
-    return ModeReview(PHRASES, POOL, current, ROW, N_T, every)
+def review(every=4):
+    return ModeReview(PHRASES, POOL, ROW, N_T, every)
 
 
 def test_load_time_choice_and_review_agree_without_measurements():
@@ -31,9 +31,9 @@ def test_load_time_choice_and_review_agree_without_measurements():
     for target_ms in (1.45, 3.0):
         costs = cost_model.drafting_mode_costs(DRAFT, flat(target_ms), 4, 4, 4, N_T)
         at_load = min(("phrases", "pool"), key=costs.get)
-        r = review(at_load)
+        r = review()
         r.steps = r.every
-        assert r.review(flat(target_ms), None, DRAFT, 1.0) is None
+        assert r.review(at_load, flat(target_ms), None, DRAFT, 1.0) is None
         for m in ("phrases", "pool"):
             assert r.last[m].seconds_per_token == pytest.approx(costs[m]), m
 
@@ -45,13 +45,17 @@ def test_a_step_dearer_than_the_target_curve_moves_to_the_draft_model():
     1.33. Within the margin (a 1.8 ms step: 7% apart) the mode stays."""
     costs = cost_model.drafting_mode_costs(DRAFT, flat(1.45), 4, 4, 4, N_T)
     assert min(("phrases", "pool"), key=costs.get) == "pool"
-    r = review("pool")
+    r = review()
     r.steps = r.every
-    assert r.review(flat(1.45), 0.35e-3, DRAFT, 1.0) is None
-    assert r.current == "pool" and r.switches == 0 and r.steps == 0
+    assert r.review("pool", flat(1.45), 0.35e-3, DRAFT, 1.0) is None
+    assert r.switches == 0 and r.steps == 0
     r.steps = r.every
-    assert r.review(flat(1.45), 0.51e-3, DRAFT, 1.0) == "phrases"
-    assert r.current == "phrases" and r.switches == 1
+    assert r.review("pool", flat(1.45), 0.51e-3, DRAFT, 1.0) == "phrases"
+    assert r.switches == 1
+    # From the draft model's mode the same prices keep it.
+    r.steps = r.every
+    assert r.review("phrases", flat(1.45), 0.51e-3, DRAFT, 1.0) is None
+    r.steps = 0
     # Each switch doubles the steps to the next review (16x at most).
     assert r.gap == 2 * r.every and not r.due()
     r.steps = 2 * r.every - 1
@@ -59,8 +63,8 @@ def test_a_step_dearer_than_the_target_curve_moves_to_the_draft_model():
     r.steps += 1
     assert r.due()
     for _ in range(10):
-        r.current, r.steps = "pool", r.gap  # back where the step makes phrases the cheaper
-        assert r.review(flat(1.45), 0.51e-3, DRAFT, 1.0) == "phrases"
+        r.steps = r.gap  # back in the pool mode where the step makes phrases the cheaper
+        assert r.review("pool", flat(1.45), 0.51e-3, DRAFT, 1.0) == "phrases"
     assert r.switches == 11 and r.gap == ModeReview.MAX_GAP * r.every
     assert 1000 * r.last["phrases"].seconds_per_token == pytest.approx(1.96 / 5.51 + 0.54 * 1.5, rel=1e-3)
     assert 1000 * r.last["pool"].seconds_per_token == pytest.approx(1.96 / 1.47, rel=1e-3)
@@ -70,23 +74,23 @@ def test_measured_tokens_per_forward_replace_the_prior():
     """A text the draft predicts badly: phrases measured at 2 tokens per target forward (3
     forwards a round), against the pool's prior 1.47, on a 1.96 ms step: the pool is cheaper.
     Below MIN_ROWS rows the prior stands."""
-    r = review("phrases")
+    r = review()
     r.observe("phrases", np.full(ModeReview.MIN_ROWS - 1, 2.0))
     assert r.tokens_per_forward("phrases") == (PHRASES.tokens_per_target_forward, False)
     r.observe("phrases", np.array([2.0]))
     E, measured = r.tokens_per_forward("phrases")
     assert measured and E == pytest.approx(2.0)
     for _ in range(r.every):
-        r.step(1, 0.004, 3)
+        r.step("phrases", 1, 0.004, 3)
     assert r.due()
-    assert r.review(flat(1.96), None, DRAFT, 1.0) == "pool"
+    assert r.review("phrases", flat(1.96), None, DRAFT, 1.0) == "pool"
     assert r.last["phrases"].seconds_per_token == pytest.approx((1.96e-3 + 3 * 1.5e-3) / 2.0)
     assert r.last["phrases"].measured and not r.last["pool"].measured
 
 
 def test_measured_mean_follows_recent_rows():
     """E is a decayed mean: rows measured long ago weigh less than recent ones."""
-    r = review("pool")
+    r = review()
     r.observe("pool", np.full(2000, 3.0))
     r.observe("pool", np.full(400, 1.0))
     E, _ = r.tokens_per_forward("pool")
@@ -103,32 +107,33 @@ def test_under_load_the_pool_wins_where_the_draft_forward_widens():
     (the target's forward is shared by the batch, the draft's forwards grow with it)."""
     target = cost_model.curve_from_ms([(1, 2.0), (256, 2.0), (512, 3.0)])
     draft = cost_model.curve_from_ms([(1, 1.2), (34, 1.5), (1088, 6.0)])
-    r = review("phrases")
+    r = review()
     for _ in range(r.every):
-        r.step(1, 0.004, None)
-    assert r.review(target, 0.0, draft, 1.0) is None
+        r.step("phrases", 1, 0.004, None)
+    assert r.review("phrases", target, 0.0, draft, 1.0) is None
     for _ in range(200):
-        r.step(32, 0.004, None)
+        r.step("phrases", 32, 0.004, None)
     assert r.batch == pytest.approx(32, rel=1e-3)
-    assert r.review(target, 0.0, draft, 1.0) == "pool"
+    assert r.review("phrases", target, 0.0, draft, 1.0) == "pool"
 
 
 def test_pool_lookups_and_round_forwards_are_priced_as_measured():
     """The pool mode's drafting is its measured lookup time; the draft mode's forwards per
     round its measured mean once rounds ran, and the measured round/curve ratio scales them."""
-    r = review("pool")
+    r = review()
     for _ in range(50):
-        r.step(1, 0.0005, None)
-    r.current = "phrases"
+        r.step("pool", 1, 0.0005, None)
     for _ in range(50):
-        r.step(1, 0.01, 2)
+        r.step("phrases", 1, 0.01, 2)
     prices = r.price(0.002, DRAFT, 1.5)
     assert prices["pool"].draft_seconds == pytest.approx(0.0005, rel=1e-3)
     assert prices["phrases"].draft_seconds == pytest.approx(2 * 1.5 * 1.5e-3, rel=1e-3)
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="neither"):
-        ModeReview(PHRASES, POOL, "chain", ROW, N_T)
+    with pytest.raises(ValueError, match="not a draft model's mode and the pool's"):
+        ModeReview(PHRASES, MODES["chain"], ROW, N_T)
     with pytest.raises(ValueError, match="every=0"):
-        ModeReview(PHRASES, POOL, "pool", ROW, N_T, 0)
+        ModeReview(PHRASES, POOL, ROW, N_T, 0)
+    with pytest.raises(ValueError, match="neither"):
+        review().review("chain", flat(1.0), None, DRAFT, 1.0)

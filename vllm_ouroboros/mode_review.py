@@ -69,13 +69,15 @@ class ModeReview:
     BATCH_RATE = 0.1  # running mean of the drafting rows per step
     MAX_GAP = 16  # reviews at least every MAX_GAP x `every` steps however often it switched
 
-    def __init__(self, drafted: DraftingMode, pool: DraftingMode, current: str, row_tokens: int,
+    def __init__(self, drafted: DraftingMode, pool: DraftingMode, row_tokens: int,
                  target_tokens: int, every: int = 64):
         """row_tokens: tokens per row of one of the drafted mode's forwards (draft_row_tokens);
         target_tokens: n_t, the target's tokens per drafting row (1 + gamma + L, as at load);
-        every: drafting steps between reviews (and the least a mode runs after a switch)."""
-        if current not in (drafted.name, pool.name):
-            raise ValueError(f"current mode {current!r} is neither {drafted.name!r} nor {pool.name!r}")
+        every: drafting steps between reviews (and the least a mode runs after a switch). The
+        mode in force is the caller's (the proposer's drafting mode), passed to step and
+        review: one place holds it."""
+        if drafted.uses_draft == pool.uses_draft:
+            raise ValueError(f"{drafted.name!r} and {pool.name!r} are not a draft model's mode and the pool's")
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         self.every = every
@@ -85,26 +87,25 @@ class ModeReview:
         self.gap = every
         self.modes = {drafted.name: drafted, pool.name: pool}
         self.drafted, self.pool = drafted.name, pool.name
-        self.current = current
         self.row_tokens, self.target_tokens = row_tokens, target_tokens
         self._tokens_w = dict.fromkeys(self.modes, 0.0)  # decayed sums: tokens, row-steps
         self._rows_w = dict.fromkeys(self.modes, 0.0)
         self.rows_measured = dict.fromkeys(self.modes, 0)
         self._forwards: float | None = None  # drafted mode's forwards per round, running mean
         self._pool_seconds: float | None = None  # pool mode's lookups per step, running mean
-        self.batch = 1.0
+        self.batch = 1.0  # drafting rows per step, running mean (each step drafts >= 1)
         self.steps = 0  # drafting steps since the last review (or switch)
         self.switches = 0
         self.last: dict[str, ModePrice] = {}
 
     # ---- measurements ------------------------------------------------------------------------
-    def step(self, rows: int, draft_seconds: float, forwards: float | None) -> None:
-        """A drafting step of the current mode: `rows` requests drafted, its drafting took
-        draft_seconds (wall; a round's prefill left out), its round ran `forwards` forwards per
-        row (None in the pool mode)."""
+    def step(self, mode: str, rows: int, draft_seconds: float, forwards: float | None) -> None:
+        """A drafting step of `mode` (the mode in force): `rows` requests drafted, its drafting
+        took draft_seconds (wall; a round's prefill left out), its round ran `forwards` forwards
+        per row (None in the pool mode, or where the round was cut: not a whole round's F)."""
         self.steps += 1
         self.batch += self.BATCH_RATE * (rows - self.batch)
-        if self.current == self.pool:
+        if mode == self.pool:
             self._pool_seconds = _running(self._pool_seconds, float(draft_seconds), self.BATCH_RATE)
         elif forwards is not None:
             self._forwards = _running(self._forwards, float(forwards), self.BATCH_RATE)
@@ -134,7 +135,7 @@ class ModeReview:
         """Each mode's seconds per output token at the current batch (rows per step, mean).
         step_seconds: T(B), the step without drafting; draft: the draft's forward curve;
         draft_scale: measured / modeled seconds of whole rounds."""
-        B = max(self.batch, 1.0)
+        B = self.batch
         out = {}
         for name, m in self.modes.items():
             E, measured = self.tokens_per_forward(name)
@@ -147,20 +148,21 @@ class ModeReview:
             out[name] = ModePrice((step_seconds + D) / (B * max(E, 1.0)), E, D, measured)
         return out
 
-    def review(self, target: CostCurve, overhead: float | None, draft: CostCurve,
+    def review(self, current: str, target: CostCurve, overhead: float | None, draft: CostCurve,
                draft_scale: float) -> str | None:
-        """Called once due(): the mode to switch to, or None to stay. target: the target's
-        curve (load-time, or corrected by the timed forwards where overhead is None);
-        overhead: the engine's measured seconds per step beyond `target` (None: not measured)."""
+        """Called once due(): the mode to switch to from `current` (the mode in force), or None
+        to stay. target: the target's curve (load-time, or corrected by the timed forwards where
+        overhead is None); overhead: the engine's measured seconds per step beyond `target`
+        (None: not measured)."""
+        if current not in self.modes:
+            raise ValueError(f"current mode {current!r} is neither {self.drafted!r} nor {self.pool!r}")
         self.steps = 0
-        B = max(self.batch, 1.0)
-        step = target(B * self.target_tokens) + (overhead or 0.0)
+        step = target(self.batch * self.target_tokens) + (overhead or 0.0)
         self.last = self.price(step, draft, draft_scale)
-        other = self.pool if self.current == self.drafted else self.drafted
-        here, there = self.last[self.current].seconds_per_token, self.last[other].seconds_per_token
+        other = self.pool if current == self.drafted else self.drafted
+        here, there = self.last[current].seconds_per_token, self.last[other].seconds_per_token
         if not math.isfinite(there) or there >= (1 - self.MARGIN) * here:
             return None
-        self.current = other
         self.switches += 1
         self.gap = min(2 * self.gap, self.MAX_GAP * self.every)
         return other

@@ -90,15 +90,24 @@ class OuroborosProposer:
 
     is_ouroboros = True  # the runner patches look for this
 
-    # Chosen at load (cost_model.MODES' name); the "pool" mode drafts from the pool alone
-    # (pool_draft.py). Class defaults: a proposer before load_model drafts with the model.
-    drafting_mode: str | None = None
+    # The drafting mode in force (cost_model.MODES): chosen at load, switched by the review; the
+    # "pool" mode drafts from the pool alone (pool_draft.py). None before load_model, which
+    # drafts with the model.
+    _mode: cost_model.DraftingMode | None = None
     drafting_mode_at_load: str | None = None
-    pool_only = False
-    _proposed_mode: str | None = None  # the mode that drafted what the next on_verified reads
     # Switches between the draft model's mode and the pool mode while serving (mode_review.py);
     # None: the mode stays as chosen (a switch pinned, no target curve, or calibrate_costs off).
     _mode_review: ModeReview | None = None
+
+    @property
+    def drafting_mode(self) -> str | None:
+        """The name of the drafting mode in force (cost_model.MODES), None before load_model."""
+        return None if self._mode is None else self._mode.name
+
+    @property
+    def pool_only(self) -> bool:
+        """Whether this step drafts from the pool alone (no draft forward)."""
+        return self._mode is not None and not self._mode.uses_draft
 
     def __init__(self, vllm_config):
         from vllm_ouroboros.patches import ADDITIONAL_CONFIG_KEY, model_runner
@@ -293,13 +302,12 @@ class OuroborosProposer:
         use_lookahead = drafted.use_lookahead if cfg.use_lookahead is None else cfg.use_lookahead
         use_guesses = drafted.use_guesses if cfg.use_guesses is None else cfg.use_guesses
         self.drafting_costs = costs
-        self.drafting_mode = self.drafting_mode_at_load = mode.name
-        self.pool_only = not mode.uses_draft
+        self._mode, self.drafting_mode_at_load = mode, mode.name
         if (self.target_cost is not None and cfg.calibrate_costs and cfg.mode_review_steps and use_draft is None
                 and cfg.use_lookahead is None and cfg.use_guesses is None):
             pool = next(m for m in cost_model.MODES if not m.uses_draft)
             self._mode_review = ModeReview(
-                drafted, pool, mode.name,
+                drafted, pool,
                 drafted.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len),
                 1 + cfg.gamma + cfg.phrase_len, cfg.mode_review_steps)
         logger.info(
@@ -557,7 +565,9 @@ class OuroborosProposer:
             self._round_forwards = 0
         self._observe_lengths(s, cut, num_acc[sel], n[sel] + slen[sel].sum(1))
         if self._mode_review is not None:
-            self._mode_review.observe(self._proposed_mode, num_acc[sel][whole] + 1)
+            # The mode in force drafted these rows: a review (the only switch) runs in propose,
+            # after the verification of the step it drafted is read here.
+            self._mode_review.observe(self.drafting_mode, num_acc[sel][whole] + 1)
         sw = s[whole]
         self._base_tokens[sw] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
@@ -777,11 +787,11 @@ class OuroborosProposer:
         t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
         self._calibrate_prefill(out)
         self._calibrate_draft(out, cut, t_draft)
-        self._proposed_mode = self.drafting_mode
         if self._mode_review is not None:
             # Forwards per round as a whole round runs them (a cut round may draft a chain).
             whole_round = not self.pool_only and cut >= self.num_spec_tokens
-            self._mode_review.step(len(rows), t_draft - out.prefill_seconds, None if not whole_round else
+            self._mode_review.step(self.drafting_mode, len(rows), t_draft - out.prefill_seconds,
+                                   None if not whole_round else
                                    out.forwards if self.runtime.device_round is not None
                                    else float(out.row_forwards.mean()))
 
@@ -865,11 +875,11 @@ class OuroborosProposer:
             target, overhead = self._target_calibration.curve, None
         else:
             target, overhead = self.target_cost, None
-        new = review.review(target, overhead, self.cost, float(self._draft_scale[0]))
+        old = self.drafting_mode
+        new = review.review(old, target, overhead, self.cost, float(self._draft_scale[0]))
         if new is None:
             return
-        old, self.drafting_mode = self.drafting_mode, new
-        self.pool_only = not review.modes[new].uses_draft
+        self._mode = review.modes[new]
         # The back-off's per-request estimates measured the other mode's drafts: each request
         # starts this mode from the optimistic priors, as a new request does, and measures.
         self._accepted[:] = self._prior_accepted

@@ -44,7 +44,7 @@ def traced(log: list[dict]):
 
     def _speculate(self, slots, lens):
         plan = speculate(self, slots, lens)
-        catch_up = self._catch_up(slots, lens, self._accepted[slots])
+        catch_up = self._catch_up(slots, lens, self._model_est.accepted[slots])
         log[-1].update(B=len(slots), drafting=int(plan.rows.sum()), cut=int(plan.max_tokens),
                        catch_up=int((catch_up.tokens > 0).sum()))
         return plan

@@ -350,7 +350,7 @@ def test_suffix_decisions_probe_and_count():
     p = _proposer()
     p.target_cost = CPU_NOW_TARGET
     p._suffix_yield[:2] = (0.1, 3.0)
-    p._accepted[:2] = 1.0  # drafts always accepted whole: the gain is the yield
+    p._model_est.accepted[:2] = 1.0  # drafts always accepted whole: the gain is the yield
     one = np.array([4])
     decide = lambda: p._send_suffixes(np.arange(1), one, np.array([4]), 1, 0.48)  # noqa: E731
     sent = [bool(decide()[0]) for _ in range(6 * MAX_PROBE_GAP)]
@@ -372,10 +372,10 @@ def test_suffix_gain_is_its_yield_times_the_chance_the_draft_is_accepted_whole()
 
     p = _proposer()
     p.target_cost = CPU_NOW_TARGET
-    p._accepted[:2] = cost_model.geometric_survival(np.array([3.75, 3.75]), 12)
+    p._model_est.accepted[:2] = cost_model.geometric_survival(np.array([3.75, 3.75]), 12)
     p._suffix_yield[:2] = 3.0
     gain = p._suffix_gain(np.arange(2), np.array([1, 8]))
-    assert gain[0] == pytest.approx(3.0 * p._accepted[0, 0]) and gain[1] == pytest.approx(3.0 * p._accepted[1, 7])
+    assert gain[0] == pytest.approx(3.0 * p._model_est.accepted[0, 0]) and gain[1] == pytest.approx(3.0 * p._model_est.accepted[1, 7])
     assert p._suffix_gain(np.arange(1), np.array([0]))[0] == 3.0  # no draft: always reached
     # Same yield, same suffix cost: behind a 1-token draft it pays, behind an 8-token one not.
     sent = p._send_suffixes(np.arange(2), np.array([1, 8]), np.array([4, 4]), 2, 0.48)
@@ -421,9 +421,9 @@ def test_a_draft_the_scheduler_cut_teaches_only_its_verified_positions():
         p._round_length, p._round_forwards = None, 0
         p._slot_of = {"a": 0}
         p._last_cut = np.full(16, 12, np.int64)
-        before, base = p._accepted[0].copy(), p._base_tokens[0]
+        before, base = p._model_est.accepted[0].copy(), p._base_tokens[0]
         verify(p, scheduled, accepted=3)
-        results[scheduled] = (before, p._accepted[0].copy(), base, p._base_tokens[0],
+        results[scheduled] = (before, p._model_est.accepted[0].copy(), base, p._base_tokens[0],
                               p.stats.snapshot()["scheduler_cut_steps"])
     before, whole, base, base_whole, cuts = results[12]
     assert cuts == 0
@@ -449,7 +449,8 @@ def _proposer(cap=None, slots=16):
 
     from vllm_ouroboros.config import OuroborosConfig
     from vllm_ouroboros.metrics import OuroborosStats
-    from vllm_ouroboros.proposer import PROBE_GAP, OuroborosProposer
+    from vllm_ouroboros.backoff_estimates import BackoffEstimates
+    from vllm_ouroboros.proposer import MODEL_DRAFT, PROBE_GAP, OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
@@ -463,10 +464,11 @@ def _proposer(cap=None, slots=16):
     p.max_model_len = 1024
     p._len_limit = np.full(slots, 1024)
     p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
-    p._prior_accepted = cost_model.geometric_survival(7.0, 12)[0]
-    p._accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
-    p._sent, p._draft_forwards = np.ones((slots, 12)), np.full(slots, 4.3)
-    p._probe_gap, p._probe_wait = np.full(slots, PROBE_GAP), np.full(slots, PROBE_GAP)
+    p._model_est = BackoffEstimates(slots, cost_model.geometric_survival(7.0, 12)[0])
+    p._pool_est = BackoffEstimates(slots, cost_model.geometric_survival(7.0, 12)[0])
+    p._model_est.accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
+    p._draft_forwards = np.full(slots, 4.3)
+    p._source = np.full(slots, MODEL_DRAFT, np.int8)
     p._overhead = cost_model.StepOverhead(CPU_TARGET)
     p.stats = OuroborosStats(slots)
     p._base_tokens, p._suffix_yield = np.full(slots, 7.0), np.full(slots, 2.0)
@@ -484,8 +486,8 @@ def _spec(p, batch: int, lens: int = 100):
 
 def _set_tokens_per_fwd(p, E, slots=slice(None)):
     """The proposer's acceptance estimates of these slots, as a geometric survival giving E."""
-    E = np.broadcast_to(np.asarray(E, float), p._accepted[slots].shape[:1])
-    p._accepted[slots] = cost_model.geometric_survival(E, p.num_spec_tokens)
+    E = np.broadcast_to(np.asarray(E, float), p._model_est.accepted[slots].shape[:1])
+    p._model_est.accepted[slots] = cost_model.geometric_survival(E, p.num_spec_tokens)
 
 
 def test_fixed_cap_and_auto_backoff_decisions():
@@ -510,7 +512,7 @@ def test_fixed_cap_and_auto_backoff_decisions():
     assert gaps.max() == MAX_PROBE_GAP
     # A probe that finds good acceptance brings the request back at once, and resets the gap.
     _set_tokens_per_fwd(p, 5.0)
-    assert _spec(p, 1).rows.all() and p._probe_gap[0] == PROBE_GAP
+    assert _spec(p, 1).rows.all() and p._model_est.probe_gap[0] == PROBE_GAP
     # One poor request does not stop another (per-request estimates).
     p = _proposer()
     _set_tokens_per_fwd(p, (1.2, 9.0), slice(0, 2))
@@ -523,7 +525,7 @@ def test_a_draft_cache_that_must_catch_up_is_weighed_against_the_tokens_left():
     tokens before its end (the tail of a batch)."""
     p = _proposer()
     p.cost, p.target_cost = BENCH_DRAFT, BENCH_TARGET
-    p._accepted[:] = cost_model.geometric_survival(np.full(16, 4.0), 12)
+    p._model_est.accepted[:] = cost_model.geometric_survival(np.full(16, 4.0), 12)
     p._len_limit[:] = 400
     p.runtime.kv_len[:] = 0  # nothing cached: 200-token contexts to prefill
     many_left = _spec(p, 2, lens=200)
@@ -536,12 +538,12 @@ def test_a_draft_cache_that_must_catch_up_is_weighed_against_the_tokens_left():
     # forward), and the part of it each step bears, spread over the steps left.
     p._len_limit[:] = 400
     p.runtime.kv_len[:] = np.array([0, 190] + [200] * 14)
-    catch_up = p._catch_up(np.arange(3), np.full(3, 200), p._accepted[:3])
+    catch_up = p._catch_up(np.arange(3), np.full(3, 200), p._model_est.accepted[:3])
     assert list(catch_up.tokens) == [200, 0, 0]
     # By draft length: a one-token draft gives 1 + P(accepted >= 1) tokens per step, so the
     # request takes more steps to its end and each bears less of the prefill.
     assert catch_up.share[0, -1] == pytest.approx(4.0 / 200)
-    assert catch_up.share[0, 0] == pytest.approx((1 + p._accepted[0, 0]) / 200)
+    assert catch_up.share[0, 0] == pytest.approx((1 + p._model_est.accepted[0, 0]) / 200)
 
 
 def test_draft_cost_calibrated_by_measured_rounds():
@@ -567,11 +569,12 @@ def test_draft_cost_calibrated_by_measured_rounds():
     assert plan((1.0, 1.0)).max_tokens < 4 and plan((0.9, 1.2)).max_tokens >= 4
 
 
-def test_mode_review_switch_resets_the_backoff_estimates():
+def test_mode_review_switch_keeps_each_sources_estimates():
     """_review_mode: priced at the engine's measured step (the target's curve plus the overhead
     measured beyond it), the pool mode chosen at load gives way to the draft model's; the
-    switch turns pool_only off and restarts every request's back-off estimates from the priors
-    (they measured the pool's drafts). The next review, within the margin, keeps it."""
+    switch turns pool_only off, keeps the back-off's estimates of each source (each measured
+    its own drafts) and restarts the tokens a draft gives alone (the suffixes' decision; they
+    measured the other source's). The next review, within the margin, keeps it."""
     from vllm_ouroboros.mode_review import ModeReview
 
     p = _proposer()
@@ -583,7 +586,9 @@ def test_mode_review_switch_resets_the_backoff_estimates():
     p._mode = modes["pool"]
     p._mode_review = ModeReview(modes["phrases"], modes["pool"], 34, 9, every=2)
     p._draft_forwards[:] = 1.0
-    assert not np.allclose(p._accepted, p._prior_accepted)
+    p._base_tokens[:] = 2.0
+    model, pool = p._model_est.accepted.copy(), p._pool_est.accepted.copy()
+    assert not np.allclose(model, p._model_est.prior)
     p._mode_review.steps = 2
     p._review_mode()  # no overhead measured: the curve alone, where the pool is the cheaper
     assert p.drafting_mode == "pool" and p.pool_only
@@ -591,8 +596,8 @@ def test_mode_review_switch_resets_the_backoff_estimates():
     p._mode_review.steps = 2
     p._review_mode()
     assert p.drafting_mode == "phrases" and not p.pool_only and p._mode_review.switches == 1
-    assert np.allclose(p._accepted, p._prior_accepted) and (p._draft_forwards == p.cfg.gamma).all()
-    assert (p._base_tokens == p._prior_tokens_per_fwd).all()
+    assert (p._model_est.accepted == model).all() and (p._pool_est.accepted == pool).all()
+    assert (p._draft_forwards == 1.0).all() and (p._base_tokens == p._prior_tokens_per_fwd).all()
     p._mode_review.steps = 2
     p._review_mode()
     assert p.drafting_mode == "phrases" and p._mode_review.switches == 1
@@ -661,7 +666,7 @@ def test_catch_up_cost_calibrated_by_measured_prefills():
     assert p._prefill_scale == pytest.approx(0.6, rel=1e-3)
     p._calibrate_prefill(SimpleNamespace(prefill_sizes=(), prefill_seconds=0.0))
     assert p._prefill_scale == pytest.approx(0.6, rel=1e-3)
-    assert p._catch_up(np.arange(2), np.full(2, 200), p._accepted[:2]).scale == p._prefill_scale
+    assert p._catch_up(np.arange(2), np.full(2, 200), p._model_est.accepted[:2]).scale == p._prefill_scale
     S = 12
     one = lambda scale: cost_model.CatchUp(np.array([300]), np.full((1, S), 0.1), scale)  # noqa: E731
     pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(np.broadcast_to(  # noqa: E731
@@ -711,11 +716,11 @@ def test_chunked_prefill_is_charged_per_chunk():
     # both rows: 5 chunks of 2 x 64 tokens, shared in proportion to tokens
     assert sec[2] == pytest.approx(np.full(S, 0.5 * 5 * curve(128) * 0.1))
     p = _proposer()
-    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk is None
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._model_est.accepted[:2]).chunk is None
     p.runtime.prefill_graphs = SimpleNamespace(chunk=64, enabled=True)
-    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk == 64
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._model_est.accepted[:2]).chunk == 64
     p.runtime.prefill_graphs.enabled = False
-    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).chunk is None
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._model_est.accepted[:2]).chunk is None
 
 
 def test_curve_at_one_n_is_the_array_rule_exactly():
@@ -751,7 +756,7 @@ def test_prefill_scale_restarts_when_the_prefill_graphs_fail():
     p.runtime.prefill_graphs.enabled = False  # a recapture failed: eager from now on
     p._calibrate_prefill(measured(7.0))
     assert p._prefill_scale == pytest.approx(7.0) and not p._prefill_scale_graphed
-    assert p._catch_up(np.arange(2), np.full(2, 300), p._accepted[:2]).scale == pytest.approx(7.0)
+    assert p._catch_up(np.arange(2), np.full(2, 300), p._model_est.accepted[:2]).scale == pytest.approx(7.0)
     p._calibrate_prefill(measured(6.0))
     assert p._prefill_scale == pytest.approx(7.0 + ESTIMATE_RATE * (6.0 - 7.0))
     p._calibrate_prefill(measured(40.0))  # clipped, as before
@@ -885,7 +890,7 @@ def test_length_limit_read_from_the_runners_request_state():
     p._slot_of = RequestSlots(16)
     p.runtime = None
     p._last_suffix_len, p._last_main, p._ctx_seen = np.zeros((16, 1)), np.zeros(16), np.zeros(16)
-    p._last_cut, p._sent = np.zeros(16, np.int64), np.ones((16, 12))
+    p._last_cut, p._model_est.sent = np.zeros(16, np.int64), np.ones((16, 12))
     p._suffix_yield_all = 2.0
     p.set_batch(["a", "b"], lambda r: _length_limit(runner, r))
     p._sync_requests(("a", "b"))
@@ -921,29 +926,71 @@ def test_prefill_groups_pay_least_for_padding():
 
 
 def test_positions_past_a_cut_drift_back_to_the_prior():
-    """_observe_lengths: a draft cut to c tokens updates P(accepted >= k) and P(sent >= k) at
+    """BackoffEstimates.observe: a draft cut to c tokens updates P(accepted >= k) and P(sent >= k) at
     k <= c only; past c the acceptance estimate drifts toward the optimistic prior, so after
     a stretch of cut drafts the plan tries a whole one again (and measures it)."""
-    from vllm_ouroboros.proposer import ESTIMATE_RATE, UNSEEN_DRIFT
+    from vllm_ouroboros.backoff_estimates import ESTIMATE_RATE, UNSEEN_DRIFT
 
     p = _proposer()
     S = p.num_spec_tokens
     _set_tokens_per_fwd(p, 1.5, slice(0, 1))  # a poor stretch: long drafts look hopeless
-    p._sent[0] = 1.0
-    before = p._accepted[0].copy()
-    p._observe_lengths(np.array([0]), np.array([3]), np.array([3]), np.array([3]))
-    after = p._accepted[0]
+    p._model_est.sent[0] = 1.0
+    before = p._model_est.accepted[0].copy()
+    p._model_est.observe(np.array([0]), np.array([3]), np.array([3]), np.array([3]))
+    after = p._model_est.accepted[0]
     assert after[:3] == pytest.approx(before[:3] + ESTIMATE_RATE * (1 - before[:3]))
-    assert after[3:] == pytest.approx(before[3:] + UNSEEN_DRIFT * (p._prior_accepted[3:] - before[3:]))
-    assert p._sent[0, :3] == pytest.approx(1.0) and p._sent[0, 3:] == pytest.approx(1.0)
+    assert after[3:] == pytest.approx(before[3:] + UNSEEN_DRIFT * (p._model_est.prior[3:] - before[3:]))
+    assert p._model_est.sent[0, :3] == pytest.approx(1.0) and p._model_est.sent[0, 3:] == pytest.approx(1.0)
     # Drafts cut to 3, each accepted whole: the plan comes back to a whole draft.
     plan = lambda: p._speculate(np.array([0]), np.array([100]))  # noqa: E731
     assert plan().max_tokens < S
     steps = 0
     while plan().max_tokens < S:
-        p._observe_lengths(np.array([0]), np.array([plan().max_tokens]), np.array([3]), np.array([3]))
+        p._model_est.observe(np.array([0]), np.array([plan().max_tokens]), np.array([3]), np.array([3]))
         steps += 1
         assert steps < 60
     # A whole draft measures every position.
-    p._observe_lengths(np.array([0]), np.array([S]), np.array([2]), np.array([S]))
-    assert p._accepted[0, 2] < p._prior_accepted[2]
+    p._model_est.observe(np.array([0]), np.array([S]), np.array([2]), np.array([S]))
+    assert p._model_est.accepted[0, 2] < p._model_est.prior[2]
+
+
+def test_a_plan_beside_other_rows_prices_its_tokens_on_top_of_theirs():
+    """StepLoad: the pool fill's plan is made beside the rows the draft model drafts this
+    step. On this CPU's compute-bound curve their tokens make the fill's dearer: a request
+    whose pool drafts give 1.5 tokens per target forward sends 3 tokens alone and none beside
+    64 of the model's; one at 2.0 cuts its draft from 4 tokens to 1. On a flat curve the load
+    changes nothing (whole drafts)."""
+    def plan(target, E, load=cost_model.StepLoad()):
+        A = cost_model.geometric_survival(np.array([E]), 12)
+        return cost_model.speculation_plan(target, CPU, A, np.ones((1, 12)), np.zeros(1), 1, 0.03, load=load)
+
+    loaded = cost_model.StepLoad(target_tokens=64, output_tokens=40, seconds=0.3)
+    alone, beside = plan(CPU_TARGET, 1.5), plan(CPU_TARGET, 1.5, loaded)
+    assert alone.rows.all() and alone.max_tokens == 3 and not beside.rows.any()
+    assert (plan(CPU_TARGET, 2.0).max_tokens, plan(CPU_TARGET, 2.0, loaded).max_tokens) == (4, 1)
+    for E in (1.5, 3.0):
+        assert plan(FLAT, E, loaded).rows.all() and plan(FLAT, E, loaded).max_tokens == 12
+
+
+def test_pool_fill_plans_from_the_pools_own_estimates():
+    """The rows the draft model leaves are planned from the pool's estimates of each request,
+    with no draft forward: a request whose model drafts fail (E 1.1) but whose pool drafts
+    land (E 5) is left by the model's plan and taken by the pool's, and a request the pool
+    fails stays plain. pool_fill auto: on unless max_speculative_batch fixes the plan; a pin
+    beside that is refused at validation."""
+    from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
+
+    p = _proposer()
+    p.pool = object()  # the fill needs a pool, not its contents
+    _set_tokens_per_fwd(p, 1.1, slice(0, 2))
+    p._pool_est.accepted[:2] = cost_model.geometric_survival(np.array([5.0, 1.0]), 12)
+    assert not _spec(p, 2).rows.any()
+    fill = p._pool_plan(np.arange(2))
+    assert fill.rows.tolist() == [True, False]
+    assert p._fills_from_pool
+    p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=4)
+    assert not p._fills_from_pool
+    p.cfg = OuroborosConfig(draft_model="unused", pool_fill=False)
+    assert not p._fills_from_pool
+    with pytest.raises(OuroborosConfigError, match="pool_fill=true needs"):
+        validate(OuroborosConfig(draft_model="unused", pool_fill=True, max_speculative_batch=4))

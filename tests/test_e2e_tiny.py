@@ -446,6 +446,45 @@ def test_prompt_embeds_decode_without_a_draft(runs, scenario, tiny_models):
         assert by_index[j + 4]["unreadable_prompt_steps"] == 0 and by_index[j + 4]["drafted_tokens"] > 0, by_index[j + 4]
 
 
+def test_pool_fills_the_rows_the_draft_model_leaves_greedy_identical(runs, scenario, tiny_models):
+    """Pool fill: the draft model's mode pinned (use_draft) with curves, as configured, where a
+    draft forward costs 80x a target forward, so the back-off drafts with the model for no
+    request; beside them, requests whose prompt came as embeddings, which the model cannot
+    read. Every one of them drafts from the pool alone where its pool estimates say that pays
+    (no draft forward): the pool's drafts are sent and accepted for both kinds, and every
+    output is the one without speculation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base, _, _ = runs
+    picked = [5, 9, 12, 15]
+    tok = AutoTokenizer.from_pretrained(scenario["target"])
+    embed = AutoModelForCausalLM.from_pretrained(scenario["target"], dtype=torch.float32).get_input_embeddings()
+    ids = [tok(scenario["prompts"][i]).input_ids for i in picked]
+    with torch.no_grad():
+        prompts = [{"prompt_embeds": embed(torch.tensor(x))} for x in ids] + \
+                  [{"prompt_token_ids": x} for x in ids]
+    params = [scenario["params"][i] for i in picked] * 2
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
+            "use_draft": True, "calibrate_costs": False,
+            "draft_cost_ms": {"1": 500.0, "64": 520.0}, "target_cost_ms": {"1": 6.0, "64": 7.0}}
+    ours, snaps = run_engine(scenario["target"], prompts, params, spec, enable_prompt_embeds=True)
+    for j, i in enumerate(picked * 2):
+        assert ours["main"][j] == base["main"][i], f"prompt {i} ({'embeds' if j < 4 else 'ids'}) differs"
+    s = snaps["main"]
+    assert s["settings"]["drafting_mode"] != "pool", s["settings"]
+    print({k: s[k] for k in ("pool_draft_steps", "backoff_steps", "unreadable_prompt_steps",
+                             "draft_forward_calls", "drafted_tokens", "accepted_tokens")})
+    assert s["draft_forward_calls"] == 0, s  # the model never paid
+    by_index = {int(r.split("-")[0]): c for r, c in s["per_request"].items()}
+    for j in range(8):
+        c = by_index[j]
+        why = "unreadable_prompt_steps" if j < 4 else "backoff_steps"
+        assert c[why] > 0 and c["pool_draft_steps"] > 0, (j, c)
+    for kind in (range(4), range(4, 8)):  # embeds, ids: the pool's drafts were accepted
+        assert sum(by_index[j]["accepted_tokens"] for j in kind) > 0, [by_index[j] for j in kind]
+
+
 def test_device_round_greedy_identical(runs, scenario, tiny_models):
     """The fixed-shape drafting round (draft_round "device": what CUDA graphs replay on a GPU,
     run eagerly here) through the engine, with K = 3 and phrase drafting: same output as

@@ -98,3 +98,26 @@ def test_on_cuda_same_as_on_cpu():
     np.testing.assert_array_equal(a.drafts, b.drafts)
     np.testing.assert_array_equal(a.draft_lens, b.draft_lens)
     np.testing.assert_array_equal(a.suffixes, b.suffixes)
+
+
+def test_model_and_pool_drafts_as_one_output():
+    """RoundOutput.followed_by: a model round's rows, then the pool's (pool fill), as one
+    output: each part's drafts, lengths and suffixes as they were (padding invalid and past
+    each draft's length), the forwards and prefills the model round's alone."""
+    pool = _pool()
+    _insert(pool, [(1, [2, 3, 4, 5], 0), (5, [6, 7, 8, 9], 0), (9, [1, 2, 3, 4], 1)])
+    model = draft_from_pool(pool, np.array([1]), np.array([0]), 6, 1)  # stands in for a round
+    model.forwards, model.prefill_forwards, model.prefill_seconds = 3, 1, 0.5
+    model.row_forwards[:] = 3
+    model.stopped_by_rule = np.array([True])
+    filled = draft_from_pool(pool, np.array([9, 5]), np.array([1, 0]), 9, 2)
+    both = model.followed_by(filled)
+    assert both.drafts.shape == (3, 9) and both.suffixes.shape == (3, 2, L)
+    assert both.draft_lens.tolist() == [6, 4, 8]
+    assert (both.drafts[0, :6] == model.drafts[0]).all() and (both.drafts[1:] == filled.drafts).all()
+    assert (both.suffix_valid[0, 1:] == False).all()  # noqa: E712 (the model part had K = 1)
+    assert (both.suffixes[1:] == filled.suffixes).all()
+    assert (both.forwards, both.prefill_forwards, both.prefill_seconds) == (3, 1, 0.5)
+    assert both.row_forwards.tolist() == [3, 0, 0] and both.stopped_by_rule.tolist() == [True, False, False]
+    with pytest.raises(ValueError, match="no forward"):
+        filled.followed_by(model)

@@ -64,6 +64,12 @@ class OuroborosConfig:
     # tokens per target forward of each mode) and the cheaper one drafts (mode_review.py);
     # 0 = the mode chosen at load stays.
     mode_review_steps: int = 64
+    # In the draft model's mode, a request it does not draft for this step (the back-off's
+    # choice, a prompt given as embeddings, a full draft cache) drafts from the pool alone where
+    # the pool's own estimates for it say that pays beside the model's rows (proposer.py,
+    # cost_model.speculation_plan with no draft forward); None = on unless max_speculative_batch
+    # fixes which requests speculate; false = such a request decodes without a draft.
+    pool_fill: bool | None = None
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's
     # acceptance, with drafts cut short where load makes the target's tokens dear
@@ -196,7 +202,7 @@ _INT_RANGES = {
     "mode_review_steps": (0, None),
 }
 _OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch", "correction_phrases"}  # None = derived / auto / off
-_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_draft", "use_suffixes", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
+_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_draft", "use_suffixes", "pool_fill", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
               if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}
@@ -219,6 +225,10 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         if not isinstance(getattr(cfg, key), bool):
             raise OuroborosConfigError(f"ouroboros: '{key}' must be true or false"
                                        + (" (or null: auto)" if key in _AUTO_BOOL_KEYS else ""))
+    if cfg.pool_fill and cfg.max_speculative_batch is not None:
+        raise OuroborosConfigError(
+            "ouroboros: pool_fill=true needs the back-off's per-request plan; max_speculative_batch="
+            f"{cfg.max_speculative_batch} fixes which requests speculate (unset it, or leave pool_fill on auto)")
     if cfg.num_guesses > cfg.window_size:
         raise OuroborosConfigError(
             f"ouroboros: num_guesses={cfg.num_guesses} exceeds window_size={cfg.window_size}; "

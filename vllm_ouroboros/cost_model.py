@@ -38,7 +38,10 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
   shorter draft is the lever under load on a compute-bound device: each row's target tokens
   cost time there, and the first tokens of a draft are the likeliest to be accepted (vLLM's
   draft_model at k = 3 gained 1.18x at 4 requests on this CPU where whole 12-token drafts
-  could not pay).
+  could not pay). Each request keeps two sets of these estimates (backoff_estimates.py): the
+  draft model's drafts and the pool's (pool_draft.py). The pool mode plans with the pool's, F =
+  0 and nothing to catch up; in the draft model's mode the requests it left out are planned the
+  same way after its round (pool fill), with its rows as a fixed load on the step (StepLoad).
 
   of the drafting rows, those whose candidate suffixes (s_r tokens, expected to add a_r accepted
   tokens) go to the target are the ones, best gain per token first, that maximise
@@ -465,6 +468,17 @@ def prefill_groups(counts: np.ndarray, prefill: CostCurve | None) -> list[np.nda
 
 
 @dataclass(frozen=True)
+class StepLoad:
+    """What a step carries beside the requests a plan chooses among (the rows another plan
+    drafted this step): tokens for the target forward, output tokens it is expected to give,
+    and seconds beyond the target forward and the engine's overhead (their drafting)."""
+
+    target_tokens: float = 0.0
+    output_tokens: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class SpeculationPlan:
     """A step's back-off decision: which requests draft ([B] bool) and the most tokens each
     sends to the target (the full length S where the cut does not bind)."""
@@ -477,7 +491,8 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
                      draft_forwards: np.ndarray, draft_row_tokens: float, step_overhead: float = 0.0,
                      chain_below: int | None = None, chain_row_tokens: float = 2,
                      catch_up: CatchUp | None = None, prefill: CostCurve | None = None,
-                     draft_scale: tuple[float, float] = (1.0, 1.0)) -> SpeculationPlan:
+                     draft_scale: tuple[float, float] = (1.0, 1.0),
+                     load: StepLoad = StepLoad()) -> SpeculationPlan:
     """Which of a step's B decoding requests speculate, and how long their drafts may be
     (module docstring).
 
@@ -493,7 +508,8 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     chosen share one batched prefill, timed by the `prefill` curve (default: draft's).
     draft_scale (whole, chain): measured / modeled seconds of recent whole and chain rounds
     (what a round costs beyond its forwards' curve: host work, pool lookups, trimmed widths).
-    Ties go to fewer requests and to longer drafts.
+    load: the step's other rows (drafted by another plan; StepLoad), in its forward and its
+    output alike. Ties go to fewer requests and to longer drafts.
     """
     A, T = np.asarray(accepted, float), np.asarray(sent, float)
     F = np.asarray(draft_forwards, float)
@@ -521,11 +537,11 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
             return np.take_along_axis(np.broadcast_to(x[:, None] if x.ndim == 1 else x, (B, S)), order, 0)
 
         pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(sort(x), 0)])  # noqa: E731
-        t = (target.at(B + pick(tokens)) + step_overhead
+        t = (target.at(load.target_tokens + B + pick(tokens)) + step_overhead + load.seconds
              + np.where(m > 0, pick(f) / np.maximum(m, 1) * k_d * draft.at(np.maximum(m, 1) * n_d), 0))
         if catch_up is not None:
             t = t + catch_up.seconds(draft if prefill is None else prefill, pick, sort)
-        rate = (B + pick(gain)) / t  # [B + 1, S]: the first m requests at s tokens
+        rate = (load.output_tokens + B + pick(gain)) / t  # [B + 1, S]: the first m requests at s tokens
         if best is None or rate.max() > best[0].max() + 1e-12:
             best = rate, order
     rate, order = best

@@ -16,21 +16,28 @@ Definitions (per request, summed for the aggregate):
   guess_tokens         draft tokens taken from pool guesses (phrase drafting at work)
   guess_lookups/hits   draft forwards that looked up guesses / took >= 1 token from one
   inspiration_inserts, refinement_inserts: phrases written from verification output
-  backoff_steps        steps in which the request decoded without a draft because speculation
-                       would not pay for it on this device at that batch size (cost_model.py)
+  backoff_steps        steps in which the draft model did not draft for the request because
+                       speculation would not pay for it on this device at that batch size
+                       (cost_model.py); the pool may have drafted instead (pool_draft_steps)
   shortened_steps      steps in which the request's draft was cut short by the back-off: at that
                        batch size a shorter draft per request paid better than whole ones
                        (cost_model.speculation_plan)
-  cache_full_steps     steps in which the request decoded without a draft because the draft's
-                       KV cache could not grow to hold it (device memory; runtime.DraftCacheFull)
+  cache_full_steps     steps in which the draft model did not draft for the request because the
+                       draft's KV cache could not grow to hold it (device memory;
+                       runtime.DraftCacheFull); the pool may have drafted instead
   suffix_skipped       steps in which the request's draft went to the target without its
                        candidate suffixes: their measured acceptance would not pay for their
                        target tokens on this device (cost_model.rows_sending_suffixes)
-  unreadable_prompt_steps steps in which the request decoded without a draft because its prompt
-                       came as embeddings (prompt_embeds), which the draft cannot read
+  unreadable_prompt_steps steps in which the draft model did not draft for the request because
+                       its prompt came as embeddings (prompt_embeds), which it cannot read; the
+                       pool may have drafted instead
   scheduler_cut_steps  steps in which vLLM's scheduler verified fewer of the request's proposed
                        tokens than it was sent (max_num_batched_tokens taken by other requests'
                        prefill or drafts): a tree cut to its first tokens
+  pool_draft_steps     steps in which the request's draft came from the pool alone, with no draft
+                       forward: every drafted step of the pool mode, and in the draft model's
+                       mode a step the model did not draft for it (back-off, unreadable prompt,
+                       full draft cache) whose pool draft paid by the pool's own estimates
   draft_rounds         rounds that drafted a sentence draft for the request
   sentence_draft_tokens tokens of those sentence drafts (before the suffixes and the token cap)
   stops_rule, stops_cap adaptive draft length only: rounds whose draft the acceptance rule
@@ -54,6 +61,7 @@ PER_REQUEST = (
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
     "inspiration_inserts", "refinement_inserts", "backoff_steps", "shortened_steps", "cache_full_steps", "suffix_skipped",
     "scheduler_cut_steps", "unreadable_prompt_steps", "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
+    "pool_draft_steps",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
 # /metrics' counters (metrics_export.COUNTERS order): those summed over requests, by position.
@@ -181,15 +189,19 @@ class RoundTrace:
     def on(self) -> bool:
         return self._file is not None
 
-    def drafted(self, slots, req_ids, draft_lens, sent, forwards, stopped_by_rule, cut: int) -> None:
+    def drafted(self, slots, req_ids, draft_lens, sent, forwards, stopped_by_rule, cut,
+                from_pool=None) -> None:
         """Per drafting row (host arrays [R]); stopped_by_rule None in fixed mode; cut: the
-        step's most tokens per row (the back-off's plan)."""
+        most tokens per row (the back-off's plan; an int or [R]); from_pool [R] bool: drafted
+        by the pool alone (None: none were)."""
         if self._file is None:
             return
+        cut = np.broadcast_to(np.asarray(cut), (len(slots),))
         for i, s in enumerate(slots.tolist()):
             stop = "gamma" if stopped_by_rule is None else ("rule" if stopped_by_rule[i] else "cap")
             self._pending[s] = {"req": req_ids[i], "draft": int(draft_lens[i]), "sent": int(sent[i]),
-                                "cut": int(cut), "forwards": int(forwards[i]), "stop": stop}
+                                "cut": int(cut[i]), "forwards": int(forwards[i]), "stop": stop,
+                                "source": "pool" if from_pool is not None and from_pool[i] else "model"}
 
     def verified(self, slots, accepted) -> None:
         """What the target accepted for each slot's last round (host arrays [B])."""

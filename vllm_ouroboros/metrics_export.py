@@ -38,11 +38,14 @@ COUNTERS = {
     "draft_forward_calls": "Batched draft forward calls",
     "prefill_forwards": "Draft prefill forwards summed over requests",
     "rounds": "Drafting rounds (propose calls that drafted)",
-    "backoff_steps": "Request-steps decoded without a draft: speculation would not pay (load or low acceptance)",
+    "backoff_steps": "Request-steps without a draft from the draft model: speculation would not pay (load or "
+                     "low acceptance); the pool may have drafted instead (pool_draft_steps)",
     "shortened_steps": "Request-steps whose draft the back-off cut short: load made the target's tokens dear",
-    "cache_full_steps": "Request-steps decoded without a draft: the draft KV cache could not grow (device memory)",
+    "cache_full_steps": "Request-steps without a draft from the draft model: the draft KV cache could not grow "
+                        "(device memory); the pool may have drafted instead",
     "suffix_skipped": "Request-steps whose draft went without its candidate suffixes: they would not pay",
-    "unreadable_prompt_steps": "Request-steps decoded without a draft: the prompt came as embeddings the draft cannot read",
+    "unreadable_prompt_steps": "Request-steps without a draft from the draft model: the prompt came as embeddings "
+                               "it cannot read; the pool may have drafted instead",
     "scheduler_cut_steps": "Request-steps whose draft vLLM's scheduler cut short (max_num_batched_tokens taken)",
     "target_forwards": "Target verification steps that carried an ouroboros draft, per request",
     "drafted_tokens": "Tokens sent to the target for verification (draft + suffix)",
@@ -60,6 +63,8 @@ COUNTERS = {
     "sentence_draft_tokens": "Sentence-draft tokens drafted (mean draft length = this / draft_rounds)",
     "stops_rule": "Adaptive draft length: drafts stopped by the acceptance head's rule",
     "stops_cap": "Adaptive draft length: drafts stopped by max_draft_length (or max_draft_forwards)",
+    "pool_draft_steps": "Request-steps drafted by the pool alone, with no draft forward (the pool mode, or a "
+                        "request the draft model did not draft for)",
     "requests_returned": "Requests back in a step after steps out of the batch (preempted or left out by "
                          "the token budget), to the draft slot and cache they kept",
     "slots_evicted": "Requests out of the batch whose draft slot went to a new request (all slots taken)",

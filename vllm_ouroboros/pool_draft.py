@@ -12,7 +12,9 @@ tokens on earlier trees (refinement, inspiration). This mode sends them without 
 
 the same tree as a drafted step (a chain, then K suffixes), verified by the same target forward,
 so greedy output stays the target's and sampling its distribution. The pool keeps learning from
-every verification as in the other modes (proposer._learn). No vLLM imports.
+every verification as in the other modes (proposer._learn). The draft model's mode uses it too,
+for the requests its round left this step (pool fill: the back-off's, an unreadable prompt, a
+full draft cache; proposer._propose). No vLLM imports.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
+from vllm_ouroboros.backoff_estimates import ESTIMATE_RATE, MAX_PROBE_GAP, PROBE_GAP, BackoffEstimates
 from vllm_ouroboros.config import OuroborosConfig, cost_points, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.device_clock import ForwardClock
 from vllm_ouroboros.draft.acceptance_head import load_head
@@ -42,16 +43,8 @@ from vllm_ouroboros.round_length import RoundLength
 logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
-# Back-off per request (cost_model.speculation_plan): running means move by ESTIMATE_RATE of
-# each new measurement; a request left without a draft is retried with the optimistic prior
-# after PROBE_GAP steps, the gap doubling after each probe that did not bring it back (up to
-# MAX_PROBE_GAP), so a stretch of poor acceptance costs little and a recovery is seen soon.
-ESTIMATE_RATE = 0.3
-# Per step, how far an unmeasured position's P(accepted >= k) (past a cut draft) moves back
-# toward the prior: a cut request retries longer drafts after ~10-20 steps.
-UNSEEN_DRIFT = 0.05
-PROBE_GAP = 4
-MAX_PROBE_GAP = 32
+# What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
+NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
 # that fit before growing is tried again; the wait doubles with each failure, up to this.
 MAX_CACHE_RETRY_GAP = 256
@@ -173,9 +166,12 @@ class OuroborosProposer:
         self.target_clock: ForwardClock | None = None
         self._prior_tokens_per_fwd = 1.0 + 0.5 * self.num_spec_tokens
         S = self.num_spec_tokens
-        self._prior_accepted = cost_model.geometric_survival(self._prior_tokens_per_fwd, S)[0]
-        self._accepted = np.tile(self._prior_accepted, (self.max_slots, 1))
-        self._sent = np.ones((self.max_slots, S))
+        prior = cost_model.geometric_survival(self._prior_tokens_per_fwd, S)[0]
+        # The draft model's drafts and the pool's (pool mode, pool fill) are measured apart
+        # (backoff_estimates.py): a request may accept one's and not the other's.
+        self._model_est = BackoffEstimates(self.max_slots, prior)
+        self._pool_est = BackoffEstimates(self.max_slots, prior)
+        self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
         # The most tokens each request's context can reach (prompt + max_tokens, else
         # max_model_len): what a draft cache that must catch up is weighed against.
@@ -189,8 +185,6 @@ class OuroborosProposer:
         self._prompt_readable_of = None  # req_id -> bool (set_batch, from the runner)
         self._told_unreadable = False
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
-        self._probe_gap = np.full(self.max_slots, PROBE_GAP, np.int64)
-        self._probe_wait = np.full(self.max_slots, PROBE_GAP, np.int64)
         self._cache_retry_gap, self._cache_retry_wait = PROBE_GAP, 0
         self._caches_dropped = 0  # absent requests' draft-cache pages released under pressure
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
@@ -477,14 +471,14 @@ class OuroborosProposer:
                 self._last_main[s] = self._ctx_seen[s] = 0
         for r, slot in changes.assigned:
             self.stats.start(slot, r)
-            self._accepted[slot] = self._prior_accepted
-            self._sent[slot] = 1.0
+            self._model_est.reset(slot)
+            self._pool_est.reset(slot)
+            self._source[slot] = NO_DRAFT
             self._last_cut[slot] = self.num_spec_tokens
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
             self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
             self._readable[slot] = self._prompt_readable_of is None or bool(self._prompt_readable_of(r))
             self._draft_forwards[slot] = self.cfg.gamma
-            self._probe_gap[slot] = self._probe_wait[slot] = PROBE_GAP
             self._base_tokens[slot] = self._prior_tokens_per_fwd
             self._suffix_yield[slot] = self._suffix_yield_all
             self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
@@ -559,15 +553,23 @@ class OuroborosProposer:
         cut = np.where(by_scheduler, np.minimum(self._last_cut[s], scheduled), self._last_cut[s])
         self.stats.add(s[by_scheduler], scheduler_cut_steps=np.ones(int(by_scheduler.sum()), np.int64))
         whole = cut >= self.num_spec_tokens
+        src = self._source[s]
+        by_model = src == MODEL_DRAFT
         if self._round_length is not None and self._round_forwards:
-            if whole.all():  # a cut round's tokens would understate its F
-                self._round_length.observe(self._round_forwards, float(num_acc[sel].mean()) + 1)
+            if by_model.any() and whole[by_model].all():  # a cut round's tokens would understate its F
+                self._round_length.observe(self._round_forwards, float(num_acc[sel][by_model].mean()) + 1)
             self._round_forwards = 0
-        self._observe_lengths(s, cut, num_acc[sel], n[sel] + slen[sel].sum(1))
+        sent = n[sel] + slen[sel].sum(1)
+        for est, which in ((self._model_est, MODEL_DRAFT), (self._pool_est, POOL_DRAFT)):
+            k = src == which
+            if k.any():
+                est.observe(s[k], cut[k], num_acc[sel][k], sent[k])
         if self._mode_review is not None:
-            # The mode in force drafted these rows: a review (the only switch) runs in propose,
-            # after the verification of the step it drafted is read here.
-            self._mode_review.observe(self.drafting_mode, num_acc[sel][whole] + 1)
+            # The rows the mode in force drafted (a review, the only switch, runs in propose,
+            # after the verification of the step it drafted is read here); pool-filled rows in
+            # the draft model's mode are the rows it left, not what the pool mode would yield.
+            mine = whole & (src == (POOL_DRAFT if self.pool_only else MODEL_DRAFT))
+            self._mode_review.observe(self.drafting_mode, num_acc[sel][mine] + 1)
         sw = s[whole]
         self._base_tokens[sw] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
@@ -582,22 +584,6 @@ class OuroborosProposer:
             self._suffix_yield_all += ESTIMATE_RATE * (float(got.mean()) - self._suffix_yield_all)
         self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
                     tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
-
-    def _observe_lengths(self, slots: np.ndarray, cut: np.ndarray, accepted: np.ndarray,
-                         sent: np.ndarray) -> None:
-        """One verification's lengths into the back-off's survival estimates (by slot, [B]):
-        the tokens the target accepted and those sent, of drafts cut to `cut` tokens. A cut
-        draft says how far the whole draft would have been accepted up to the cut only, so
-        positions k <= cut learn from it. Positions past the cut go unmeasured: left as they
-        were, one poor stretch would keep a request's drafts short for good, so they drift
-        back toward the optimistic prior and a longer draft is tried again now and then (the
-        probe's idea, per position)."""
-        k = np.arange(1, self.num_spec_tokens + 1)[None, :]
-        seen = k <= cut[:, None]
-        A, S = self._accepted[slots], self._sent[slots]
-        self._accepted[slots] = np.where(seen, A + ESTIMATE_RATE * ((k <= accepted[:, None]) - A),
-                                         A + UNSEEN_DRIFT * (self._prior_accepted - A))
-        self._sent[slots] = np.where(seen, S + ESTIMATE_RATE * ((k <= sent[:, None]) - S), S)
 
     def _learn(self, slots, n, num_nodes, paths, plen, slen, tokens, tn, num_acc, sfx_idx) -> None:
         """Pool updates and counters from one verification, through one chain per suffix:
@@ -729,71 +715,57 @@ class OuroborosProposer:
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self._mode_review is not None and self._mode_review.due():
             self._review_mode()  # before the plan: a switch changes what drafting costs (F, catch-up)
-        plan = self._speculate(slots, lens_ctx)
-        spec = plan.rows
-        blind = spec & ~self._readable[slots]
-        if blind.any():
-            if not self._told_unreadable:
-                self._told_unreadable = True
-                logger.info("ouroboros: requests whose prompt came as embeddings (prompt_embeds) "
-                            "decode without a draft: the draft cannot read their prompt "
-                            "(counted in unreadable_prompt_steps)")
-            self._no_draft(slots[blind], "unreadable_prompt_steps")
-        if not plan.rows.all():
+        S = self.num_spec_tokens
+        readable = self._readable[slots]
+        by_model, out_m, t_draft = np.zeros(len(rows), bool), None, 0.0
+        if self.pool_only:
+            plan = self._speculate(slots, lens_ctx)
             self._no_draft(slots[~plan.rows], "backoff_steps")
-        spec = spec & ~blind
-        if not spec.all():
-            rows, slots, lens_ctx = rows[spec], slots[spec], lens_ctx[spec]
-        cut = plan.max_tokens  # the back-off's shorter draft under load (S: not cut)
-        if self._cache_retry_wait > 0 and len(rows):  # the draft cache is full for now
-            self._cache_retry_wait -= 1
-            fit = self._rows_that_fit(req_ids, slots, lens_ctx)
-            self._no_draft(slots[~fit], "cache_full_steps")
-            rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
-        if len(rows) == 0:
+            by_pool, cut_model, cut_pool = plan.rows, S, plan.max_tokens
+        else:
+            by_model, cut_model = self._model_rows(req_ids, slots, lens_ctx, readable)
+            if by_model.any():
+                by_model, out_m, t_draft = self._draft_with_model(
+                    req_ids, slots, lens_ctx, token_ids_cpu, rows, by_model, cut_model)
+            by_pool, cut_pool = np.zeros(len(rows), bool), S
+            if self._fills_from_pool and not by_model.all():
+                # Rows the draft model does not draft this step (back-off, unreadable prompt,
+                # full cache) draft from the pool where its own estimates say that pays beside
+                # the rows the model drafted.
+                idle = np.nonzero(~by_model)[0]
+                plan = self._pool_plan(slots[idle], self._model_load(slots[by_model], cut_model, t_draft))
+                by_pool[idle[plan.rows]] = True
+                cut_pool = plan.max_tokens
+        out_p, t_pool = None, 0.0
+        if by_pool.any():
+            learn = by_pool & readable  # an unreadable prompt's ids are another request's
+            if self.cfg.use_context_phrases and learn.any():
+                self._learn_context(slots[learn], token_ids_cpu, rows[learn], lens_ctx[learn])
+            self._flush_staged()
+            t_pool = time.perf_counter()
+            out_p = draft_from_pool(self.pool, token_ids_cpu[rows[by_pool], lens_ctx[by_pool] - 1],
+                                    slots[by_pool], self.cfg.max_draft_len, self.cfg.tree_suffixes)
+            t_pool = time.perf_counter() - t_pool  # the lookups read back to the host: synced
+        if self._mode_review is not None:
+            if self.pool_only and by_pool.any():
+                self._mode_review.step(self.drafting_mode, int(by_pool.sum()), t_pool, None)
+            elif out_m is not None:
+                # Forwards per round as a whole round runs them (a cut round may draft a chain).
+                self._mode_review.step(
+                    self.drafting_mode, int(by_model.sum()), t_draft - out_m.prefill_seconds,
+                    None if cut_model < S else out_m.forwards if self.runtime.device_round is not None
+                    else float(out_m.row_forwards.mean()))
+        if out_m is None and out_p is None:
             self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
             return proposals
-        if self.cfg.use_context_phrases:
-            self._learn_context(slots, token_ids_cpu, rows, lens_ctx)
-        self._flush_staged()  # what the context insert did not take (none where it ran)
-        t_draft = time.perf_counter()
-        if self.pool_only:
-            out = draft_from_pool(self.pool, token_ids_cpu[rows, lens_ctx - 1], slots, self.cfg.max_draft_len,
-                                  self.cfg.tree_suffixes)
-        else:
-            forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(rows)))
-            try:
-                out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
-            except DraftCacheFull as e:  # nothing changed
-                fit = self._rows_that_fit(req_ids, slots, lens_ctx)
-                if not fit.all():  # the rows that fit draft, the others wait
-                    self._cache_retry_wait = self._cache_retry_gap
-                    self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
-                    logger.warning(
-                        "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, "
-                        "the others decode without a draft (lossless) until growing is tried again in "
-                        "%d steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len "
-                        "leave it room, as do a larger draft_cache_max_mb where it is the bound, or a "
-                        "lower gpu_memory_utilization where device memory is.", e, fit.sum(), len(fit),
-                        self._cache_retry_wait)
-                    self._no_draft(slots[~fit], "cache_full_steps")
-                    rows, slots, lens_ctx = rows[fit], slots[fit], lens_ctx[fit]
-                    if len(rows) == 0:
-                        self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
-                        return proposals
-                out = self.runtime.run_round(slots, token_ids_cpu, rows, lens_ctx, forwards, cut)
-            else:  # the cache held every row: after a full spell, try growing again soon
-                self._cache_retry_gap = PROBE_GAP
-        t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
-        self._calibrate_prefill(out)
-        self._calibrate_draft(out, cut, t_draft)
-        if self._mode_review is not None:
-            # Forwards per round as a whole round runs them (a cut round may draft a chain).
-            whole_round = not self.pool_only and cut >= self.num_spec_tokens
-            self._mode_review.step(self.drafting_mode, len(rows), t_draft - out.prefill_seconds,
-                                   None if not whole_round else
-                                   out.forwards if self.runtime.device_round is not None
-                                   else float(out.row_forwards.mean()))
+        # The model's rows first, then the pool's: one set of drafts for the build below.
+        order = np.concatenate([np.nonzero(by_model)[0], np.nonzero(by_pool)[0]])
+        out = out_m if out_p is None else out_p if out_m is None else out_m.followed_by(out_p)
+        from_pool = np.arange(len(order)) >= int(by_model.sum())
+        cut = np.where(from_pool, cut_pool, cut_model)
+        rows, slots, lens_ctx = rows[order], slots[order], lens_ctx[order]
+        self._source[slots] = np.where(from_pool, POOL_DRAFT, MODEL_DRAFT)
+        self.stats.add(slots[from_pool], pool_draft_steps=np.ones(int(from_pool.sum()), np.int64))
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
         # path is on, else the best one), within the token cap, in flat order. Near
@@ -812,7 +784,7 @@ class OuroborosProposer:
         before = np.cumsum(lens, axis=1) - lens
         lens = np.minimum(np.maximum(cap[:, None] - n_main[:, None] - before, 0), lens)
         if self.cfg.use_suffixes is None and lens.any():
-            send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft)
+            send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft + t_pool)
             lens[~send] = 0
         total = n_main + lens.sum(1)
         Dd = out.drafts.shape[1]
@@ -825,10 +797,11 @@ class OuroborosProposer:
         chain = src_mat[r, np.minimum(np.maximum(src, 0), src_mat.shape[1] - 1)]
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
-        if self._mode_review is not None and self.pool_only and cut >= self.num_spec_tokens and not total.all():
+        empty = self.pool_only & from_pool & (cut >= S) & (total == 0)
+        if self._mode_review is not None and empty.any():
             # A row the pool had no phrase for decodes plainly: one token for its target forward
             # (on_verified never sees it), part of what the pool mode yields.
-            self._mode_review.observe(self.drafting_mode, np.ones(int((total == 0).sum())))
+            self._mode_review.observe(self.drafting_mode, np.ones(int(empty.sum())))
 
         ctx_last = token_ids_cpu[rows, lens_ctx - 1].astype(np.int64)
         self._last_main[slots] = n_main
@@ -837,16 +810,17 @@ class OuroborosProposer:
         self._last_suffix[slots, :K] = sfx
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
-        # What the back-off weighs: a device round's rows all pay its F forwards. A host round
-        # cut below gamma drafted a chain (speculation_plan's F(s) = s): not a whole round's F.
-        if self.runtime.device_round is not None:
-            paid = np.full_like(out.row_forwards, out.forwards)
-            self._draft_forwards[slots] += ESTIMATE_RATE * (paid - self._draft_forwards[slots])
-        elif not self.runtime.drafts_chain(cut):
-            self._draft_forwards[slots] += ESTIMATE_RATE * (out.row_forwards - self._draft_forwards[slots])
+        if out_m is not None:
+            # What the back-off weighs: a device round's rows all pay its F forwards. A host
+            # round cut below gamma drafted a chain (speculation_plan's F(s) = s): not a whole
+            # round's F.
+            m = slots[~from_pool]
+            if self.runtime.device_round is not None:
+                self._draft_forwards[m] += ESTIMATE_RATE * (out_m.forwards - self._draft_forwards[m])
+            elif not self.runtime.drafts_chain(cut_model):
+                self._draft_forwards[m] += ESTIMATE_RATE * (out_m.row_forwards - self._draft_forwards[m])
         self._last_cut[slots] = cut
-        if cut < self.num_spec_tokens:
-            self.stats.add(slots, shortened_steps=np.ones_like(slots))
+        self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
@@ -858,10 +832,90 @@ class OuroborosProposer:
             self.stats.add(slots, stops_rule=out.stopped_by_rule, stops_cap=~out.stopped_by_rule)
         if self._trace.on:
             self._trace.drafted(slots, [req_ids[i] for i in rows], out.draft_lens, n_main,
-                                out.row_forwards, out.stopped_by_rule, cut)
+                                out.row_forwards, out.stopped_by_rule, cut, from_pool)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
+
+    def _model_rows(self, req_ids, slots: np.ndarray, lens: np.ndarray,
+                    readable: np.ndarray) -> tuple[np.ndarray, int]:
+        """Which of the step's decoding requests (by slot, [R]; context lengths lens [R]) the
+        draft model drafts for (a bool mask [R]) and the most tokens each may send: the
+        back-off's plan over those whose prompt it can read, less those the draft cache cannot
+        hold while it is full (retried every few steps). The others are counted by why."""
+        R = len(slots)
+        by_model = np.zeros(R, bool)
+        blind = ~readable
+        if blind.any():
+            if not self._told_unreadable:
+                self._told_unreadable = True
+                logger.info("ouroboros: requests whose prompt came as embeddings (prompt_embeds) "
+                            "get no draft from the draft model, which cannot read their prompt "
+                            "(counted in unreadable_prompt_steps); the pool may draft for them")
+            self._no_draft(slots[blind], "unreadable_prompt_steps")
+        if blind.all():
+            return by_model, self.num_spec_tokens
+        ok = np.nonzero(readable)[0]
+        plan = self._speculate(slots[ok], lens[ok])
+        self._no_draft(slots[ok[~plan.rows]], "backoff_steps")
+        by_model[ok[plan.rows]] = True
+        if self._cache_retry_wait > 0 and by_model.any():  # the draft cache is full for now
+            self._cache_retry_wait -= 1
+            m = np.nonzero(by_model)[0]
+            fit = self._rows_that_fit(req_ids, slots[m], lens[m])
+            self._no_draft(slots[m[~fit]], "cache_full_steps")
+            by_model[m[~fit]] = False
+        return by_model, plan.max_tokens  # max_tokens: the back-off's shorter draft under load
+
+    def _draft_with_model(self, req_ids, slots: np.ndarray, lens: np.ndarray, token_ids_cpu,
+                          rows: np.ndarray, by_model: np.ndarray, cut: int):
+        """The draft model's round for the rows by_model marks (of the step's R; slots, context
+        lengths lens and batch rows `rows` [R] each), drafts of at most `cut` tokens. Where the
+        draft cache cannot grow to hold them all, the rows that fit draft and the others wait
+        (counted). Returns (the rows that drafted [R] bool, their RoundOutput or None where
+        none did, the round's wall seconds)."""
+        m = np.nonzero(by_model)[0]
+        if self.cfg.use_context_phrases:
+            self._learn_context(slots[m], token_ids_cpu, rows[m], lens[m])
+        self._flush_staged()  # what the context insert did not take (none where it ran)
+        t_draft = time.perf_counter()
+        forwards = None if self._round_length is None else self._round_length.choose(self._round_cost(len(m)))
+        try:
+            out = self.runtime.run_round(slots[m], token_ids_cpu, rows[m], lens[m], forwards, cut)
+        except DraftCacheFull as e:  # nothing changed
+            fit = self._rows_that_fit(req_ids, slots[m], lens[m])
+            if not fit.all():  # the rows that fit draft, the others wait
+                self._cache_retry_wait = self._cache_retry_gap
+                self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
+                logger.warning(
+                    "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, "
+                    "the others decode without a draft from the model (lossless) until growing is "
+                    "tried again in %d steps. Fewer concurrent requests (max_num_seqs) or a shorter "
+                    "max_model_len leave it room, as do a larger draft_cache_max_mb where it is the "
+                    "bound, or a lower gpu_memory_utilization where device memory is.", e, fit.sum(),
+                    len(fit), self._cache_retry_wait)
+                self._no_draft(slots[m[~fit]], "cache_full_steps")
+                by_model = by_model.copy()
+                by_model[m[~fit]] = False
+                m = m[fit]
+                if len(m) == 0:
+                    return by_model, None, time.perf_counter() - t_draft
+            out = self.runtime.run_round(slots[m], token_ids_cpu, rows[m], lens[m], forwards, cut)
+        else:  # the cache held every row: after a full spell, try growing again soon
+            self._cache_retry_gap = PROBE_GAP
+        t_draft = time.perf_counter() - t_draft  # the round returns host arrays: synced
+        self._calibrate_prefill(out)
+        self._calibrate_draft(out, cut, t_draft)
+        return by_model, out, t_draft
+
+    def _model_load(self, slots: np.ndarray, cut: int, seconds: float) -> cost_model.StepLoad:
+        """What the draft model's rows (by slot, [R]) bring to this step's target forward, by
+        their estimates at drafts of `cut` tokens, and the round's measured seconds."""
+        if len(slots) == 0:
+            return cost_model.StepLoad()
+        est = self._model_est
+        return cost_model.StepLoad(len(slots) + float(est.sent[slots, :cut].sum()),
+                                   len(slots) + float(est.accepted[slots, :cut].sum()), seconds)
 
     def _review_mode(self) -> None:
         """Price the draft model's mode and the pool mode at this engine's measurements
@@ -880,13 +934,11 @@ class OuroborosProposer:
         if new is None:
             return
         self._mode = review.modes[new]
-        # The back-off's per-request estimates measured the other mode's drafts: each request
-        # starts this mode from the optimistic priors, as a new request does, and measures.
-        self._accepted[:] = self._prior_accepted
-        self._sent[:] = 1.0
-        self._draft_forwards[:] = self.cfg.gamma
+        # The back-off's estimates stay: each source's measured its own drafts (the model's
+        # before the switch, the pool's in pool fill). The tokens a draft gives alone, which the
+        # suffixes' decision weighs, measured the other source's: every request starts from
+        # the prior, as a new request does.
         self._base_tokens[:] = self._prior_tokens_per_fwd
-        self._probe_gap[:] = self._probe_wait[:] = PROBE_GAP
         logger.info("ouroboros: drafting mode %s -> %s at %.1f requests per step: modeled ms per output "
                     "token %s (E %s; review every %d drafting steps, mode_review.py)%s", old, new,
                     review.batch, {m: round(1000 * p.seconds_per_token, 2) for m, p in review.last.items()},
@@ -931,49 +983,52 @@ class OuroborosProposer:
         the per-request counter that says why (backoff_steps or cache_full_steps)."""
         self._last_main[slots] = 0
         self._last_suffix_len[slots] = 0
+        self._source[slots] = NO_DRAFT
         self.stats.add(slots, **{counter: np.ones_like(slots)})
 
     def _speculate(self, slots: np.ndarray, lens: np.ndarray) -> cost_model.SpeculationPlan:
-        """Which of this step's decoding requests (by slot, [B]) get a draft (plan.rows, a bool
-        mask [B]) and the most tokens each may send (plan.max_tokens): all of them, whole, up to
-        max_speculative_batch when it is set, else those for which the cost model says
-        speculation pays at this batch size, with a shorter draft where load makes the target's
-        tokens dear (cost_model.speculation_plan), from their own estimates; lens [B]: context
-        lengths (tokens), for the draft cache's catch-up (_catch_up). A request left out
-        is a probe candidate every few steps (gap doubling, module constants): its estimates are then replaced by the optimistic prior
-        for the decision, so it is retried wherever a request that accepts well would pay
-        (not under heavy load), and the probe's verification refreshes them."""
+        """Which of this step's decoding requests (by slot, [B]) get a draft in the mode in
+        force (plan.rows, a bool mask [B]) and the most tokens each may send (plan.max_tokens):
+        all of them, whole, up to max_speculative_batch when it is set, else those for which the
+        cost model says speculation pays at this batch size, with a shorter draft where load
+        makes the target's tokens dear (cost_model.speculation_plan), from their own estimates
+        (with probes: backoff_estimates.py); lens [B]: context lengths (tokens), for the draft
+        cache's catch-up (_catch_up). The pool mode: _pool_plan."""
         B, S = len(slots), self.num_spec_tokens
         if self.cfg.max_speculative_batch is not None:
             return cost_model.SpeculationPlan(np.full(B, B <= self.cfg.max_speculative_batch), S)
         if self.cost is None or self.target_cost is None:
             return cost_model.SpeculationPlan(np.ones(B, bool), S)
+        if self.pool_only:
+            return self._pool_plan(slots)
         rt = self.runtime
-        A, T = self._accepted[slots], self._sent[slots]
-        # The pool mode runs no draft forward (F = 0) and keeps no draft cache to catch up.
-        F = np.zeros(B) if self.pool_only else self._draft_forwards[slots]
+        F = self._draft_forwards[slots]
         n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
-        decide = lambda acc: cost_model.speculation_plan(  # noqa: E731
-            self.target_cost, self.cost, acc, T, F, n_d, self._overhead.value,
-            None if self.pool_only else rt.chain_below, cost_model.draft_row_tokens(0, 0, rt.L),
-            None if self.pool_only else self._catch_up(slots, lens, acc), self.prefill_cost,
+        decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
+            self.target_cost, self.cost, A, T, F, n_d, self._overhead.value, rt.chain_below,
+            cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, A), self.prefill_cost,
             tuple(self._draft_scale))
-        plan = decide(A)
-        spec = plan.rows
-        due = ~spec & (self._probe_wait[slots] <= 0)
-        if due.any():
-            probe = decide(np.where(due[:, None], np.maximum(A, self._prior_accepted), A))
-            probing = probe.rows & due
-            if probing.any():
-                s = slots[probing]
-                self._probe_gap[s] = np.minimum(2 * self._probe_gap[s], MAX_PROBE_GAP)
-                self._probe_wait[s] = self._probe_gap[s]
-                spec = spec | probing
-                plan = cost_model.SpeculationPlan(spec, probe.max_tokens)
-        on, off = slots[spec & ~due], slots[~spec]
-        self._probe_gap[on] = self._probe_wait[on] = PROBE_GAP
-        self._probe_wait[off] -= 1
-        return plan
+        return self._model_est.plan(slots, decide)
+
+    def _pool_plan(self, slots: np.ndarray, load: cost_model.StepLoad = cost_model.StepLoad()
+                   ) -> cost_model.SpeculationPlan:
+        """Which of these requests (by slot, [B]) draft from the pool alone (plan.rows [B]) and
+        the most tokens each may send: cost_model.speculation_plan with no draft forward and no
+        draft cache to catch up, from the pool's estimates of each request (probes as the
+        model's). load: what the draft model's rows bring to the step (pool fill; none in the
+        pool mode). Without cost curves, every one."""
+        B, S = len(slots), self.num_spec_tokens
+        if self.cost is None or self.target_cost is None:
+            return cost_model.SpeculationPlan(np.ones(B, bool), S)
+        decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
+            self.target_cost, self.cost, A, T, np.zeros(B), 1, self._overhead.value, load=load)
+        return self._pool_est.plan(slots, decide)
+
+    @property
+    def _fills_from_pool(self) -> bool:
+        """Whether rows the draft model leaves this step may draft from the pool (pool_fill)."""
+        auto = self.cfg.max_speculative_batch is None
+        return self.pool is not None and (auto if self.cfg.pool_fill is None else self.cfg.pool_fill)
 
     def _catch_up(self, slots: np.ndarray, lens: np.ndarray, accepted: np.ndarray) -> cost_model.CatchUp:
         """What the draft must catch up on before it can draft for each request (by slot,
@@ -1075,8 +1130,9 @@ class OuroborosProposer:
         """Suffix tokens each drafting row (by slot, [R]) may expect to add this step: its
         suffixes' yield times the chance its draft of n_main [R] tokens is accepted whole
         (P(accepted >= n_main) of the back-off's estimates; 1 without a draft)."""
-        k = np.clip(n_main, 1, self._accepted.shape[1]) - 1
-        whole = np.where(n_main > 0, self._accepted[slots, k], 1.0)
+        pool = self._source[slots] == POOL_DRAFT  # the source that drafted this step's rows
+        whole = np.where(pool, self._pool_est.whole_chance(slots, n_main),
+                         self._model_est.whole_chance(slots, n_main))
         return whole * self._suffix_yield[slots]
 
     def snapshot(self, per_request: bool = True) -> dict:

@@ -111,6 +111,31 @@ class RoundOutput:
     prefill_sizes: tuple[int, ...] = ()
     prefill_seconds: float = 0.0
 
+    def followed_by(self, other: "RoundOutput") -> "RoundOutput":
+        """This round's rows, then `other`'s (a round of no forward: the pool's drafts,
+        pool_draft.py), as one output: drafts padded to the wider one (their lengths say where
+        each ends), suffix slots to the larger K (padding invalid); forwards and prefills are
+        this round's."""
+        if other.forwards or other.prefill_forwards:
+            raise ValueError("followed_by appends a round of no forward (the pool's drafts)")
+        D = max(self.drafts.shape[1], other.drafts.shape[1])
+        K = max(self.suffixes.shape[1], other.suffixes.shape[1])
+
+        def pad(x: np.ndarray, width: int, axis: int = 1) -> np.ndarray:
+            shape = list(x.shape)
+            shape[axis] = width - x.shape[axis]
+            return np.concatenate([x, np.zeros(shape, x.dtype)], axis=axis)
+
+        both = lambda f: np.concatenate([getattr(self, f), getattr(other, f)])  # noqa: E731
+        rule = None if self.stopped_by_rule is None else np.concatenate(
+            [self.stopped_by_rule, np.zeros(len(other.draft_lens), bool)])
+        return RoundOutput(
+            np.concatenate([pad(self.drafts, D), pad(other.drafts, D)]), both("draft_lens"),
+            np.concatenate([pad(self.suffixes, K), pad(other.suffixes, K)]),
+            np.concatenate([pad(self.suffix_valid, K), pad(other.suffix_valid, K)]),
+            self.forwards, self.prefill_forwards, both("row_forwards"), both("guess_tokens"),
+            both("guess_hit_forwards"), both("row_prefills"), rule, self.prefill_sizes, self.prefill_seconds)
+
 
 class DraftRuntime:
     """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""

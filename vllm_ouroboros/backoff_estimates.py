@@ -1,0 +1,96 @@
+"""The back-off's per-request estimates of what a draft gives, for one source of drafts.
+
+cost_model.speculation_plan weighs, per request, P(accepted >= k) and P(sent >= k) for
+k = 1..S (S: num_speculative_tokens), whose sums are the tokens per target forward and the
+target tokens of a draft cut to s tokens. They are running means over the request's verified
+steps, from optimistic priors, so that a request starts by speculating and measures; one hard
+request does not stop the others. A request the plan leaves out is a probe candidate every few
+steps: its estimates are then replaced by the prior for the decision, so it is retried wherever
+a request that accepts well would pay, and the probe's verification refreshes them.
+
+The draft model and the pool (pool_draft.py) draft differently for the same request: each keeps
+its own BackoffEstimates (proposer.py), so a request whose model drafts fail while the pool's
+phrases land is priced for each as measured. Host numpy, indexed by the proposer's slots.
+No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from vllm_ouroboros.cost_model import SpeculationPlan
+
+# Running means move by ESTIMATE_RATE of each new measurement; a request left without a draft
+# is retried with the optimistic prior after PROBE_GAP steps, the gap doubling after each probe
+# that did not bring it back (up to MAX_PROBE_GAP), so a stretch of poor acceptance costs
+# little and a recovery is seen soon.
+ESTIMATE_RATE = 0.3
+# Per step, how far an unmeasured position's P(accepted >= k) (past a cut draft) moves back
+# toward the prior: a cut request retries longer drafts after ~10-20 steps.
+UNSEEN_DRIFT = 0.05
+PROBE_GAP = 4
+MAX_PROBE_GAP = 32
+
+
+class BackoffEstimates:
+    """Per-slot survival estimates ([slots, S] each) and probe state for one draft source."""
+
+    def __init__(self, max_slots: int, prior_accepted: np.ndarray):
+        """prior_accepted [S]: P(accepted >= k) a new request starts from (sent starts at 1)."""
+        self.prior = np.asarray(prior_accepted, float)
+        S = len(self.prior)
+        self.accepted = np.tile(self.prior, (max_slots, 1))
+        self.sent = np.ones((max_slots, S))
+        self.probe_gap = np.full(max_slots, PROBE_GAP, np.int64)
+        self.probe_wait = np.full(max_slots, PROBE_GAP, np.int64)
+
+    def reset(self, slots) -> None:
+        """Start these slots (an index or array; slice(None) for all) from the priors."""
+        self.accepted[slots] = self.prior
+        self.sent[slots] = 1.0
+        self.probe_gap[slots] = PROBE_GAP
+        self.probe_wait[slots] = PROBE_GAP
+
+    def observe(self, slots: np.ndarray, cut: np.ndarray, accepted: np.ndarray, sent: np.ndarray) -> None:
+        """One verification per slot ([R] each): the tokens the target accepted and those sent,
+        of drafts cut to `cut` tokens. A cut draft says how far the whole draft would have been
+        accepted up to the cut only, so positions k <= cut learn from it. Positions past the cut
+        go unmeasured: left as they were, one poor stretch would keep a request's drafts short
+        for good, so they drift back toward the prior and a longer draft is tried again now and
+        then (the probe's idea, per position)."""
+        k = np.arange(1, self.accepted.shape[1] + 1)[None, :]
+        seen = k <= cut[:, None]
+        A, T = self.accepted[slots], self.sent[slots]
+        self.accepted[slots] = np.where(seen, A + ESTIMATE_RATE * ((k <= accepted[:, None]) - A),
+                                        A + UNSEEN_DRIFT * (self.prior - A))
+        self.sent[slots] = np.where(seen, T + ESTIMATE_RATE * ((k <= sent[:, None]) - T), T)
+
+    def whole_chance(self, slots: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """P(a draft of n [R] tokens is accepted whole) per slot [R] (1 where n = 0)."""
+        k = np.clip(n, 1, self.accepted.shape[1]) - 1
+        return np.where(n > 0, self.accepted[slots, k], 1.0)
+
+    def plan(self, slots: np.ndarray, decide: Callable[[np.ndarray, np.ndarray], SpeculationPlan]) -> SpeculationPlan:
+        """The step's plan for these slots ([B]) from decide(accepted [B, S], sent [B, S]),
+        with the probes: a slot left out whose wait ran down is decided again at the prior, and
+        drafts where a request at the prior would pay (its gap doubles); a slot that drafts
+        without probing has its gap reset."""
+        A, T = self.accepted[slots], self.sent[slots]
+        plan = decide(A, T)
+        spec = plan.rows
+        due = ~spec & (self.probe_wait[slots] <= 0)
+        if due.any():
+            probe = decide(np.where(due[:, None], np.maximum(A, self.prior), A), T)
+            probing = probe.rows & due
+            if probing.any():
+                s = slots[probing]
+                self.probe_gap[s] = np.minimum(2 * self.probe_gap[s], MAX_PROBE_GAP)
+                self.probe_wait[s] = self.probe_gap[s]
+                spec = spec | probing
+                plan = SpeculationPlan(spec, probe.max_tokens)
+        on, off = slots[spec & ~due], slots[~spec]
+        self.probe_gap[on] = self.probe_wait[on] = PROBE_GAP
+        self.probe_wait[off] -= 1
+        return plan

@@ -32,14 +32,23 @@ ESTIMATE_RATE = 0.3
 UNSEEN_DRIFT = 0.05
 PROBE_GAP = 4
 MAX_PROBE_GAP = 32
+# A learned prior (learn_prior) moves by this much per request-step measured at a position:
+# the mean over the last few dozen request-steps of every request.
+PRIOR_RATE = 0.05
 
 
 class BackoffEstimates:
     """Per-slot survival estimates ([slots, S] each) and probe state for one draft source."""
 
-    def __init__(self, max_slots: int, prior_accepted: np.ndarray):
-        """prior_accepted [S]: P(accepted >= k) a new request starts from (sent starts at 1)."""
-        self.prior = np.asarray(prior_accepted, float)
+    def __init__(self, max_slots: int, prior_accepted: np.ndarray, learn_prior: bool = False):
+        """prior_accepted [S]: P(accepted >= k) a new request starts from (sent starts at 1).
+        learn_prior: the prior follows what every request measured (a running mean over them,
+        PRIOR_RATE per request-step), so a new request starts from what this source gave the
+        requests before it, where a fixed optimistic prior would have it send whole drafts that
+        a source known to land rarely does not earn (the pool: its first steps per request cost
+        a compute-bound target dear); it starts at prior_accepted."""
+        self.prior = np.array(prior_accepted, float)
+        self.learn_prior = learn_prior
         S = len(self.prior)
         self.accepted = np.tile(self.prior, (max_slots, 1))
         self.sent = np.ones((max_slots, S))
@@ -63,9 +72,14 @@ class BackoffEstimates:
         k = np.arange(1, self.accepted.shape[1] + 1)[None, :]
         seen = k <= cut[:, None]
         A, T = self.accepted[slots], self.sent[slots]
-        self.accepted[slots] = np.where(seen, A + ESTIMATE_RATE * ((k <= accepted[:, None]) - A),
+        hit = k <= accepted[:, None]
+        self.accepted[slots] = np.where(seen, A + ESTIMATE_RATE * (hit - A),
                                         A + UNSEEN_DRIFT * (self.prior - A))
         self.sent[slots] = np.where(seen, T + ESTIMATE_RATE * ((k <= sent[:, None]) - T), T)
+        if self.learn_prior:
+            n = seen.sum(0)  # [S]: request-steps measured at each position
+            mean = (hit & seen).sum(0) / np.maximum(n, 1)
+            self.prior += (1 - (1 - PRIOR_RATE) ** n) * (mean - self.prior)
 
     def whole_chance(self, slots: np.ndarray, n: np.ndarray) -> np.ndarray:
         """P(a draft of n [R] tokens is accepted whole) per slot [R] (1 where n = 0)."""

@@ -1,0 +1,46 @@
+"""The back-off's per-request estimates of one draft source (vllm_ouroboros/backoff_estimates.py):
+what a verification teaches, the chance a draft is accepted whole, probes, and the pool's prior
+learned from the requests before."""
+
+import numpy as np
+import pytest
+
+from vllm_ouroboros import cost_model
+from vllm_ouroboros.backoff_estimates import PRIOR_RATE, PROBE_GAP, BackoffEstimates
+from vllm_ouroboros.cost_model import SpeculationPlan
+
+S = 6
+
+
+def test_a_learned_prior_follows_every_requests_measurements():
+    """learn_prior: the prior moves toward what the requests measured, PRIOR_RATE per
+    request-step at each position measured, so a new request (reset) starts there; a fixed
+    prior stays. Positions past a cut draft teach neither."""
+    prior = cost_model.geometric_survival(3.0, S)[0]
+    fixed, learned = BackoffEstimates(4, prior), BackoffEstimates(4, prior, learn_prior=True)
+    for est in (fixed, learned):
+        # Two requests, drafts cut to 3 tokens, none accepted.
+        est.observe(np.array([0, 1]), np.array([3, 3]), np.array([0, 0]), np.array([3, 3]))
+    assert (fixed.prior == prior).all()
+    w = 1 - (1 - PRIOR_RATE) ** 2
+    assert learned.prior[:3] == pytest.approx(prior[:3] * (1 - w))
+    assert (learned.prior[3:] == prior[3:]).all()
+    learned.reset(2)
+    assert (learned.accepted[2] == learned.prior).all() and (learned.sent[2] == 1).all()
+    assert learned.probe_gap[2] == learned.probe_wait[2] == PROBE_GAP
+
+
+def test_whole_chance_and_probes():
+    """whole_chance: P(accepted >= n), 1 without a draft. plan: a slot left out whose wait ran
+    down is decided at the prior; it drafts where that pays, and its gap doubles."""
+    est = BackoffEstimates(2, cost_model.geometric_survival(5.0, S)[0])
+    est.accepted[:] = cost_model.geometric_survival(np.array([1.2, 5.0]), S)
+    assert est.whole_chance(np.array([0, 1, 1]), np.array([2, 2, 0])).tolist() == pytest.approx(
+        [est.accepted[0, 1], est.accepted[1, 1], 1.0])
+    # A decision that drafts where P(accepted >= 1) > 0.5.
+    decide = lambda A, T: SpeculationPlan(A[:, 0] > 0.5, S)  # noqa: E731
+    slots = np.array([0, 1])
+    steps = [est.plan(slots, decide).rows.tolist() for _ in range(PROBE_GAP + 1)]
+    assert steps[:PROBE_GAP] == [[False, True]] * PROBE_GAP
+    assert steps[PROBE_GAP] == [True, True] and est.probe_gap[0] == 2 * PROBE_GAP
+    assert est.probe_gap[1] == PROBE_GAP

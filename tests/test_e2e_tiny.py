@@ -417,23 +417,30 @@ def test_tight_token_budget_greedy_identical(runs, scenario, tiny_models):
     assert s["scheduler_cut_steps"] > 0 and s["tree_suffix_accepted"] > 0, s
 
 
-def test_prompt_embeds_decode_without_a_draft(runs, scenario, tiny_models):
-    """Requests whose prompt comes as embeddings (prompt_embeds) beside the same prompts as
-    token ids: the draft cannot read an embedded prompt (vLLM's input batch holds another
-    request's ids in its row), so those decode without a draft, counted; the others draft.
-    Every output is the one without speculation."""
+def embedded_and_ids(scenario, picked=(5, 9, 12, 15)):
+    """Four of the scenario's prompts as embeddings (prompt_embeds, the target's own input
+    embeddings), then the same four as token ids, with their sampling params: (picked,
+    prompts, params)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base, _, _ = runs
-    picked = [5, 9, 12, 15]
+    picked = list(picked)
     tok = AutoTokenizer.from_pretrained(scenario["target"])
     embed = AutoModelForCausalLM.from_pretrained(scenario["target"], dtype=torch.float32).get_input_embeddings()
     ids = [tok(scenario["prompts"][i]).input_ids for i in picked]
     with torch.no_grad():
         prompts = [{"prompt_embeds": embed(torch.tensor(x))} for x in ids] + \
                   [{"prompt_token_ids": x} for x in ids]
-    params = [scenario["params"][i] for i in picked] * 2
+    return picked, prompts, [scenario["params"][i] for i in picked] * 2
+
+
+def test_prompt_embeds_decode_without_a_draft(runs, scenario, tiny_models):
+    """Requests whose prompt comes as embeddings (prompt_embeds) beside the same prompts as
+    token ids: the draft cannot read an embedded prompt (vLLM's input batch holds another
+    request's ids in its row), so those decode without a draft, counted; the others draft.
+    Every output is the one without speculation."""
+    base, _, _ = runs
+    picked, prompts, params = embedded_and_ids(scenario)
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]),
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
     ours, snaps = run_engine(scenario["target"], prompts, params, spec, enable_prompt_embeds=True)
@@ -453,18 +460,8 @@ def test_pool_fills_the_rows_the_draft_model_leaves_greedy_identical(runs, scena
     read. Every one of them drafts from the pool alone where its pool estimates say that pays
     (no draft forward): the pool's drafts are sent and accepted for both kinds, and every
     output is the one without speculation."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     base, _, _ = runs
-    picked = [5, 9, 12, 15]
-    tok = AutoTokenizer.from_pretrained(scenario["target"])
-    embed = AutoModelForCausalLM.from_pretrained(scenario["target"], dtype=torch.float32).get_input_embeddings()
-    ids = [tok(scenario["prompts"][i]).input_ids for i in picked]
-    with torch.no_grad():
-        prompts = [{"prompt_embeds": embed(torch.tensor(x))} for x in ids] + \
-                  [{"prompt_token_ids": x} for x in ids]
-    params = [scenario["params"][i] for i in picked] * 2
+    picked, prompts, params = embedded_and_ids(scenario)
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
             "use_draft": True, "calibrate_costs": False,
             "draft_cost_ms": {"1": 500.0, "64": 520.0}, "target_cost_ms": {"1": 6.0, "64": 7.0}}
@@ -512,14 +509,15 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
 
 def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenario, tiny_models):
     """Curves (as configured) where a draft forward costs what the target's does: the cost model
-    picks the pool mode at load (no draft forward; pool_draft.py), the auto back-off and suffix
-    choice run on it, K = 3 trees. Same output as without speculation, greedy requests beside a
+    picks the pool mode at load (no draft forward; pool_draft.py), the auto back-off runs on it,
+    K = 3 trees (suffixes pinned on: on auto the pool's measured per-position acceptance cuts
+    these tiny models' drafts short enough that some runs sent almost none). Same output as without speculation, greedy requests beside a
     sampled one too; no draft or prefill forward ran, and the pool's drafts were accepted."""
     base, _, _ = runs
     curve = {"1": 6.0, "64": 7.0}
     # mode_review_steps 0: the load-time choice stays (the next test reviews it).
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
-            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0}
+            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0, "use_suffixes": True}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("mixed", scenario["mixed"]),))
     assert snaps["loaded"]["settings"]["drafting_mode"] == "pool", snaps["loaded"]["settings"]

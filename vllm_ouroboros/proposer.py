@@ -168,17 +168,16 @@ class OuroborosProposer:
         S = self.num_spec_tokens
         prior = cost_model.geometric_survival(self._prior_tokens_per_fwd, S)[0]
         # The draft model's drafts and the pool's (pool mode, pool fill) are measured apart
-        # (backoff_estimates.py): a request may accept one's and not the other's. A new request
-        # starts the model's optimistic, and the pool's where the pool landed for the requests
-        # before it (at first, the pool mode's E on the real pair, cost_model.MODES): with the
-        # model's prior every request's first pool drafts went whole, 0.65x no speculation
-        # against 0.79x without pool fill at 16 requests on this CPU, 11% of them accepted
-        # (results/README.md, "Session of 2026-11-29 (ninth)").
+        # (backoff_estimates.py): a request may accept one's and not the other's. Both start
+        # optimistic; the pool's prior then follows what the pool gave the requests before (a
+        # new request and a probe start there). With the prior fixed, every request's pool
+        # drafts went whole at its start and at each probe: 0.65x no speculation against 0.79x
+        # without pool fill at 16 requests on this CPU, 11% accepted. Seeded low instead (the
+        # pool mode's E, 1.47, as a geometric survival), it never measured the positions past
+        # its first cut drafts: on a flat curve the pool mode sent no suffix and the mode review
+        # measured no whole pool row (results/README.md, "Session of 2026-11-29 (ninth)").
         self._model_est = BackoffEstimates(self.max_slots, prior)
-        pool_mode = next(m for m in cost_model.MODES if not m.uses_draft)
-        self._pool_est = BackoffEstimates(
-            self.max_slots, cost_model.geometric_survival(pool_mode.tokens_per_target_forward, S)[0],
-            learn_prior=True)
+        self._pool_est = BackoffEstimates(self.max_slots, prior, learn_prior=True)
         self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
         # The most tokens each request's context can reach (prompt + max_tokens, else

@@ -976,8 +976,8 @@ def test_pool_fill_plans_from_the_pools_own_estimates():
     """The rows the draft model leaves are planned from the pool's estimates of each request,
     with no draft forward: a request whose model drafts fail (E 1.1) but whose pool drafts
     land (E 5) is left by the model's plan and taken by the pool's, and a request the pool
-    fails stays plain. pool_fill auto: on unless max_speculative_batch fixes the plan; a pin
-    beside that is refused at validation."""
+    fails stays plain. pool_fill auto: on where the target's curve is flat and no
+    max_speculative_batch fixes the plan; true beside a fixed cap is refused at validation."""
     from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
 
     p = _proposer()
@@ -987,6 +987,12 @@ def test_pool_fill_plans_from_the_pools_own_estimates():
     assert not _spec(p, 2).rows.any()
     fill = p._pool_plan(np.arange(2))
     assert fill.rows.tolist() == [True, False]
+    # Auto: on a flat target curve, not on this CPU's (its tokens dear), nor under a fixed cap.
+    assert not p._fills_from_pool  # CPU_TARGET: t(64) = 3.2 t(1)
+    p.target_cost = FLAT_TARGET
+    assert p._fills_from_pool
+    p.cfg = OuroborosConfig(draft_model="unused", pool_fill=True)
+    p.target_cost = CPU_TARGET
     assert p._fills_from_pool
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=4)
     assert not p._fills_from_pool

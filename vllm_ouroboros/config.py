@@ -67,8 +67,9 @@ class OuroborosConfig:
     # In the draft model's mode, a request it does not draft for this step (the back-off's
     # choice, a prompt given as embeddings, a full draft cache) drafts from the pool alone where
     # the pool's own estimates for it say that pays beside the model's rows (proposer.py,
-    # cost_model.speculation_plan with no draft forward); None = on unless max_speculative_batch
-    # fixes which requests speculate; false = such a request decodes without a draft.
+    # cost_model.speculation_plan with no draft forward); None = on where the target's curve is
+    # flat (cost_model.is_flat: a GPU's, not this CPU's) and max_speculative_batch is unset;
+    # true = wherever the back-off plans; false = such a request decodes without a draft.
     pool_fill: bool | None = None
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's

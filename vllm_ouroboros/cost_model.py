@@ -76,6 +76,19 @@ logger = logging.getLogger(LOGGER_NAME)
 # Suffixes whose tokens add at most this factor to the step go whatever their measured gain:
 # on a flat curve they cost nothing and keep feeding candidate refinement.
 SUFFIX_FREE = 1.02
+# Pool fill on auto (proposer._fills_from_pool) runs where the target's tokens are nearly free:
+# its curve at FILL_TOKENS tokens at most FILL_FLAT x its one-token forward (the H200's fused
+# target-shaped forward: 1.15x; this CPU's: ~3x). On this CPU at 16 requests the fill's pool
+# drafts (17-41% of their tokens accepted) gave -2% to -10% against none, inside a wide spread
+# (results/README.md, "Session of 2026-11-29 (ninth)"); where tokens cost little every accepted
+# one is a gain.
+FILL_TOKENS, FILL_FLAT = 64, 1.5
+
+
+def is_flat(curve: "CostCurve | None") -> bool:
+    """Whether a forward of FILL_TOKENS tokens costs at most FILL_FLAT x a one-token one
+    (None, no curve: true)."""
+    return curve is None or curve(FILL_TOKENS) <= FILL_FLAT * curve(1)
 
 
 @dataclass(frozen=True)

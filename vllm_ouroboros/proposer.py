@@ -1033,9 +1033,14 @@ class OuroborosProposer:
 
     @property
     def _fills_from_pool(self) -> bool:
-        """Whether rows the draft model leaves this step may draft from the pool (pool_fill)."""
-        auto = self.cfg.max_speculative_batch is None
-        return self.pool is not None and (auto if self.cfg.pool_fill is None else self.cfg.pool_fill)
+        """Whether rows the draft model leaves this step may draft from the pool (pool_fill):
+        on auto, where the back-off plans per request and the target's curve is flat
+        (cost_model.is_flat: the pool's tokens cost it little)."""
+        if self.pool is None:
+            return False
+        if self.cfg.pool_fill is not None:
+            return self.cfg.pool_fill
+        return self.cfg.max_speculative_batch is None and cost_model.is_flat(self.target_cost)
 
     def _catch_up(self, slots: np.ndarray, lens: np.ndarray, accepted: np.ndarray) -> cost_model.CatchUp:
         """What the draft must catch up on before it can draft for each request (by slot,

@@ -79,9 +79,9 @@ SUFFIX_FREE = 1.02
 # Pool fill on auto (proposer._fills_from_pool) runs where the target's tokens are nearly free:
 # its curve at FILL_TOKENS tokens at most FILL_FLAT x its one-token forward (the H200's fused
 # target-shaped forward: 1.15x; this CPU's: ~3x). On this CPU at 16 requests the fill's pool
-# drafts (17-41% of their tokens accepted) gave -2% to -10% against none, inside a wide spread
-# (results/README.md, "Session of 2026-11-29 (ninth)"); where tokens cost little every accepted
-# one is a gain.
+# drafts (17-41% of their tokens accepted) gave +2% to -9% per run against none (-2% and -3%
+# on average over two versions), inside a wide spread (results/README.md, "Session of
+# 2026-11-29 (ninth)"); where tokens cost little every accepted one is a gain.
 FILL_TOKENS, FILL_FLAT = 64, 1.5
 
 

@@ -510,14 +510,16 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
 def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenario, tiny_models):
     """Curves (as configured) where a draft forward costs what the target's does: the cost model
     picks the pool mode at load (no draft forward; pool_draft.py), the auto back-off runs on it,
-    K = 3 trees (suffixes pinned on: on auto the pool's measured per-position acceptance cuts
-    these tiny models' drafts short enough that some runs sent almost none). Same output as without speculation, greedy requests beside a
-    sampled one too; no draft or prefill forward ran, and the pool's drafts were accepted."""
+    K = 3 trees, suffixes on auto. Same output as without speculation, greedy requests beside a
+    sampled one too; no draft or prefill forward ran, and the pool's drafts and suffixes were
+    accepted: the pool's measured per-position acceptance cuts these tiny models' drafts short,
+    and the suffixes fill the room past the cut (proposal_layout.py; while the cut bounded them
+    too, one run in three sent almost none)."""
     base, _, _ = runs
     curve = {"1": 6.0, "64": 7.0}
     # mode_review_steps 0: the load-time choice stays (the next test reviews it).
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
-            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0, "use_suffixes": True}
+            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("mixed", scenario["mixed"]),))
     assert snaps["loaded"]["settings"]["drafting_mode"] == "pool", snaps["loaded"]["settings"]
@@ -526,9 +528,13 @@ def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenari
     assert_greedy_requests_identical(base["mixed"], ours["mixed"], scenario["mixed"][1], "mixed, pool mode")
     s = snaps["mixed"]
     print({k: s[k] for k in ("draft_rounds", "target_forwards", "drafted_tokens", "accepted_tokens",
-                             "suffix_accepted", "backoff_steps", "draft_forward_calls")})
+                             "suffix_accepted", "backoff_steps", "shortened_steps", "suffix_skipped",
+                             "draft_forward_calls")})
     assert s["draft_forward_calls"] == 0 and s["prefill_forward_calls"] == 0, s
-    assert s["draft_rounds"] > 0 and s["accepted_tokens"] > 0 and s["suffix_accepted"] > 0, s
+    assert s["draft_rounds"] > 0 and s["accepted_tokens"] > 0, s
+    # 36-40 suffix tokens accepted in three runs; 4 in each of three while the cut bounded the
+    # suffixes too (results/README.md, "Session of 2026-11-29 (tenth)").
+    assert s["suffix_accepted"] >= 20, s
     costs = s["settings"]["drafting_mode_ms_per_token"]
     assert costs["pool"] == min(costs.values()), costs
 

@@ -23,7 +23,7 @@ import numpy as np
 from vllm_ouroboros.cost_model import SpeculationPlan
 
 # Running means move by ESTIMATE_RATE of each new measurement; a request left without a draft
-# is retried with the optimistic prior after PROBE_GAP steps, the gap doubling after each probe
+# is retried with the prior after PROBE_GAP steps, the gap doubling after each probe
 # that did not bring it back (up to MAX_PROBE_GAP), so a stretch of poor acceptance costs
 # little and a recovery is seen soon.
 ESTIMATE_RATE = 0.3

@@ -42,6 +42,9 @@ its own weights (patches/target_cost.py: its linear layers and LM head on n rows
   draft model's drafts and the pool's (pool_draft.py). The pool mode plans with the pool's, F =
   0 and nothing to catch up; in the draft model's mode the requests it left out are planned the
   same way after its round (pool fill), with its rows as a fixed load on the step (StepLoad).
+  The cut s bounds the sentence draft. The candidate suffixes may fill the room past it, up to
+  S, each row's by the rule below (proposal_layout.py): a cut is the draft's measured
+  acceptance speaking, and the suffixes are priced from their own yield.
 
   of the drafting rows, those whose candidate suffixes (s_r tokens, expected to add a_r accepted
   tokens) go to the target are the ones, best gain per token first, that maximise
@@ -459,18 +462,19 @@ def prefill_groups(counts: np.ndarray, prefill: CostCurve | None) -> list[np.nda
     lists of row indices. A forward pads its rows to the longest, so rows of very different
     lengths cost less apart where a token costs more than a forward's fixed cost (a CPU);
     on a flat curve (a launch-bound GPU) one forward is cheapest. Chosen exactly: rows sorted
-    by count, groups contiguous in that order, the sum of t(rows x longest) minimal (O(R^2)).
-    prefill None: one forward."""
+    by count, groups contiguous in that order, the sum of t(rows x longest) minimal (O(R^2)
+    curve points, all read in one call). prefill None: one forward."""
     counts = np.asarray(counts, np.int64)
     R = len(counts)
     if prefill is None or R <= 1:
         return [np.arange(R)]
     order = np.argsort(counts, kind="stable")
     c = counts[order].astype(float)
+    j, i = np.arange(1, R + 1)[:, None], np.arange(R)[None, :]
+    group = prefill.at(np.maximum(j - i, 0) * c[:, None])  # [j-1, i]: one forward over rows i..j-1
     best, cut = np.zeros(R + 1), np.zeros(R + 1, np.int64)
     for j in range(1, R + 1):  # best[j]: the first j rows; the last group is rows i..j-1
-        i = np.arange(j)
-        cost = best[:j] + prefill.at((j - i) * c[j - 1])
+        cost = best[:j] + group[j - 1, :j]
         cut[j] = int(np.argmin(cost))
         best[j] = cost[cut[j]]
     groups, j = [], R
@@ -493,8 +497,9 @@ class StepLoad:
 
 @dataclass(frozen=True)
 class SpeculationPlan:
-    """A step's back-off decision: which requests draft ([B] bool) and the most tokens each
-    sends to the target (the full length S where the cut does not bind)."""
+    """A step's back-off decision: which requests draft ([B] bool) and the most draft tokens
+    each sends to the target (the full length S where the cut does not bind; suffixes may fill
+    the room past a cut: proposal_layout.py)."""
 
     rows: np.ndarray
     max_tokens: int

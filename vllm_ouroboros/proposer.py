@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_ouroboros import LOGGER_NAME, cost_model, feedback
+from vllm_ouroboros import LOGGER_NAME, cost_model, feedback, proposal_layout
 from vllm_ouroboros.backoff_estimates import ESTIMATE_RATE, MAX_PROBE_GAP, PROBE_GAP, BackoffEstimates
 from vllm_ouroboros.config import OuroborosConfig, cost_points, resolved_draft_round, resolved_threshold
 from vllm_ouroboros.device_clock import ForwardClock
@@ -775,33 +775,21 @@ class OuroborosProposer:
         self.stats.add(slots[from_pool], pool_draft_steps=np.ones(int(from_pool.sum()), np.int64))
 
         # For the target: the sentence draft, then the candidate suffixes (all K when the tree
-        # path is on, else the best one), within the token cap, in flat order. Near
-        # max_model_len a row gets only what the scheduler can place: the root sits at position
-        # len - 1, so the proposal ends by max_model_len - 1.
-        cap = np.minimum(np.maximum(self.max_model_len - 1 - lens_ctx, 0), cut)
-        L = self.cfg.phrase_len
+        # path is on, else the best one), in flat order (proposal_layout.py). The back-off's
+        # cut bounds the draft; the suffixes fill the room to S, where the suffix decision
+        # sends them. Near max_model_len a row gets only what the scheduler can place: the root
+        # sits at position len - 1, so the proposal ends by max_model_len - 1.
+        room = np.maximum(self.max_model_len - 1 - lens_ctx, 0)
         R = len(rows)
-        n_main = np.minimum(out.draft_lens, cap)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
-        valid = out.suffix_valid[:, :K]
-        order = np.argsort(~valid, axis=1, kind="stable")  # valid suffixes first, in pool order
-        r = np.arange(R)[:, None]
-        sfx = out.suffixes[r, order]
-        lens = np.where(valid[r, order], L, 0)
-        before = np.cumsum(lens, axis=1) - lens
-        lens = np.minimum(np.maximum(cap[:, None] - n_main[:, None] - before, 0), lens)
+        place = proposal_layout.place_suffixes(out.draft_lens, out.suffix_valid[:, :K], self.cfg.phrase_len,
+                                               np.minimum(room, cut), np.minimum(room, S))
+        n_main, lens = place.n_main, place.lens
         if self.cfg.use_suffixes is None and lens.any():
             send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft + t_pool)
             lens[~send] = 0
-        total = n_main + lens.sum(1)
-        Dd = out.drafts.shape[1]
-        src_mat = np.concatenate([out.drafts, sfx.reshape(R, K * L)], axis=1)
-        t = np.arange(max(int(total.max()), 1))[None, :]
-        u = t - n_main[:, None]
-        k = np.minimum((u[:, :, None] >= (before + lens)[:, None, :]).sum(2), max(K - 1, 0))
-        j = u - before[r, k] if K else u
-        src = np.where(u < 0, t, Dd + k * L + j)
-        chain = src_mat[r, np.minimum(np.maximum(src, 0), src_mat.shape[1] - 1)]
+        sfx = place.ordered(out.suffixes[:, :K])
+        chain, total = proposal_layout.flatten(out.drafts, sfx, place)
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
         empty = self.pool_only & from_pool & (cut >= S) & (total == 0)
@@ -868,10 +856,7 @@ class OuroborosProposer:
         by_model[ok[plan.rows]] = True
         if self._cache_retry_wait > 0 and by_model.any():  # the draft cache is full for now
             self._cache_retry_wait -= 1
-            m = np.nonzero(by_model)[0]
-            fit = self._rows_that_fit(req_ids, slots[m], lens[m])
-            self._no_draft(slots[m[~fit]], "cache_full_steps")
-            by_model[m[~fit]] = False
+            by_model = self._keep_rows_that_fit(req_ids, slots, lens, by_model)
         return by_model, plan.max_tokens  # max_tokens: the back-off's shorter draft under load
 
     def _draft_with_model(self, req_ids, slots: np.ndarray, lens: np.ndarray, token_ids_cpu,
@@ -890,8 +875,8 @@ class OuroborosProposer:
         try:
             out = self.runtime.run_round(slots[m], token_ids_cpu, rows[m], lens[m], forwards, cut)
         except DraftCacheFull as e:  # nothing changed
-            fit = self._rows_that_fit(req_ids, slots[m], lens[m])
-            if not fit.all():  # the rows that fit draft, the others wait
+            kept = self._keep_rows_that_fit(req_ids, slots, lens, by_model)
+            if kept.sum() < len(m):  # the rows that fit draft, the others wait
                 self._cache_retry_wait = self._cache_retry_gap
                 self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
                 logger.warning(
@@ -899,12 +884,10 @@ class OuroborosProposer:
                     "the others decode without a draft from the model (lossless) until growing is "
                     "tried again in %d steps. Fewer concurrent requests (max_num_seqs) or a shorter "
                     "max_model_len leave it room, as do a larger draft_cache_max_mb where it is the "
-                    "bound, or a lower gpu_memory_utilization where device memory is.", e, fit.sum(),
-                    len(fit), self._cache_retry_wait)
-                self._no_draft(slots[m[~fit]], "cache_full_steps")
-                by_model = by_model.copy()
-                by_model[m[~fit]] = False
-                m = m[fit]
+                    "bound, or a lower gpu_memory_utilization where device memory is.", e, kept.sum(),
+                    len(m), self._cache_retry_wait)
+                by_model = kept
+                m = np.nonzero(kept)[0]
                 if len(m) == 0:
                     return by_model, None, time.perf_counter() - t_draft
             out = self.runtime.run_round(slots[m], token_ids_cpu, rows[m], lens[m], forwards, cut)
@@ -962,6 +945,19 @@ class OuroborosProposer:
         base = self.target_cost(rows * (1 + self.cfg.gamma + rt.L)) + self._overhead.value
         t_draft = self._draft_scale[0] * self.cost(rows * cost_model.draft_row_tokens(rt.W, rt.G, rt.L))
         return lambda F: base + F * t_draft
+
+    def _keep_rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray,
+                            by_model: np.ndarray) -> np.ndarray:
+        """by_model [R] (of the step's rows: slots, context lengths lens [R]) less the rows the
+        draft cache cannot hold now (_rows_that_fit), which decode without a draft (counted in
+        cache_full_steps). A new mask [R]."""
+        m = np.nonzero(by_model)[0]
+        out = by_model.copy()
+        if len(m):
+            fit = self._rows_that_fit(req_ids, slots[m], lens[m])
+            self._no_draft(slots[m[~fit]], "cache_full_steps")
+            out[m[~fit]] = False
+        return out
 
     def _rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Which drafting rows ([R] by slot, context lengths [R]) the draft cache holds without

@@ -469,6 +469,7 @@ def _proposer(cap=None, slots=16):
     p._model_est.accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
     p._draft_forwards = np.full(slots, 4.3)
     p._source = np.full(slots, MODEL_DRAFT, np.int8)
+    p._pool_seconds, p._pool_timed = 0.0, False
     p._overhead = cost_model.StepOverhead(CPU_TARGET)
     p.stats = OuroborosStats(slots)
     p._base_tokens, p._suffix_yield = np.full(slots, 7.0), np.full(slots, 2.0)
@@ -1000,3 +1001,29 @@ def test_pool_fill_plans_from_the_pools_own_estimates():
     assert not p._fills_from_pool
     with pytest.raises(OuroborosConfigError, match="pool_fill=true needs"):
         validate(OuroborosConfig(draft_model="unused", pool_fill=True, max_speculative_batch=4))
+
+
+def test_a_step_the_pool_drafts_in_pays_its_lookups():
+    """lookup_seconds: on a flat 2 ms target, pool drafts of E 1.2 pay while lookups are free
+    and not beside 1 ms of them (1.2 tokens in 3 ms against 1 in 2 ms); drafts of E 2 still
+    pay. The proposer charges its measured mean, a stall counting at most POOL_OUTLIER x it."""
+    from vllm_ouroboros.proposer import ESTIMATE_RATE, POOL_OUTLIER
+
+    flat2 = cost_model.curve_from_ms([(1, 2.0), (256, 2.0)])
+
+    def plan(E, lookup):
+        A = cost_model.geometric_survival(np.array([E]), 12)
+        return cost_model.speculation_plan(flat2, CPU, A, np.ones((1, 12)), np.zeros(1), 1,
+                                           lookup_seconds=lookup)
+
+    assert plan(1.2, 0.0).rows.all() and not plan(1.2, 1e-3).rows.any()
+    assert plan(2.0, 1e-3).rows.all()
+
+    p = _proposer()
+    p.target_cost = flat2
+    p._pool_est.accepted[:1] = cost_model.geometric_survival(np.array([1.2]), 12)
+    assert p._pool_plan(np.arange(1)).rows.all()
+    p._time_pool(1e-3)  # the first sample is the mean
+    assert p._pool_seconds == 1e-3 and not p._pool_plan(np.arange(1)).rows.any()
+    p._time_pool(0.5)  # a stall
+    assert p._pool_seconds == pytest.approx(1e-3 + ESTIMATE_RATE * (POOL_OUTLIER - 1) * 1e-3)

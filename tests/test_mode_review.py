@@ -33,7 +33,7 @@ def test_load_time_choice_and_review_agree_without_measurements():
         at_load = min(("phrases", "pool"), key=costs.get)
         r = review()
         r.steps = r.every
-        assert r.review(at_load, flat(target_ms), None, DRAFT, 1.0) is None
+        assert r.review(at_load, flat(target_ms), None, DRAFT, 1.0, 0.0) is None
         for m in ("phrases", "pool"):
             assert r.last[m].seconds_per_token == pytest.approx(costs[m]), m
 
@@ -47,14 +47,14 @@ def test_a_step_dearer_than_the_target_curve_moves_to_the_draft_model():
     assert min(("phrases", "pool"), key=costs.get) == "pool"
     r = review()
     r.steps = r.every
-    assert r.review("pool", flat(1.45), 0.35e-3, DRAFT, 1.0) is None
+    assert r.review("pool", flat(1.45), 0.35e-3, DRAFT, 1.0, 0.0) is None
     assert r.switches == 0 and r.steps == 0
     r.steps = r.every
-    assert r.review("pool", flat(1.45), 0.51e-3, DRAFT, 1.0) == "phrases"
+    assert r.review("pool", flat(1.45), 0.51e-3, DRAFT, 1.0, 0.0) == "phrases"
     assert r.switches == 1
     # From the draft model's mode the same prices keep it.
     r.steps = r.every
-    assert r.review("phrases", flat(1.45), 0.51e-3, DRAFT, 1.0) is None
+    assert r.review("phrases", flat(1.45), 0.51e-3, DRAFT, 1.0, 0.0) is None
     r.steps = 0
     # Each switch doubles the steps to the next review (16x at most).
     assert r.gap == 2 * r.every and not r.due()
@@ -64,7 +64,7 @@ def test_a_step_dearer_than_the_target_curve_moves_to_the_draft_model():
     assert r.due()
     for _ in range(10):
         r.steps = r.gap  # back in the pool mode where the step makes phrases the cheaper
-        assert r.review("pool", flat(1.45), 0.51e-3, DRAFT, 1.0) == "phrases"
+        assert r.review("pool", flat(1.45), 0.51e-3, DRAFT, 1.0, 0.0) == "phrases"
     assert r.switches == 11 and r.gap == ModeReview.MAX_GAP * r.every
     assert 1000 * r.last["phrases"].seconds_per_token == pytest.approx(1.96 / 5.51 + 0.54 * 1.5, rel=1e-3)
     assert 1000 * r.last["pool"].seconds_per_token == pytest.approx(1.96 / 1.47, rel=1e-3)
@@ -81,9 +81,9 @@ def test_measured_tokens_per_forward_replace_the_prior():
     E, measured = r.tokens_per_forward("phrases")
     assert measured and E == pytest.approx(2.0)
     for _ in range(r.every):
-        r.step("phrases", 1, 0.004, 3)
+        r.step("phrases", 1, 3)
     assert r.due()
-    assert r.review("phrases", flat(1.96), None, DRAFT, 1.0) == "pool"
+    assert r.review("phrases", flat(1.96), None, DRAFT, 1.0, 0.0) == "pool"
     assert r.last["phrases"].seconds_per_token == pytest.approx((1.96e-3 + 3 * 1.5e-3) / 2.0)
     assert r.last["phrases"].measured and not r.last["pool"].measured
 
@@ -109,24 +109,26 @@ def test_under_load_the_pool_wins_where_the_draft_forward_widens():
     draft = cost_model.curve_from_ms([(1, 1.2), (34, 1.5), (1088, 6.0)])
     r = review()
     for _ in range(r.every):
-        r.step("phrases", 1, 0.004, None)
-    assert r.review("phrases", target, 0.0, draft, 1.0) is None
+        r.step("phrases", 1, None)
+    assert r.review("phrases", target, 0.0, draft, 1.0, 0.0) is None
     for _ in range(200):
-        r.step("phrases", 32, 0.004, None)
+        r.step("phrases", 32, None)
     assert r.batch == pytest.approx(32, rel=1e-3)
-    assert r.review("phrases", target, 0.0, draft, 1.0) == "pool"
+    assert r.review("phrases", target, 0.0, draft, 1.0, 0.0) == "pool"
 
 
 def test_pool_lookups_and_round_forwards_are_priced_as_measured():
-    """The pool mode's drafting is its measured lookup time; the draft mode's forwards per
-    round its measured mean once rounds ran, and the measured round/curve ratio scales them."""
+    """The pool mode's drafting is the pool lookups' measured time (the proposer's mean, passed
+    in); the draft mode's forwards per round its measured mean once rounds ran, and the
+    measured round/curve ratio scales them."""
     r = review()
     for _ in range(50):
-        r.step("pool", 1, 0.0005, None)
+        r.step("pool", 1, None)
     for _ in range(50):
-        r.step("phrases", 1, 0.01, 2)
-    prices = r.price(0.002, DRAFT, 1.5)
-    assert prices["pool"].draft_seconds == pytest.approx(0.0005, rel=1e-3)
+        r.step("phrases", 1, 2)
+    prices = r.price(0.002, DRAFT, 1.5, 0.0005)
+    assert prices["pool"].draft_seconds == 0.0005
+    assert prices["pool"].seconds_per_token == pytest.approx(0.0025 / POOL.tokens_per_target_forward)
     assert prices["phrases"].draft_seconds == pytest.approx(2 * 1.5 * 1.5e-3, rel=1e-3)
 
 
@@ -136,4 +138,4 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="every=0"):
         ModeReview(PHRASES, POOL, ROW, N_T, 0)
     with pytest.raises(ValueError, match="neither"):
-        review().review("chain", flat(1.0), None, DRAFT, 1.0)
+        review().review("chain", flat(1.0), None, DRAFT, 1.0, 0.0)

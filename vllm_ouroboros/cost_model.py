@@ -510,7 +510,7 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
                      chain_below: int | None = None, chain_row_tokens: float = 2,
                      catch_up: CatchUp | None = None, prefill: CostCurve | None = None,
                      draft_scale: tuple[float, float] = (1.0, 1.0),
-                     load: StepLoad = StepLoad()) -> SpeculationPlan:
+                     load: StepLoad = StepLoad(), lookup_seconds: float = 0.0) -> SpeculationPlan:
     """Which of a step's B decoding requests speculate, and how long their drafts may be
     (module docstring).
 
@@ -527,7 +527,9 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     draft_scale (whole, chain): measured / modeled seconds of recent whole and chain rounds
     (what a round costs beyond its forwards' curve: host work, pool lookups, trimmed widths).
     load: the step's other rows (drafted by another plan; StepLoad), in its forward and its
-    output alike. Ties go to fewer requests and to longer drafts.
+    output alike. lookup_seconds: what a step pays once any request drafts, beside draft
+    forwards (the pool's lookups where the pool drafts). Ties go to fewer requests and to
+    longer drafts.
     """
     A, T = np.asarray(accepted, float), np.asarray(sent, float)
     F = np.asarray(draft_forwards, float)
@@ -556,7 +558,8 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
 
         pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(sort(x), 0)])  # noqa: E731
         t = (target.at(load.target_tokens + B + pick(tokens)) + step_overhead + load.seconds
-             + np.where(m > 0, pick(f) / np.maximum(m, 1) * k_d * draft.at(np.maximum(m, 1) * n_d), 0))
+             + np.where(m > 0, pick(f) / np.maximum(m, 1) * k_d * draft.at(np.maximum(m, 1) * n_d)
+                        + lookup_seconds, 0))
         if catch_up is not None:
             t = t + catch_up.seconds(draft if prefill is None else prefill, pick, sort)
         rate = (load.output_tokens + B + pick(gain)) / t  # [B + 1, S]: the first m requests at s tokens

@@ -28,7 +28,8 @@ per output token at the batch the engine runs:
     D_m(B) = F_m r t_draft(B n_m)       the draft model's round: F_m forwards per step (measured
                                         mean, else d_m E_m of MODES), r the measured / modeled
                                         ratio of whole rounds (the back-off's own, else 1)
-    D_pool = the pool lookups' measured seconds per step
+    D_pool = the pool lookups' measured seconds per step (the proposer's running mean over
+             every step the pool drafted in, pool mode or pool fill)
     E_m    = tokens per target forward of rows drafted whole in mode m (decayed mean over its
              recent rows), MODES' prior until MIN_ROWS rows were measured
 
@@ -92,22 +93,19 @@ class ModeReview:
         self._rows_w = dict.fromkeys(self.modes, 0.0)
         self.rows_measured = dict.fromkeys(self.modes, 0)
         self._forwards: float | None = None  # drafted mode's forwards per round, running mean
-        self._pool_seconds: float | None = None  # pool mode's lookups per step, running mean
         self.batch = 1.0  # drafting rows per step, running mean (each step drafts >= 1)
         self.steps = 0  # drafting steps since the last review (or switch)
         self.switches = 0
         self.last: dict[str, ModePrice] = {}
 
     # ---- measurements ------------------------------------------------------------------------
-    def step(self, mode: str, rows: int, draft_seconds: float, forwards: float | None) -> None:
-        """A drafting step of `mode` (the mode in force): `rows` requests drafted, its drafting
-        took draft_seconds (wall; a round's prefill left out), its round ran `forwards` forwards
-        per row (None in the pool mode, or where the round was cut: not a whole round's F)."""
+    def step(self, mode: str, rows: int, forwards: float | None) -> None:
+        """A drafting step of `mode` (the mode in force): `rows` requests drafted, its round ran
+        `forwards` forwards per row (None in the pool mode, or where the round was cut: not a
+        whole round's F)."""
         self.steps += 1
         self.batch += self.BATCH_RATE * (rows - self.batch)
-        if mode == self.pool:
-            self._pool_seconds = _running(self._pool_seconds, float(draft_seconds), self.BATCH_RATE)
-        elif forwards is not None:
+        if mode != self.pool and forwards is not None:
             self._forwards = _running(self._forwards, float(forwards), self.BATCH_RATE)
 
     def observe(self, mode: str, tokens: np.ndarray) -> None:
@@ -131,10 +129,11 @@ class ModeReview:
     def due(self) -> bool:
         return self.steps >= self.gap
 
-    def price(self, step_seconds: float, draft: CostCurve, draft_scale: float) -> dict[str, ModePrice]:
+    def price(self, step_seconds: float, draft: CostCurve, draft_scale: float,
+              pool_seconds: float) -> dict[str, ModePrice]:
         """Each mode's seconds per output token at the current batch (rows per step, mean).
         step_seconds: T(B), the step without drafting; draft: the draft's forward curve;
-        draft_scale: measured / modeled seconds of whole rounds."""
+        draft_scale: measured / modeled seconds of whole rounds; pool_seconds: D_pool."""
         B = self.batch
         out = {}
         for name, m in self.modes.items():
@@ -144,21 +143,21 @@ class ModeReview:
                     m.draft_forwards_per_token * m.tokens_per_target_forward
                 D = F * draft_scale * draft(B * self.row_tokens)
             else:
-                D = self._pool_seconds or 0.0
+                D = pool_seconds
             out[name] = ModePrice((step_seconds + D) / (B * max(E, 1.0)), E, D, measured)
         return out
 
     def review(self, current: str, target: CostCurve, overhead: float | None, draft: CostCurve,
-               draft_scale: float) -> str | None:
+               draft_scale: float, pool_seconds: float) -> str | None:
         """Called once due(): the mode to switch to from `current` (the mode in force), or None
         to stay. target: the target's curve (load-time, or corrected by the timed forwards where
         overhead is None); overhead: the engine's measured seconds per step beyond `target`
-        (None: not measured)."""
+        (None: not measured); pool_seconds: the pool lookups' seconds per step (0 unmeasured)."""
         if current not in self.modes:
             raise ValueError(f"current mode {current!r} is neither {self.drafted!r} nor {self.pool!r}")
         self.steps = 0
         step = target(self.batch * self.target_tokens) + (overhead or 0.0)
-        self.last = self.price(step, draft, draft_scale)
+        self.last = self.price(step, draft, draft_scale, pool_seconds)
         other = self.pool if current == self.drafted else self.drafted
         here, there = self.last[current].seconds_per_token, self.last[other].seconds_per_token
         if not math.isfinite(there) or there >= (1 - self.MARGIN) * here:

@@ -43,6 +43,7 @@ from vllm_ouroboros.round_length import RoundLength
 logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
+POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the running mean
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
@@ -179,6 +180,9 @@ class OuroborosProposer:
         self._model_est = BackoffEstimates(self.max_slots, prior)
         self._pool_est = BackoffEstimates(self.max_slots, prior, learn_prior=True)
         self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
+        # The pool's lookups per step it drafts in (seconds, running mean): what the pool's
+        # plans and the mode review charge it beside its target tokens (0 until measured).
+        self._pool_seconds, self._pool_timed = 0.0, False
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
         # The most tokens each request's context can reach (prompt + max_tokens, else
         # max_model_len): what a draft cache that must catch up is weighed against.
@@ -753,13 +757,14 @@ class OuroborosProposer:
             out_p = draft_from_pool(self.pool, token_ids_cpu[rows[by_pool], lens_ctx[by_pool] - 1],
                                     slots[by_pool], self.cfg.max_draft_len, self.cfg.tree_suffixes)
             t_pool = time.perf_counter() - t_pool  # the lookups read back to the host: synced
+            self._time_pool(t_pool)
         if self._mode_review is not None:
             if self.pool_only and by_pool.any():
-                self._mode_review.step(self.drafting_mode, int(by_pool.sum()), t_pool, None)
+                self._mode_review.step(self.drafting_mode, int(by_pool.sum()), None)
             elif out_m is not None:
                 # Forwards per round as a whole round runs them (a cut round may draft a chain).
                 self._mode_review.step(
-                    self.drafting_mode, int(by_model.sum()), t_draft - out_m.prefill_seconds,
+                    self.drafting_mode, int(by_model.sum()),
                     None if cut_model < S else out_m.forwards if self.runtime.device_round is not None
                     else float(out_m.row_forwards.mean()))
         if out_m is None and out_p is None:
@@ -831,6 +836,16 @@ class OuroborosProposer:
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
         return proposals
+
+    def _time_pool(self, seconds: float) -> None:
+        """One step's pool lookups took `seconds` (wall, synced). A sample counts at most
+        POOL_OUTLIER x the mean: a stall (a GC pause, another process) would otherwise price
+        the pool out of every plan, and a pool that drafts nowhere is never timed again."""
+        if self._pool_timed:
+            seconds = min(seconds, POOL_OUTLIER * self._pool_seconds)
+            self._pool_seconds += ESTIMATE_RATE * (seconds - self._pool_seconds)
+        else:
+            self._pool_seconds, self._pool_timed = seconds, True
 
     def _model_rows(self, req_ids, slots: np.ndarray, lens: np.ndarray,
                     readable: np.ndarray) -> tuple[np.ndarray, int]:
@@ -920,7 +935,7 @@ class OuroborosProposer:
         else:
             target, overhead = self.target_cost, None
         old = self.drafting_mode
-        new = review.review(old, target, overhead, self.cost, float(self._draft_scale[0]))
+        new = review.review(old, target, overhead, self.cost, float(self._draft_scale[0]), self._pool_seconds)
         if new is None:
             return
         self._mode = review.modes[new]
@@ -1019,12 +1034,14 @@ class OuroborosProposer:
         the most tokens each may send: cost_model.speculation_plan with no draft forward and no
         draft cache to catch up, from the pool's estimates of each request (probes as the
         model's). load: what the draft model's rows bring to the step (pool fill; none in the
-        pool mode). Without cost curves, every one."""
+        pool mode). A step the pool drafts in pays its lookups (_pool_seconds, measured). Without
+        cost curves, every one."""
         B, S = len(slots), self.num_spec_tokens
         if self.cost is None or self.target_cost is None:
             return cost_model.SpeculationPlan(np.ones(B, bool), S)
         decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
-            self.target_cost, self.cost, A, T, np.zeros(B), 1, self._overhead.value, load=load)
+            self.target_cost, self.cost, A, T, np.zeros(B), 1, self._overhead.value, load=load,
+            lookup_seconds=self._pool_seconds)
         return self._pool_est.plan(slots, decide)
 
     @property
@@ -1171,6 +1188,7 @@ class OuroborosProposer:
                                else self._round_length.stats(),
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
+                               "pool_lookup_ms": 1000 * self._pool_seconds if self._pool_timed else None,
                                # the target's forwards measured / its curve at load, by point
                                "target_cost_ratio": None if self._target_calibration is None
                                else self._target_calibration.ratios(),

@@ -532,7 +532,7 @@ def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenari
                              "draft_forward_calls")})
     assert s["draft_forward_calls"] == 0 and s["prefill_forward_calls"] == 0, s
     assert s["draft_rounds"] > 0 and s["accepted_tokens"] > 0, s
-    # 36-40 suffix tokens accepted in three runs; 4 in each of three while the cut bounded the
+    # 48-53 suffix tokens accepted in three runs; 4 in each of three while the cut bounded the
     # suffixes too (results/README.md, "Session of 2026-11-29 (tenth)").
     assert s["suffix_accepted"] >= 20, s
     costs = s["settings"]["drafting_mode_ms_per_token"]

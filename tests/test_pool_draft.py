@@ -24,7 +24,7 @@ def _insert(pool, rows):
 
 def _reference(pool, last, slots, draft_len, K):
     """One row at a time with the pool's own lookup: chain whole phrases from the last token
-    while the key has one, cut to draft_len; then K phrases after the draft's end."""
+    while the key has one, cut to draft_len; then K phrases after the draft's last token."""
     drafts, lens, sfx, sval = [], [], [], []
     for key, slot in zip(last.tolist(), slots.tolist()):
         chain = []
@@ -35,6 +35,7 @@ def _reference(pool, last, slots, draft_len, K):
             chain += ph[0, 0].tolist()
             key = chain[-1]
         chain = chain[:draft_len]
+        key = chain[-1] if chain else key
         drafts.append(chain)
         lens.append(len(chain))
         if K:
@@ -44,7 +45,7 @@ def _reference(pool, last, slots, draft_len, K):
     return drafts, np.array(lens), sfx, sval
 
 
-@pytest.mark.parametrize("draft_len,K", [(8, 2), (6, 1), (4, 3), (3, 0), (12, 1)])
+@pytest.mark.parametrize("draft_len,K", [(8, 2), (6, 1), (4, 3), (3, 0), (12, 1), (7, 2), (2, 3)])
 def test_chained_phrases_match_row_by_row_lookups(draft_len, K):
     pool = _pool()
     rng = np.random.default_rng(draft_len * 10 + K)

@@ -6,14 +6,15 @@ from vllm_ouroboros.proposal_layout import flatten, place_suffixes
 
 
 def _by_hand(drafts, draft_lens, suffixes, valid, draft_cap, total_cap):
-    """Each row's proposal built one token at a time: the draft up to its cap, then the valid
-    suffixes in pool order while room is left under the total cap."""
+    """Each row's proposal built one token at a time: the draft up to its cap, then, where the
+    draft went whole, the valid suffixes in pool order while room is left under the total cap."""
     out = []
     for b in range(len(drafts)):
         room = int(total_cap[b])
         seq = list(drafts[b, :min(draft_lens[b], draft_cap[b], room)])
+        whole = len(seq) == draft_lens[b]
         for k in range(valid.shape[1]):
-            if valid[b, k]:
+            if valid[b, k] and whole:
                 seq += list(suffixes[b, k, :max(room - len(seq), 0)])
         out.append(seq)
     return out
@@ -37,16 +38,18 @@ def test_random_rows_match_the_layout_built_by_hand():
         assert (total <= total_cap).all()
 
 
-def test_a_cut_draft_leaves_its_room_to_the_suffixes():
-    """The back-off's cut bounds the draft only: a 2-token cut of a 6-token draft sends 2 draft
-    tokens and then both 4-token suffixes, up to S = 12 (before, the cut bounded the
-    suffixes too, and a short cut sent none)."""
-    drafts = np.arange(6)[None, :]
-    suffixes = np.array([[[10, 11, 12, 13], [20, 21, 22, 23]]])
-    place = place_suffixes(np.array([6]), np.array([[True, True]]), 4, np.array([2]), np.array([12]))
+def test_a_cut_leaves_its_room_to_the_suffixes_of_a_draft_that_ends_there():
+    """The back-off's cut bounds the draft only: a draft of 2 tokens under a cut of 3 sends
+    both 4-token suffixes after it, up to S = 12 (before, the cut bounded the suffixes too: 1
+    suffix token). A 6-token draft cut to 3 sends its 3 tokens alone: its suffixes hang off
+    its 6th token."""
+    drafts = np.array([[0, 1, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5]])
+    suffixes = np.array([[[10, 11, 12, 13], [20, 21, 22, 23]]] * 2)
+    place = place_suffixes(np.array([2, 6]), np.ones((2, 2), bool), 4, np.array([3, 3]), np.array([12, 12]))
     tokens, total = flatten(drafts, place.ordered(suffixes), place)
     assert tokens[0, :total[0]].tolist() == [0, 1, 10, 11, 12, 13, 20, 21, 22, 23]
-    assert place.lens.tolist() == [[4, 4]]
+    assert tokens[1, :total[1]].tolist() == [0, 1, 2]
+    assert place.lens.tolist() == [[4, 4], [0, 0]]
 
 
 def test_an_invalid_suffix_goes_last_and_the_room_trims_the_rest():

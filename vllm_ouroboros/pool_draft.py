@@ -34,9 +34,9 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
 
     last_tokens [R] (int): each request's last confirmed token; slots [R] (int): their pool
     owners (a request's own phrases rank first, PhrasePool.lookup); draft_len: the most
-    sentence-draft tokens per row (>= 1; the config's max_draft_len), chained from whole
-    phrases of pool.L tokens, the last one cut; num_suffixes: K, phrases looked up after the draft's end
-    (0: none).
+    sentence-draft tokens per row (>= 1; the config's max_draft_len, or the back-off's cut),
+    chained from whole phrases of pool.L tokens, the last one cut; num_suffixes: K, phrases
+    looked up after the draft's last token (0: none).
     Returns a RoundOutput with drafts [R, draft_len] and draft_lens [R] (a row whose key has no
     phrase stops there: 0 tokens if the first lookup found none), suffixes [R, K, L] and
     suffix_valid [R, K], and zero draft and prefill forwards. The lookups stay on the device;
@@ -57,6 +57,9 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
         key = torch.where(alive, phrase[:, 0, -1], key)
     drafts = torch.cat(pieces, 1)[:, :draft_len]
     draft_lens = torch.clamp(torch.stack(took, 1).long().sum(1) * L, max=draft_len)
+    # The suffixes hang off the draft's last token: inside the last phrase where draft_len cut it.
+    end = drafts.gather(1, (draft_lens - 1).clamp(min=0)[:, None])[:, 0]
+    key = torch.where(draft_lens > 0, end, key)
     if num_suffixes:
         suffixes, suffix_valid = pool.lookup(key, owner, num_suffixes)
     else:

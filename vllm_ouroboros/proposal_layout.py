@@ -6,7 +6,10 @@ weighs how far a request's draft is accepted position by position. The suffixes 
 room up to num_speculative_tokens, and whether a row sends them is decided apart, from their
 own yield (cost_model.rows_sending_suffixes). A cut that also bounded the suffixes would let a
 short draft crowd them out, where they are nearly free to the target (a flat curve) and feed
-the pool's candidate refinement. Both caps stop at max_model_len. No vLLM imports.
+the pool's candidate refinement. Both caps stop at max_model_len. A row's suffixes were looked
+up after its draft's last token, so they follow only a draft sent whole: where a cap cut the
+draft (a fixed-shape round drafts past the cut; a host round's last forward may), the row sends
+its draft alone. No vLLM imports.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def place_suffixes(draft_lens: np.ndarray, suffix_valid: np.ndarray, phrase_len:
     draft_lens [R]: sentence draft tokens; suffix_valid [R, K]: which suffixes the pool
     found (each phrase_len tokens); draft_cap [R]: most draft tokens sent (the back-off's cut,
     max_model_len's room); total_cap [R]: most tokens sent in all (num_speculative_tokens,
-    max_model_len's room). A suffix that does not fit whole is trimmed; later ones get none.
+    max_model_len's room). A suffix that does not fit whole is trimmed; later ones get none;
+    a row whose draft the caps cut sends none (they hang off the uncut draft's end).
     """
     R, K = suffix_valid.shape
     n_main = np.minimum(draft_lens, np.minimum(draft_cap, total_cap))
@@ -47,6 +51,7 @@ def place_suffixes(draft_lens: np.ndarray, suffix_valid: np.ndarray, phrase_len:
     lens = np.where(suffix_valid[np.arange(R)[:, None], order], phrase_len, 0)
     before = np.cumsum(lens, axis=1) - lens
     lens = np.minimum(np.maximum(total_cap[:, None] - n_main[:, None] - before, 0), lens)
+    lens[n_main < draft_lens] = 0
     return SuffixPlacement(n_main, order, lens, before)
 
 

@@ -754,8 +754,10 @@ class OuroborosProposer:
                 self._learn_context(slots[learn], token_ids_cpu, rows[learn], lens_ctx[learn])
             self._flush_staged()
             t_pool = time.perf_counter()
+            # Drafts end at the plan's cut, so their suffixes follow them (proposal_layout.py).
             out_p = draft_from_pool(self.pool, token_ids_cpu[rows[by_pool], lens_ctx[by_pool] - 1],
-                                    slots[by_pool], self.cfg.max_draft_len, self.cfg.tree_suffixes)
+                                    slots[by_pool], min(self.cfg.max_draft_len, cut_pool),
+                                    self.cfg.tree_suffixes)
             t_pool = time.perf_counter() - t_pool  # the lookups read back to the host: synced
             self._time_pool(t_pool)
         if self._mode_review is not None:

@@ -6,6 +6,8 @@ appends a correction (or accepts everything plus a bonus), which exercises rollb
 draft's KV, the prefill path, ragged batching and the phrase pool.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -274,6 +276,36 @@ def test_a_cut_round_drafts_a_chain_of_the_same_tokens(draft_path, greedy, devic
     out, drafts = draft_round(rt, [0, 1, 2], contexts, rng)  # whole again
     check_round(out, drafts, contexts, greedy, rt, [0, 1, 2])
     assert out.guess_tokens.sum() > 0
+
+
+def test_a_cut_at_gamma_or_above_ends_the_draft_there(draft_path, greedy, device):
+    """max_tokens at or above gamma: phrase drafting as usual, but the last forward takes no
+    token past the cut (it would overshoot to gamma + beta - 1 where the pool's phrases are
+    right), and the suffixes are the pool's phrases after the cut draft's last token."""
+    rng = np.random.default_rng(17)
+    rt, pool = make_runtime(draft_path, device, num_slots=3)
+    V = rt.model.vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (5, 40, 12)]
+    for c in contexts:  # right phrases all along: every forward takes a whole one
+        seq = list(c)
+        for _ in range(4):
+            nxt = greedy(seq, L)
+            pool.insert(torch.tensor([seq[-1]]), torch.tensor([nxt]), torch.tensor([-1]))
+            seq += nxt
+    lens = np.array([len(c) for c in contexts], np.int64)
+    phrases = copy.deepcopy(pool.state_dict())  # each round below starts from these
+    whole = rt.run_round(np.arange(3), *table(contexts, [2, 0, 1]), lens)
+    assert (whole.draft_lens > GAMMA).any()  # the overshoot a cut must not take
+    for cut in (GAMMA, GAMMA + 1):
+        rt2, pool2 = make_runtime(draft_path, device, num_slots=3)
+        pool2.load_state_dict(copy.deepcopy(phrases))
+        out = rt2.run_round(np.arange(3), *table(contexts, [2, 0, 1]), lens, max_tokens=cut)
+        assert (out.draft_lens <= cut).all() and (out.draft_lens == np.minimum(whole.draft_lens, cut)).all()
+        drafts = [out.drafts[b, :out.draft_lens[b]].tolist() for b in range(3)]
+        for b in range(3):
+            assert drafts[b] == greedy(contexts[b], len(drafts[b]))
+        phr, valid = pool2.lookup(torch.tensor([d[-1] for d in drafts]), torch.tensor([0, 1, 2]), K)
+        assert (out.suffix_valid == valid.cpu().numpy()).all() and (out.suffixes == phr.cpu().numpy()).all()
 
 
 def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, device):

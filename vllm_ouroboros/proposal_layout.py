@@ -8,8 +8,9 @@ own yield (cost_model.rows_sending_suffixes). A cut that also bounded the suffix
 short draft crowd them out, where they are nearly free to the target (a flat curve) and feed
 the pool's candidate refinement. Both caps stop at max_model_len. A row's suffixes were looked
 up after its draft's last token, so they follow only a draft sent whole: where a cap cut the
-draft (a fixed-shape round drafts past the cut; a host round's last forward may), the row sends
-its draft alone. No vLLM imports.
+draft (a fixed-shape device round drafts past the back-off's cut; max_model_len's room cuts any),
+the row sends its draft alone. The pool's drafts and the host round's end at the cut. No vLLM
+imports.
 """
 
 from __future__ import annotations

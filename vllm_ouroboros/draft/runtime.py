@@ -298,8 +298,9 @@ class DraftRuntime:
         max_tokens: the most draft tokens the caller will send (the back-off's shorter draft
                   under load, cost_model.speculation_plan). Below gamma (max_draft_length in
                   adaptive mode) the host loop drafts that many tokens as a chain: no window,
-                  no guesses (the same greedy tokens through a narrower forward); fixed-shape
-                  rounds draft as usual.
+                  no guesses (the same greedy tokens through a narrower forward); at or above
+                  it, as usual up to max_tokens (no overshoot past it), so the suffixes follow
+                  the draft. Fixed-shape rounds draft as usual (their drafts pass the cut).
         """
         clock, sizes = DeviceClock(self.device), []
         out = self._round(slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes)
@@ -321,6 +322,9 @@ class DraftRuntime:
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
         # A cut draft is a prefix of the whole round's: the same greedy tokens, fewer forwards.
         room = self.s.draft_room if max_tokens is None else max(min(self.s.draft_room, max_tokens), 1)
+        # Its last forward takes no token past the cut either: the draft then ends where it is
+        # sent, and its suffixes (looked up after its last token) can follow it.
+        limit = max_draft if max_tokens is None else max(min(max_draft, max_tokens), 1)
         chain = self.drafts_chain(max_tokens)
         W, G = (0, 0) if chain else (self.W, self.G)
         drafts = np.zeros((B, max_draft), np.int64)
@@ -343,8 +347,8 @@ class DraftRuntime:
                 # Cut the phrase where the rule fires; the cap cuts it too (then the cap stopped it).
                 rule_take, fired, prod[act] = rule
                 num = np.minimum(num, rule_take)
-                by_rule[act] = fired & (rule_take <= max_draft - dlen[act])
-            take = np.minimum(num, max_draft - dlen[act])
+                by_rule[act] = fired & (rule_take <= limit - dlen[act])
+            take = np.minimum(num, limit - dlen[act])
             cols = dlen[act, None] + np.arange(L + 1)[None, :]
             ok = np.arange(L + 1)[None, :] < take[:, None]
             drafts[np.repeat(act, L + 1)[ok.ravel()], cols[ok]] = new[ok]

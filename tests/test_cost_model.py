@@ -469,7 +469,7 @@ def _proposer(cap=None, slots=16):
     p._model_est.accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
     p._draft_forwards = np.full(slots, 4.3)
     p._source = np.full(slots, MODEL_DRAFT, np.int8)
-    p._pool_seconds, p._pool_timed = 0.0, False
+    p._pool_seconds = None
     p._overhead = cost_model.StepOverhead(CPU_TARGET)
     p.stats = OuroborosStats(slots)
     p._base_tokens, p._suffix_yield = np.full(slots, 7.0), np.full(slots, 2.0)

@@ -91,7 +91,13 @@ FILL_TOKENS, FILL_FLAT = 64, 1.5
 def is_flat(curve: "CostCurve | None") -> bool:
     """Whether a forward of FILL_TOKENS tokens costs at most FILL_FLAT x a one-token one
     (None, no curve: true)."""
-    return curve is None or curve(FILL_TOKENS) <= FILL_FLAT * curve(1)
+    return curve is None or curve.ratio(FILL_TOKENS) <= FILL_FLAT
+
+
+def running_mean(mean: float | None, x: float, rate: float) -> float:
+    """A running mean moved by `rate` of each sample x, whose first sample replaces the
+    absent (None) prior."""
+    return x if mean is None else mean + rate * (x - mean)
 
 
 @dataclass(frozen=True)

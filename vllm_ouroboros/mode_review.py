@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_ouroboros.cost_model import CostCurve, DraftingMode
+from vllm_ouroboros.cost_model import CostCurve, DraftingMode, running_mean
 
 
 @dataclass
@@ -106,7 +106,7 @@ class ModeReview:
         self.steps += 1
         self.batch += self.BATCH_RATE * (rows - self.batch)
         if mode != self.pool and forwards is not None:
-            self._forwards = _running(self._forwards, float(forwards), self.BATCH_RATE)
+            self._forwards = running_mean(self._forwards, float(forwards), self.BATCH_RATE)
 
     def observe(self, mode: str, tokens: np.ndarray) -> None:
         """Tokens per target forward ([R], accepted + 1) of R rows that mode `mode` drafted
@@ -174,7 +174,3 @@ class ModeReview:
                 "batch": round(self.batch, 2),
                 "last_ms_per_token": {m: round(1000 * p.seconds_per_token, 3) for m, p in self.last.items()}}
 
-
-def _running(mean: float | None, x: float, rate: float) -> float:
-    """A running mean whose first sample replaces the absent prior."""
-    return x if mean is None else mean + rate * (x - mean)

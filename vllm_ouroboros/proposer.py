@@ -181,8 +181,8 @@ class OuroborosProposer:
         self._pool_est = BackoffEstimates(self.max_slots, prior, learn_prior=True)
         self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
         # The pool's lookups per step it drafts in (seconds, running mean): what the pool's
-        # plans and the mode review charge it beside its target tokens (0 until measured).
-        self._pool_seconds, self._pool_timed = 0.0, False
+        # plans and the mode review charge it beside its target tokens (None: not yet timed).
+        self._pool_seconds: float | None = None
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
         # The most tokens each request's context can reach (prompt + max_tokens, else
         # max_model_len): what a draft cache that must catch up is weighed against.
@@ -843,11 +843,9 @@ class OuroborosProposer:
         """One step's pool lookups took `seconds` (wall, synced). A sample counts at most
         POOL_OUTLIER x the mean: a stall (a GC pause, another process) would otherwise price
         the pool out of every plan, and a pool that drafts nowhere is never timed again."""
-        if self._pool_timed:
+        if self._pool_seconds is not None:
             seconds = min(seconds, POOL_OUTLIER * self._pool_seconds)
-            self._pool_seconds += ESTIMATE_RATE * (seconds - self._pool_seconds)
-        else:
-            self._pool_seconds, self._pool_timed = seconds, True
+        self._pool_seconds = cost_model.running_mean(self._pool_seconds, seconds, ESTIMATE_RATE)
 
     def _model_rows(self, req_ids, slots: np.ndarray, lens: np.ndarray,
                     readable: np.ndarray) -> tuple[np.ndarray, int]:
@@ -937,7 +935,8 @@ class OuroborosProposer:
         else:
             target, overhead = self.target_cost, None
         old = self.drafting_mode
-        new = review.review(old, target, overhead, self.cost, float(self._draft_scale[0]), self._pool_seconds)
+        new = review.review(old, target, overhead, self.cost, float(self._draft_scale[0]),
+                            self._pool_seconds or 0.0)
         if new is None:
             return
         self._mode = review.modes[new]
@@ -1043,7 +1042,7 @@ class OuroborosProposer:
             return cost_model.SpeculationPlan(np.ones(B, bool), S)
         decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, A, T, np.zeros(B), 1, self._overhead.value, load=load,
-            lookup_seconds=self._pool_seconds)
+            lookup_seconds=self._pool_seconds or 0.0)
         return self._pool_est.plan(slots, decide)
 
     @property
@@ -1190,7 +1189,7 @@ class OuroborosProposer:
                                else self._round_length.stats(),
                                "step_overhead_ms": 1000 * self._overhead.value,
                                "step_overhead_samples": self._overhead.samples,
-                               "pool_lookup_ms": 1000 * self._pool_seconds if self._pool_timed else None,
+                               "pool_lookup_ms": None if self._pool_seconds is None else 1000 * self._pool_seconds,
                                # the target's forwards measured / its curve at load, by point
                                "target_cost_ratio": None if self._target_calibration is None
                                else self._target_calibration.ratios(),

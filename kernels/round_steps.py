@@ -116,7 +116,7 @@ if triton is not None:
                                   # uncached one, then after each window and guess column
         gvalid_ptr,               # [A, G] bool
         slots_ptr, u_ptr, u_stride,
-        active_ptr, kv_ptr, dlen_ptr, row_forwards_ptr, guess_tokens_ptr, guess_hits_ptr,
+        cap_ptr, active_ptr, kv_ptr, dlen_ptr, row_forwards_ptr, guess_tokens_ptr, guess_hits_ptr,
         last_take_ptr,            # the RoundState rows (device_round.RoundState), updated in place
         drafts_ptr, drafts_stride, next_unc_ptr, next_u_ptr,
         window_ptr,               # [S, L, WA] int64: the row's window slides in place
@@ -131,6 +131,7 @@ if triton is not None:
         # Every read of a tensor this program writes comes first, then a barrier: u may be
         # next_u itself (the round's later forwards), and all threads must read before any writes.
         act = tl.load(active_ptr + b) != 0
+        cap = tl.minimum(tl.load(cap_ptr + b), MAX_DRAFT)  # the row's cut, else the round's bound
         slot = tl.load(slots_ptr + b)
         u = tl.load(u_ptr + b * u_stride)
         kv = tl.load(kv_ptr + b)
@@ -162,7 +163,7 @@ if triton is not None:
             chain = tl.where(k == 0, t1, 0)
         num_new = best_hits + 1
         new_tokens = tl.where(k < num_new, chain, 0)
-        take = tl.where(act, tl.minimum(num_new, MAX_DRAFT - dlen), 0)
+        take = tl.where(act, tl.minimum(num_new, tl.maximum(cap - dlen, 0)), 0)
         if W > 0:
             lv = k[:, None]
             c = tl.arange(0, BLOCK_W)[None, :]
@@ -191,7 +192,7 @@ if triton is not None:
             tl.store(guess_hits_ptr + b, guess_hits + (take > 1).to(tl.int64))
             tl.store(last_take_ptr + b, take)
             tl.store(next_u_ptr + b, take)
-            tl.store(active_ptr + b, new_dlen < GOAL)
+            tl.store(active_ptr + b, new_dlen < tl.minimum(cap, GOAL))
         else:
             tl.store(kv_ptr + b, kv)
             tl.store(last_take_ptr + b, last_take)
@@ -248,7 +249,8 @@ def commit(st, layout, ids: torch.Tensor, tokens: torch.Tensor, gvalid: torch.Te
 
     Shape: ids [A, Q] int64 (the fed tokens); tokens [A, 1 + Q - U] int64 (contiguous:
     lookahead.output_rows' tokens); gvalid [A, G] bool; u [A] int64 (may be st.next_u, may be
-    strided); window [S, L, WA] int64. goal: a row stops drafting once it holds this many tokens.
+    strided); window [S, L, WA] int64. goal: a row stops drafting once it holds this many tokens
+    (or its st.cap, which also bounds its take with max_draft).
     """
     dev = ids.device
     A, U, W, L, G, Q = ids.shape[0], layout.U, layout.W, layout.L, layout.G, layout.Q
@@ -258,7 +260,7 @@ def commit(st, layout, ids: torch.Tensor, tokens: torch.Tensor, gvalid: torch.Te
     ins_valid = torch.empty(A * W, dtype=torch.bool, device=dev)
     with _launch(dev):
         commit_kernel[(A,)](ids, tokens.contiguous(), gvalid, st.slots, u, u.stride(0),
-                            st.active, st.kv, st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits,
+                            st.cap, st.active, st.kv, st.dlen, st.row_forwards, st.guess_tokens, st.guess_hits,
                             st.last_take, st.drafts, st.drafts.stride(0), st.next_unc, st.next_u, window,
                             keys, phrases, ins_slots, ins_valid, U=U, W=W, WA=window.shape[2], L=L, G=G,
                             Q=Q, MAX_DRAFT=max_draft, GOAL=goal, BLOCK_T=_pow2(L + 1),
@@ -300,6 +302,7 @@ def _differs(device: torch.device) -> str | None:
             st.slots.copy_(slots)
             st.active.copy_(torch.rand(A, generator=gen, device=device) < 0.8)
             st.kv.copy_(kv)
+            st.cap.copy_(torch.randint(1, 9, (A,), generator=gen, device=device))  # some past 7
             st.dlen.copy_(torch.randint(0, 7, (A,), generator=gen, device=device))
             st.last_take.copy_(torch.randint(0, 3, (A,), generator=gen, device=device))
             states.append(st)

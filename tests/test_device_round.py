@@ -92,8 +92,9 @@ def compare(a, b, what):
             assert np.array_equal(np.asarray(x), np.asarray(y)), f"{what}: {name} differs: {x} vs {y}"
 
 
-def drive(runtimes, rounds, rng, V, forwards_check=None):
-    """Run `runtimes` (host first) through the same rounds; yields (outputs, live contexts)."""
+def drive(runtimes, rounds, rng, V, forwards_check=None, cuts=None):
+    """Run `runtimes` (host first) through the same rounds; yields (outputs, live contexts).
+    cuts: per runtime, a function of the round index giving its max_tokens (None: no cut)."""
     host = runtimes[0]
     slots = [4, 0, 7, 2, 5, 1]
     contexts = [rng.integers(2, V, n).tolist() for n in CONTEXT_LENS]
@@ -102,7 +103,8 @@ def drive(runtimes, rounds, rng, V, forwards_check=None):
         ctx = [contexts[b] for b in live]
         tab, rows, lens = table(ctx, rng)
         s = np.array([slots[b] for b in live], np.int64)
-        outs = [rt.run_round(s, tab, rows, lens) for rt in runtimes]
+        outs = [rt.run_round(s, tab, rows, lens, max_tokens=None if cuts is None else cuts[i](r))
+                for i, rt in enumerate(runtimes)]
         yield outs, s
         for i, b in enumerate(live):
             d = outs[0].drafts[i, :outs[0].draft_lens[i]].tolist()
@@ -208,6 +210,63 @@ def test_device_round_equals_the_host_loop(config, tiny_models, device):
             assert torch.equal(a, b), config
     if config == "adaptive":
         assert outs[1].stopped_by_rule is not None
+
+
+def test_a_cut_at_the_round_length_or_above_is_the_host_loops(tiny_models, device):
+    """The back-off's cut (max_tokens) at gamma or above: the device round ends each draft where
+    the host loop does (its last forward takes no token past the cut), with the same counters,
+    suffixes (looked up after the draft's last token), caches, windows and pool."""
+    path = str(tiny_models["draft"])
+    host, dev = make(path, device, "host"), make(path, device, "device", round_forwards=99)
+    V = host.model.vocab_size
+    rng = np.random.default_rng(11)
+    plan = [GAMMA, GAMMA + 1, None, GAMMA + 2, GAMMA, GAMMA + BETA, GAMMA + 1, GAMMA]
+    cut = lambda r: plan[r % len(plan)]  # noqa: E731
+    binding = 0
+    for r, (outs, slots) in enumerate(drive([host, dev], len(plan), rng, V, cuts=[cut, cut])):
+        compare(outs[0], outs[1], f"cut {cut(r)}")
+        if cut(r) is not None:
+            assert (outs[1].draft_lens <= cut(r)).all()
+            binding += int((outs[1].draft_lens == cut(r)).sum())
+        assert np.array_equal(host.kv_len[slots], dev.kv_len[slots])
+        for a, b in zip(pool_view(host.pool, [-1, *slots.tolist()]),
+                        pool_view(dev.pool, [-1, *slots.tolist()])):
+            assert torch.equal(a, b), f"cut {cut(r)}"
+    assert binding > 0, "no cut bound a draft"
+
+
+@pytest.mark.parametrize("config", ["phrases", "adaptive"])
+def test_a_cut_below_the_round_length_ends_the_draft_there(config, tiny_models, device):
+    """A cut below gamma (below max_draft_length in adaptive mode): the host loop drafts a chain
+    (no window or guesses), the device round keeps its shapes; both draft the model's greedy
+    tokens and end at the cut, and the device round's suffixes are the pool's after the draft
+    it sends (so that they follow it: proposal_layout.py)."""
+    path, kw = str(tiny_models["draft"]), CONFIGS[config]
+    host, dev = make(path, device, "host", **kw), make(path, device, "device", round_forwards=99, **kw)
+    V = host.model.vocab_size
+    rng = np.random.default_rng(12)
+    top = dev.s.draft_room
+    cuts = [lambda r: None, lambda r: 1 + r % (top - 1)]
+    seen, found = set(), 0
+    for r, ((a, b), slots) in enumerate(drive([host, dev], 8, rng, V, cuts=cuts)):
+        c = cuts[1](r)
+        assert (b.draft_lens >= 1).all() and (b.draft_lens <= c).all(), (c, b.draft_lens)
+        if config == "phrases":  # the host loop's whole draft is gamma or more tokens long
+            assert (b.draft_lens == c).all(), (c, b.draft_lens)
+        for i, n in enumerate(b.draft_lens):
+            assert b.drafts[i, :n].tolist() == a.drafts[i, :n].tolist(), (c, i)
+            seen.add(int(n))
+        last = torch.tensor(b.drafts[np.arange(len(slots)), b.draft_lens - 1], device=dev.device)
+        owners = torch.tensor(slots, device=dev.device)
+        pool = dev.pool
+        before = pool.counters.clone(), pool.page_last_used.clone(), pool.clock.clone()
+        phr, valid = pool.lookup(last, owners, K)
+        pool.counters.copy_(before[0]), pool.page_last_used.copy_(before[1]), pool.clock.copy_(before[2])
+        assert np.array_equal(valid.cpu().numpy(), b.suffix_valid), c
+        assert np.array_equal(np.where(b.suffix_valid[..., None], phr.cpu().numpy(), 0),
+                              np.where(b.suffix_valid[..., None], b.suffixes, 0)), c
+        found += int(b.suffix_valid.sum())
+    assert len(seen) > 1 and found > 0, (seen, found)
 
 
 def test_fewer_forwards_draft_a_prefix(tiny_models, device):

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from vllm_ouroboros.proposal_layout import flatten, place_suffixes
+from vllm_ouroboros.proposal_layout import place_suffixes, proposal_tokens
 
 
 def _by_hand(drafts, draft_lens, suffixes, valid, draft_cap, total_cap):
@@ -31,7 +31,7 @@ def test_random_rows_match_the_layout_built_by_hand():
         total_cap = rng.integers(0, Dd + K * L + 2, R)
         draft_cap = rng.integers(0, Dd + 2, R)
         place = place_suffixes(draft_lens, valid, L, draft_cap, total_cap)
-        tokens, total = flatten(drafts, place.ordered(suffixes), place)
+        tokens, total = proposal_tokens(drafts, place.ordered(suffixes), place)
         got = [tokens[b, :total[b]].tolist() for b in range(R)]
         assert got == _by_hand(drafts, draft_lens, suffixes, valid, draft_cap, total_cap)
         assert (place.n_main <= np.minimum(draft_cap, total_cap)).all()
@@ -46,7 +46,7 @@ def test_a_cut_leaves_its_room_to_the_suffixes_of_a_draft_that_ends_there():
     drafts = np.array([[0, 1, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5]])
     suffixes = np.array([[[10, 11, 12, 13], [20, 21, 22, 23]]] * 2)
     place = place_suffixes(np.array([2, 6]), np.ones((2, 2), bool), 4, np.array([3, 3]), np.array([12, 12]))
-    tokens, total = flatten(drafts, place.ordered(suffixes), place)
+    tokens, total = proposal_tokens(drafts, place.ordered(suffixes), place)
     assert tokens[0, :total[0]].tolist() == [0, 1, 10, 11, 12, 13, 20, 21, 22, 23]
     assert tokens[1, :total[1]].tolist() == [0, 1, 2]
     assert place.lens.tolist() == [[4, 4], [0, 0]]
@@ -56,7 +56,7 @@ def test_an_invalid_suffix_goes_last_and_the_room_trims_the_rest():
     drafts = np.array([[5, 6, 7]])
     suffixes = np.array([[[1, 1], [2, 2], [3, 3]]])
     place = place_suffixes(np.array([3]), np.array([[False, True, True]]), 2, np.array([3]), np.array([6]))
-    tokens, total = flatten(drafts, place.ordered(suffixes), place)
+    tokens, total = proposal_tokens(drafts, place.ordered(suffixes), place)
     assert tokens[0, :total[0]].tolist() == [5, 6, 7, 2, 2, 3]
     assert place.lens.tolist() == [[2, 1, 0]]
     assert place.order.tolist() == [[1, 2, 0]]
@@ -65,6 +65,6 @@ def test_an_invalid_suffix_goes_last_and_the_room_trims_the_rest():
 def test_a_row_sending_nothing_and_no_suffix_slots():
     drafts = np.array([[4, 4], [9, 8]])
     place = place_suffixes(np.array([2, 2]), np.zeros((2, 0), bool), 3, np.array([0, 2]), np.array([5, 1]))
-    tokens, total = flatten(drafts, place.ordered(np.zeros((2, 0, 3), np.int64)), place)
+    tokens, total = proposal_tokens(drafts, place.ordered(np.zeros((2, 0, 3), np.int64)), place)
     assert total.tolist() == [0, 1]
     assert tokens[1, :1].tolist() == [9]

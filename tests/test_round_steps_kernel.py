@@ -30,7 +30,7 @@ def _inputs(U, W, G, L, A, seed, page_size=4):
     g = torch.Generator(DEVICE).manual_seed(seed)
     ri = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g, device=DEVICE)  # noqa: E731
     S, MP = A + 3, 5
-    # The round's inbox: [slot, kv, u, real, F | uncached tokens]; unc and u are strided views of it.
+    # The round's inbox: [slot, kv, u, real, F, cap | uncached tokens]; unc and u are strided views of it.
     box = ri(0, 50, A, dr.INBOX + U)
     box[:, 2] = ri(1, U + 1, A)
     unc, u = box[:, dr.INBOX:], box[:, 2]
@@ -76,6 +76,8 @@ def _state(A, L, max_draft, slots, kv, seed, aliased_u):
     st.active.copy_(torch.rand(A, generator=g, device=DEVICE) < 0.75)
     st.real.copy_(st.active | (torch.rand(A, generator=g, device=DEVICE) < 0.5))
     st.dlen.copy_(torch.randint(0, max_draft, (A,), generator=g, device=DEVICE))  # some near the limit
+    # Cut rows (some at or past their cut already) and uncut ones (a cap past max_draft).
+    st.cap.copy_(torch.randint(1, max_draft + 3, (A,), generator=g, device=DEVICE))
     for t in (st.row_forwards, st.guess_tokens, st.guess_hits, st.last_take):
         t.copy_(torch.randint(0, 4, (A,), generator=g, device=DEVICE))
     st.drafts.copy_(torch.randint(0, 9, st.drafts.shape, generator=g, device=DEVICE))
@@ -115,7 +117,11 @@ def test_commit_matches_torch(U, W, G, L, aliased_u, trial):
     if want is not None:
         for name, a, b in zip(("keys", "phrases", "owners", "valid"), want, have):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
+    before = _state(A, L, max_draft, slots, kv, trial, aliased_u)
+    took = states[1].dlen - before.dlen
     assert (states[1].dlen <= max_draft).all()
+    assert ((took == 0) | (states[1].dlen <= before.cap)).all(), "a row took tokens past its cut"
+    assert not (states[1].active & (states[1].dlen >= before.cap)).any(), "a row at its cut drafts on"
 
 
 def test_the_check_passes_here():

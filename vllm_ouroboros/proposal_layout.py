@@ -8,9 +8,9 @@ own yield (cost_model.rows_sending_suffixes). A cut that also bounded the suffix
 short draft crowd them out, where they are nearly free to the target (a flat curve) and feed
 the pool's candidate refinement. Both caps stop at max_model_len. A row's suffixes were looked
 up after its draft's last token, so they follow only a draft sent whole: where a cap cut the
-draft (a fixed-shape device round drafts past the back-off's cut; max_model_len's room cuts any),
-the row sends its draft alone. The pool's drafts and the host round's end at the cut. No vLLM
-imports.
+draft (max_model_len's room), the row sends its draft alone. Drafts end at the back-off's cut
+(the pool's, the host round's and the device round's alike), so under a cut the suffixes
+follow. No vLLM imports.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def place_suffixes(draft_lens: np.ndarray, suffix_valid: np.ndarray, phrase_len:
     return SuffixPlacement(n_main, order, lens, before)
 
 
-def flatten(drafts: np.ndarray, suffixes: np.ndarray, place: SuffixPlacement) -> tuple[np.ndarray, np.ndarray]:
+def proposal_tokens(drafts: np.ndarray, suffixes: np.ndarray,
+                    place: SuffixPlacement) -> tuple[np.ndarray, np.ndarray]:
     """The flat proposal per row: its first n_main draft tokens, then the suffixes in sent
     order, each cut to its len. drafts [R, Dd], suffixes [R, K, L] in sent order
     (SuffixPlacement.ordered) -> (tokens [R, T] (T >= 1; past a row's total, padding),

@@ -760,14 +760,16 @@ class OuroborosProposer:
                                     self.cfg.tree_suffixes)
             t_pool = time.perf_counter() - t_pool  # the lookups read back to the host: synced
             self._time_pool(t_pool)
+        # A round cut below its length ran fewer forwards than a whole one: the host loop drafted
+        # a chain (speculation_plan's F(s) = s), a device round's rows stopped at the cut.
+        whole_round = cut_model >= self.runtime.s.draft_room
         if self._mode_review is not None:
             if self.pool_only and by_pool.any():
                 self._mode_review.step(self.drafting_mode, int(by_pool.sum()), None)
             elif out_m is not None:
-                # Forwards per round as a whole round runs them (a cut round may draft a chain).
                 self._mode_review.step(
                     self.drafting_mode, int(by_model.sum()),
-                    None if cut_model < S else out_m.forwards if self.runtime.device_round is not None
+                    None if not whole_round else out_m.forwards if self.runtime.device_round is not None
                     else float(out_m.row_forwards.mean()))
         if out_m is None and out_p is None:
             self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
@@ -796,7 +798,7 @@ class OuroborosProposer:
             send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft + t_pool)
             lens[~send] = 0
         sfx = place.ordered(out.suffixes[:, :K])
-        chain, total = proposal_layout.flatten(out.drafts, sfx, place)
+        chain, total = proposal_layout.proposal_tokens(out.drafts, sfx, place)
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
         empty = self.pool_only & from_pool & (cut >= S) & (total == 0)
@@ -813,14 +815,12 @@ class OuroborosProposer:
         self._last_suffix_key[slots] = np.where(
             n_main > 0, out.drafts[np.arange(R), np.maximum(n_main - 1, 0)], ctx_last)
         if out_m is not None:
-            # What the back-off weighs: a device round's rows all pay its F forwards. A host
-            # round cut below gamma drafted a chain (speculation_plan's F(s) = s): not a whole
-            # round's F.
+            # What the back-off weighs: a whole round's forwards per row (a device round's rows
+            # all pay its F).
             m = slots[~from_pool]
-            if self.runtime.device_round is not None:
-                self._draft_forwards[m] += ESTIMATE_RATE * (out_m.forwards - self._draft_forwards[m])
-            elif not self.runtime.drafts_chain(cut_model):
-                self._draft_forwards[m] += ESTIMATE_RATE * (out_m.row_forwards - self._draft_forwards[m])
+            if whole_round:
+                ran = out_m.forwards if self.runtime.device_round is not None else out_m.row_forwards
+                self._draft_forwards[m] += ESTIMATE_RATE * (ran - self._draft_forwards[m])
         self._last_cut[slots] = cut
         self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0

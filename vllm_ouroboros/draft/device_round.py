@@ -10,6 +10,8 @@ whole round is queued at once and can be replayed from CUDA graphs:
   * the first forward's uncached width is padded to a width bucket; every later forward carries
     the L + 1 tokens the previous one drafted (beta columns);
   * every forward carries all G guess columns (the host loop trims empty ones, which needs a sync);
+  * a row may be cut (the back-off's shorter draft): it stops at its cut, and its last forward
+    takes no token past it, as the host loop's (its suffixes then follow the draft it sends);
   * the host picks the number of forwards F before the round; rows that reach their length go
     inactive and ride along without changing anything, so with F at its bound (gamma forwards in
     fixed mode: each forward drafts >= 1 token) the drafts equal the host loop's token for token.
@@ -49,8 +51,8 @@ from vllm_ouroboros.draft.lookahead import output_index, output_rows, output_tok
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# Inbox columns before the first forward's tokens: slot, kv, u0, real, F.
-INBOX = 5
+# Inbox columns before the first forward's tokens: slot, kv, u0, real, F, cap.
+INBOX = 6
 
 # Padded batch sizes (as vLLM pads its decode batches for its own graphs).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -70,12 +72,13 @@ class RoundState:
 
     Fields (int64 unless said):
       slots [A], kv [A] (committed draft-cache length), real [A] bool (not padding),
+      cap [A] (the most draft tokens the row takes: its cut, else the round's bound),
       active [A] bool (still drafting), drafts [A, Dw] (column Dw - 1 is a write sink),
       dlen [A], row_forwards [A], guess_tokens [A], guess_hits [A], last_take [A] (tokens the
       row's last forward drafted: not committed to its cache), prod [A] float32 and by_rule [A]
       bool (adaptive length), next_unc [A, L + 1] / next_u [A] (the next forward's uncached
       tokens), outbox [A, X] (the packed result), limit [] (the round's F).
-      inbox: per width bucket U, [A, INBOX + U]: slot, kv, u0, real, F, then the first
+      inbox: per width bucket U, [A, INBOX + U]: slot, kv, u0, real, F, cap, then the first
       forward's uncached tokens.
       per_round: one buffer that dlen, row_forwards, guess_tokens, guess_hits, last_take
       ([A] each) and drafts are views of, so that a round's start zeroes them in one launch;
@@ -88,6 +91,7 @@ class RoundState:
     slots: torch.Tensor
     kv: torch.Tensor
     real: torch.Tensor
+    cap: torch.Tensor
     active: torch.Tensor
     drafts: torch.Tensor
     dlen: torch.Tensor
@@ -119,7 +123,8 @@ class RoundState:
         Ap = A + A % 2
         per_round = z(5 * Ap + A * Dw)
         dlen, row_forwards, guess_tokens, guess_hits, last_take = per_round[:5 * Ap].view(5, Ap)[:, :A]
-        return cls(A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), active=z(A, dtype=torch.bool),
+        return cls(A=A, slots=z(A), kv=z(A), real=z(A, dtype=torch.bool), cap=z(A),
+                   active=z(A, dtype=torch.bool),
                    drafts=per_round[5 * Ap:].view(A, Dw), dlen=dlen, row_forwards=row_forwards,
                    guess_tokens=guess_tokens, guess_hits=guess_hits, last_take=last_take,
                    prod=z(A, dtype=torch.float32), by_rule=z(A, dtype=torch.bool),
@@ -258,16 +263,19 @@ class DeviceRound:
             box = st.inbox[U] = torch.zeros(st.A, INBOX + U, dtype=torch.long, device=self.rt.device)
             box[:, 0] = self.rt.pad_slot  # a neutral round: padding rows only
             box[:, 2] = 1
+            box[:, 5] = self.max_draft
         return box
 
     # ---- the round ---------------------------------------------------------------------------
     def run(self, slots: np.ndarray, unc0: np.ndarray, u0: np.ndarray, kv0: np.ndarray,
-            forwards: int | None = None) -> DeviceRoundOutput:
+            forwards: int | None = None, max_tokens: int | np.ndarray | None = None) -> DeviceRoundOutput:
         """Draft for B requests whose slots were rolled back and prefilled.
 
         Shape: slots [B] int64 (distinct); unc0 [B, U] int64, the uncached context tokens
         (first u0[b] real); u0 [B] int64 >= 1; kv0 [B] int64, committed cache lengths.
         forwards: F (default `forwards_for_next_round()`), at most `max_forwards`.
+        max_tokens: the most draft tokens each row takes (an int, or [B] int64; None: no cut):
+        a cut row stops there, its last forward taking no token past it, as the host loop's.
         """
         rt = self.rt
         B = len(slots)
@@ -290,8 +298,10 @@ class DeviceRound:
                                                pin_memory=rt.device.type == "cuda")
         box = host.numpy()
         box[:] = 0
-        box[:, 0], box[:, 2], box[:, 4] = rt.pad_slot, 1, F
+        box[:, 0], box[:, 2], box[:, 4], box[:, 5] = rt.pad_slot, 1, F, self.max_draft
         box[:B, 0], box[:B, 1], box[:B, 2], box[:B, 3] = slots, kv0, u0, 1
+        if max_tokens is not None:
+            box[:B, 5] = np.clip(max_tokens, 1, self.max_draft)
         box[:B, INBOX:INBOX + min(unc0.shape[1], U)] = unc0[:, :U]
         self._inbox(st, U).copy_(host, non_blocking=True)
         # Cache columns a forward may read, for the dense-mask path (a bound: any is correct).
@@ -331,6 +341,7 @@ class DeviceRound:
         st.kv.copy_(box[:, 1])
         st.real.copy_(box[:, 3] > 0)
         st.limit.copy_(box[0, 4])
+        st.cap.copy_(box[:, 5])
         st.active.copy_(st.real)
         st.per_round.zero_()  # drafts, dlen, row_forwards, guess_tokens, guess_hits, last_take
         st.prod.fill_(1.0)
@@ -550,8 +561,9 @@ def commit_torch(st: RoundState, layout, ids: torch.Tensor, tokens: torch.Tensor
     """Read one forward's greedy tokens into the round: each active row takes its new tokens
     (at most max_draft in all) into its draft columns, slides its window, advances its cache
     length by the u tokens the forward committed and its counters, and sets the next forward's
-    inputs; a row stops once it holds `goal` tokens (or its adaptive rule fired). Inactive rows
-    change nothing. The reference of kernels/round_steps.commit.
+    inputs; a row stops once it holds min(goal, its st.cap) tokens (or its adaptive rule fired)
+    and takes none past min(max_draft, st.cap). Inactive rows change nothing. The reference of
+    kernels/round_steps.commit.
 
     Shape: ids [A, Q] int64 (the fed tokens); tokens [A, 1 + Q - U] int64 (the draft's tokens
     after column u - 1, then after each window and guess column: lookahead.output_rows);
@@ -568,7 +580,8 @@ def commit_torch(st: RoundState, layout, ids: torch.Tensor, tokens: torch.Tensor
     fed_window = ids[:, U:U + W * L].reshape(A, L, W)
     res = read_output(layout, output_tokens(tokens, u, layout.Q, U), u, fed_window, guesses, gvalid)
     num = res.num_new
-    room = max_draft - st.dlen
+    cap = st.cap.clamp(max=max_draft)
+    room = (cap - st.dlen).clamp(min=0)  # a row set at or past its cut (tests) takes none
     if adapt is not None:
         rule_take, fired, after = adapt(res)
         num = torch.minimum(num, rule_take)
@@ -592,7 +605,9 @@ def commit_torch(st: RoundState, layout, ids: torch.Tensor, tokens: torch.Tensor
     st.last_take.copy_(torch.where(act, take, st.last_take))
     st.next_unc.copy_(res.new_tokens)
     st.next_u.copy_(torch.where(act, take, 1))
-    going = (st.dlen < goal) & ~st.by_rule if adapt is not None else st.dlen < goal
+    going = st.dlen < cap.clamp(max=goal)
+    if adapt is not None:
+        going &= ~st.by_rule
     st.active.logical_and_(going)
     return rows
 

@@ -300,7 +300,8 @@ class DraftRuntime:
                   adaptive mode) the host loop drafts that many tokens as a chain: no window,
                   no guesses (the same greedy tokens through a narrower forward); at or above
                   it, as usual up to max_tokens (no overshoot past it), so the suffixes follow
-                  the draft. Fixed-shape rounds draft as usual (their drafts pass the cut).
+                  the draft. Fixed-shape rounds keep their shapes (window and guesses) and end
+                  each row's draft at the cut alike.
         """
         clock, sizes = DeviceClock(self.device), []
         out = self._round(slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes)
@@ -316,7 +317,7 @@ class DraftRuntime:
         self._init_windows(slots, token_ids, rows, lens)
         if self.device_round is not None:
             return self._draft_on_device(slots, token_ids, rows, lens, prefill_forwards, row_prefills,
-                                         self.s.round_forwards if forwards is None else forwards)
+                                         self.s.round_forwards if forwards is None else forwards, max_tokens)
 
         adaptive = self.head is not None
         max_draft = self.s.max_draft_length if adaptive else self.s.gamma + self.s.beta
@@ -370,7 +371,7 @@ class DraftRuntime:
                            by_rule if adaptive else None)
 
     def _draft_on_device(self, slots, token_ids, rows, lens, prefill_forwards, row_prefills,
-                         forwards) -> RoundOutput:
+                         forwards, max_tokens) -> RoundOutput:
         """Step 3 and 4 on the device (draft/device_round.py), then the host's bookkeeping of
         what the round committed to each slot (the uncached context, then the draft but for
         its last forward's tokens), from the round's one device->host copy."""
@@ -379,7 +380,7 @@ class DraftRuntime:
         idx = kv[:, None] + np.arange(int(u0.max()))[None, :]
         unc0 = token_ids[rows[:, None], np.minimum(idx, lens[:, None] - 1)].astype(np.int64)
         unc0 = np.where(idx < lens[:, None], unc0, 0)
-        out = self.device_round.run(slots, unc0, u0, kv, forwards)
+        out = self.device_round.run(slots, unc0, u0, kv, forwards, max_tokens)
         self._commit(slots, unc0, u0)
         self._commit(slots, out.drafts, out.committed)
         self.confirmed[slots] = lens

@@ -1003,6 +1003,28 @@ def test_pool_fill_plans_from_the_pools_own_estimates():
         validate(OuroborosConfig(draft_model="unused", pool_fill=True, max_speculative_batch=4))
 
 
+def test_pool_fill_plans_beside_the_model_rounds_modeled_cost():
+    """The pool fill is planned before the draft model's round (its lookups queue ahead of the
+    round's read), so it weighs the round at the back-off's model: F forwards (a chain cut:
+    one per token) x the measured scale x t_draft(rows x row tokens); the model's rows' target
+    and output tokens from their estimates at the cut."""
+    p = _proposer()
+    p.runtime.W, p.runtime.G = 2, 2
+    p._draft_scale[:] = (0.5, 0.8)
+    slots = np.arange(3)
+    whole = p._model_load(slots, 12)
+    n_d = cost_model.draft_row_tokens(2, 2, 4)
+    assert whole.seconds == pytest.approx(4.3 * 0.5 * float(CPU(3 * n_d)))
+    assert whole.target_tokens == pytest.approx(3 + p._model_est.sent[slots].sum())
+    assert whole.output_tokens == pytest.approx(3 + p._model_est.accepted[slots].sum())
+    chain = p._model_load(slots, 2)  # below draft_room (4): a 2-token chain
+    assert chain.seconds == pytest.approx(2 * 0.8 * float(CPU(3 * cost_model.draft_row_tokens(0, 0, 4))))
+    assert chain.output_tokens == pytest.approx(3 + p._model_est.accepted[slots, :2].sum())
+    assert p._model_load(slots[:0], 12) == cost_model.StepLoad()
+    p.cost = None  # no curves: no seconds to weigh (the pool fill then takes every row)
+    assert p._model_load(slots, 12).seconds == 0.0
+
+
 def test_a_step_the_pool_drafts_in_pays_its_lookups():
     """lookup_seconds: on a flat 2 ms target, pool drafts of E 1.2 pay while lookups are free
     and not beside 1 ms of them (1.2 tokens in 3 ms against 1 in 2 ms); drafts of E 2 still

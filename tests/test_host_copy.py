@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ouroboros.host_copy import copy_into, to_device, to_host
+from vllm_ouroboros.host_copy import PendingRead, copy_into, to_device, to_host
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="pinned staging and stream-ordered copies need a CUDA device")
@@ -127,3 +127,32 @@ def test_to_host_syncs_once():
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert 1 <= len(syncs) <= 2  # one copy per dtype (int64, bool), not one per tensor (7)
     assert all(np.array_equal(b, t.cpu().numpy()) for b, t in zip(back, ts))
+
+
+def test_pending_read_round_trip(device):
+    """A read queued now and taken later gives the values to_host gives, as often as asked."""
+    arrays = _arrays()
+    tensors = to_device(device, *arrays)
+    tensors[1] = tensors[0][:, ::2]
+    pending = PendingRead(*tensors)
+    back = pending.arrays()
+    for a, h in zip(arrays, back):
+        assert isinstance(h, np.ndarray) and h.shape == a.shape and np.array_equal(h, a)
+    assert all(np.array_equal(x, y) for x, y in zip(back, pending.arrays()))  # read again: the same
+
+
+@needs_cuda
+def test_pending_read_queues_without_waiting_and_sees_the_work_before_it():
+    """Queuing the read does not synchronise (sync debug mode "error"); work queued before it
+    is in what comes back, work queued after it is not."""
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x.add_(1)
+        pending = PendingRead(x[:4], torch.ones(2, dtype=torch.bool, device="cuda"))
+        x.add_(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    first, flags = pending.arrays()
+    assert first.tolist() == [1.0] * 4 and flags.tolist() == [True, True]

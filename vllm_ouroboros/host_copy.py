@@ -70,6 +70,38 @@ def copy_into(dst: torch.Tensor, array: np.ndarray) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
 
 
+class PendingRead:
+    """Device tensors on their way to the host: the copies are queued at construction (on CUDA
+    one asynchronous copy per dtype into pinned memory, behind the work already queued), and
+    `arrays()` waits for them. Work queued after it (a drafting round) runs on; whatever waits
+    for that work later has waited for these copies too (one stream), so a read queued ahead
+    of a round that ends in its own read costs no wait of its own.
+
+    On a CPU device the arrays share the tensors' memory, as to_host's."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        self._event = None
+        if all(t.device.type == "cpu" for t in tensors):
+            self._host = [t.detach() for t in tensors]
+            return
+
+        def move(group: list[torch.Tensor]) -> torch.Tensor:
+            staging = torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, pin_memory=True)
+            staging.copy_(torch.cat([t.detach().reshape(-1) for t in group]), non_blocking=True)
+            return staging
+
+        self._host = _per_dtype(list(tensors), move)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(next(t.device for t in tensors if t.device.type != "cpu")))
+
+    def arrays(self) -> list[np.ndarray]:
+        """The tensors as host arrays (shapes and dtypes kept), once their copies are done."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return [t.numpy() for t in self._host]
+
+
 def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     """Device tensors as host arrays, same shapes and dtypes, read back with one copy per dtype
     (on a GPU: one synchronisation for the lot, where a `.cpu()` each would wait each time).

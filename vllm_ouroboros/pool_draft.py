@@ -23,11 +23,10 @@ import numpy as np
 import torch
 
 from vllm_ouroboros.draft.runtime import RoundOutput
-from vllm_ouroboros.host_copy import to_device, to_host
+from vllm_ouroboros.host_copy import PendingRead, to_device
 from vllm_ouroboros.pool import PhrasePool
 
 
-@torch.no_grad()
 def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray, draft_len: int,
                     num_suffixes: int) -> RoundOutput:
     """One step's drafts for R requests from the pool, with no draft forward.
@@ -40,8 +39,33 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
     Returns a RoundOutput with drafts [R, draft_len] and draft_lens [R] (a row whose key has no
     phrase stops there: 0 tokens if the first lookup found none), suffixes [R, K, L] and
     suffix_valid [R, K], and zero draft and prefill forwards. The lookups stay on the device;
-    one read back at the end.
+    one read back at the end (queue_pool_drafts, then its output).
     """
+    return queue_pool_drafts(pool, last_tokens, slots, draft_len, num_suffixes).output()
+
+
+class PendingPoolDrafts:
+    """Pool drafts whose lookups are queued on the device and whose read back to the host is
+    queued behind them (host_copy.PendingRead): `output()` waits for it."""
+
+    def __init__(self, read: PendingRead, rows: int):
+        self._read, self._rows = read, rows
+
+    def output(self) -> RoundOutput:
+        """The drafts as draft_from_pool returns them."""
+        drafts, draft_lens, suffixes, suffix_valid = (a.copy() for a in self._read.arrays())
+        zeros = np.zeros(self._rows, np.int64)
+        return RoundOutput(drafts, draft_lens, suffixes, suffix_valid, forwards=0, prefill_forwards=0,
+                           row_forwards=zeros, guess_tokens=zeros.copy(), guess_hit_forwards=zeros.copy(),
+                           row_prefills=zeros.copy())
+
+
+@torch.no_grad()
+def queue_pool_drafts(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray, draft_len: int,
+                      num_suffixes: int) -> PendingPoolDrafts:
+    """draft_from_pool's lookups and read back, queued without waiting for the device (same
+    arguments). Queued ahead of a drafting round that ends in its own read, the pool's drafts
+    cost the step no wait of their own (proposer._propose, pool fill)."""
     if draft_len < 1:
         raise ValueError(f"draft_len={draft_len} must be >= 1")
     R, L = len(slots), pool.L
@@ -65,8 +89,4 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
     else:
         suffixes = torch.zeros((R, 0, L), dtype=torch.long, device=dev)
         suffix_valid = torch.zeros((R, 0), dtype=torch.bool, device=dev)
-    drafts, draft_lens, suffixes, suffix_valid = to_host(drafts, draft_lens, suffixes, suffix_valid)
-    zeros = np.zeros(R, np.int64)
-    return RoundOutput(drafts.copy(), draft_lens.copy(), suffixes.copy(), suffix_valid.copy(),
-                       forwards=0, prefill_forwards=0, row_forwards=zeros, guess_tokens=zeros.copy(),
-                       guess_hit_forwards=zeros.copy(), row_prefills=zeros.copy())
+    return PendingPoolDrafts(PendingRead(drafts, draft_lens, suffixes, suffix_valid), R)

@@ -35,7 +35,7 @@ from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
 from vllm_ouroboros.mode_review import ModeReview
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros.pool_draft import draft_from_pool
+from vllm_ouroboros.pool_draft import queue_pool_drafts
 from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
 from vllm_ouroboros.round_length import RoundLength
@@ -729,25 +729,23 @@ class OuroborosProposer:
         S = self.num_spec_tokens
         readable = self._readable[slots]
         by_model, out_m, t_draft = np.zeros(len(rows), bool), None, 0.0
+        by_pool, cut_model, cut_pool = np.zeros(len(rows), bool), S, S
         if self.pool_only:
             plan = self._speculate(slots, lens_ctx)
             self._no_draft(slots[~plan.rows], "backoff_steps")
-            by_pool, cut_model, cut_pool = plan.rows, S, plan.max_tokens
+            by_pool, cut_pool = plan.rows, plan.max_tokens
         else:
             by_model, cut_model = self._model_rows(req_ids, slots, lens_ctx, readable)
-            if by_model.any():
-                by_model, out_m, t_draft = self._draft_with_model(
-                    req_ids, slots, lens_ctx, token_ids_cpu, rows, by_model, cut_model)
-            by_pool, cut_pool = np.zeros(len(rows), bool), S
             if self._fills_from_pool and not by_model.all():
                 # Rows the draft model does not draft this step (back-off, unreadable prompt,
                 # full cache) draft from the pool where its own estimates say that pays beside
-                # the rows the model drafted.
+                # the rows the model drafts. Planned before the round, at its modeled cost, so
+                # that the pool's lookups queue ahead of it and come back with its one read.
                 idle = np.nonzero(~by_model)[0]
-                plan = self._pool_plan(slots[idle], self._model_load(slots[by_model], cut_model, t_draft))
+                plan = self._pool_plan(slots[idle], self._model_load(slots[by_model], cut_model))
                 by_pool[idle[plan.rows]] = True
                 cut_pool = plan.max_tokens
-        out_p, t_pool = None, 0.0
+        pending, t_pool = None, 0.0
         if by_pool.any():
             learn = by_pool & readable  # an unreadable prompt's ids are another request's
             if self.cfg.use_context_phrases and learn.any():
@@ -755,11 +753,21 @@ class OuroborosProposer:
             self._flush_staged()
             t_pool = time.perf_counter()
             # Drafts end at the plan's cut, so their suffixes follow them (proposal_layout.py).
-            out_p = draft_from_pool(self.pool, token_ids_cpu[rows[by_pool], lens_ctx[by_pool] - 1],
-                                    slots[by_pool], min(self.cfg.max_draft_len, cut_pool),
-                                    self.cfg.tree_suffixes)
-            t_pool = time.perf_counter() - t_pool  # the lookups read back to the host: synced
-            self._time_pool(t_pool)
+            pending = queue_pool_drafts(self.pool, token_ids_cpu[rows[by_pool], lens_ctx[by_pool] - 1],
+                                        slots[by_pool], min(self.cfg.max_draft_len, cut_pool),
+                                        self.cfg.tree_suffixes)
+            t_pool = time.perf_counter() - t_pool
+        if by_model.any():
+            # A row the draft cache cannot hold now decodes plainly this step (counted).
+            by_model, out_m, t_draft = self._draft_with_model(
+                req_ids, slots, lens_ctx, token_ids_cpu, rows, by_model, cut_model)
+        out_p = None
+        if pending is not None:
+            # What the step pays for the pool: queuing its lookups, and waiting for their read
+            # where no round's read waited first (the pool mode, or a step without a round).
+            t0 = time.perf_counter()
+            out_p = pending.output()
+            self._time_pool(t_pool + time.perf_counter() - t0)
         # A round cut below its length ran fewer forwards than a whole one: the host loop drafted
         # a chain (speculation_plan's F(s) = s), a device round's rows stopped at the cut.
         whole_round = cut_model >= self.runtime.s.draft_room
@@ -840,7 +848,8 @@ class OuroborosProposer:
         return proposals
 
     def _time_pool(self, seconds: float) -> None:
-        """One step's pool lookups took `seconds` (wall, synced). A sample counts at most
+        """What one step paid for the pool's lookups: `seconds` of wall time queuing them, and
+        waiting for their read where no round's read waited first. A sample counts at most
         POOL_OUTLIER x the mean: a stall (a GC pause, another process) would otherwise price
         the pool out of every plan, and a pool that drafts nowhere is never timed again."""
         if self._pool_seconds is not None:
@@ -913,12 +922,20 @@ class OuroborosProposer:
         self._calibrate_draft(out, cut, t_draft)
         return by_model, out, t_draft
 
-    def _model_load(self, slots: np.ndarray, cut: int, seconds: float) -> cost_model.StepLoad:
-        """What the draft model's rows (by slot, [R]) bring to this step's target forward, by
-        their estimates at drafts of `cut` tokens, and the round's measured seconds."""
+    def _model_load(self, slots: np.ndarray, cut: int) -> cost_model.StepLoad:
+        """What the draft model's rows (by slot, [R]) bring to this step, by their estimates at
+        drafts of `cut` tokens: target tokens, output tokens, and their round's seconds as the
+        back-off's plan models them (F forwards x its measured scale x t_draft(rows x row
+        tokens); the catch-up's prefills left out)."""
         if len(slots) == 0:
             return cost_model.StepLoad()
-        est = self._model_est
+        est, rt = self._model_est, self.runtime
+        seconds = 0.0
+        if self.cost is not None:
+            chain = rt.drafts_chain(cut)
+            n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+            F = float(max(cut, 1)) if chain else float(self._draft_forwards[slots].mean())
+            seconds = F * float(self._draft_scale[int(chain)]) * float(self.cost(len(slots) * n_d))
         return cost_model.StepLoad(len(slots) + float(est.sent[slots, :cut].sum()),
                                    len(slots) + float(est.accepted[slots, :cut].sum()), seconds)
 

@@ -420,10 +420,11 @@ def test_no_host_read_inside_a_round(config, tiny_models, device):
 @pytest.mark.parametrize("recapture", [False, True], ids=["captured-once", "recaptured"])
 @pytest.mark.parametrize("config", ["phrases", "adaptive"])
 def test_graph_replay_equals_eager_device_round(config, recapture, tiny_models, device):
-    """Captured and replayed (graph) vs run eagerly (device): the same rounds. "recaptured":
-    graphs that read 48 cache tokens per row, so the 70-token context drops them and captures
-    again in a new memory pool (torch asserts on a capture into a pool whose graphs were all
-    freed: the first H200 run crashed there)."""
+    """Captured and replayed (graph) vs run eagerly (device): the same rounds, some cut by the
+    back-off (the cut goes in with the inbox). "recaptured": graphs that read 48 cache tokens
+    per row, so the 70-token context drops them and captures again in a new memory pool (torch
+    asserts on a capture into a pool whose graphs were all freed: the first H200 run crashed
+    there)."""
     if device != "cuda":
         pytest.skip("the test device is not CUDA (OUROBOROS_TEST_DEVICE)")
     path = str(tiny_models["draft"])
@@ -435,7 +436,8 @@ def test_graph_replay_equals_eager_device_round(config, recapture, tiny_models, 
         assert dr.capture([1, 3]) > 0  # graphs in the pool before the drop
     V = eager.model.vocab_size
     rng = np.random.default_rng(5)
-    for (a, b), slots in drive([eager, graph], 8, rng, V):
+    cut = lambda r: (None, 2, GAMMA + 1, 1)[r % 4]  # noqa: E731
+    for (a, b), slots in drive([eager, graph], 8, rng, V, cuts=[cut, cut]):
         compare(a, b, config)
         assert np.array_equal(eager.kv_len[slots], graph.kv_len[slots])
     assert dr._states and all(st.graphs for st in dr._states.values())
@@ -593,6 +595,43 @@ def test_early_exit_stops_where_rows_are_done(graphs, tiny_models, device):
     assert b.forwards == fixed.device_round.max_forwards > 1
     assert c.forwards == 1
     assert early.device_round.early_exit  # a capture that failed would have fallen back
+
+
+@pytest.mark.parametrize("graphs", ["emulated", "cuda"])
+def test_early_exit_stops_at_the_cut(graphs, tiny_models, device):
+    """A round cut to c tokens (the back-off's shorter draft) with early exit runs at most c
+    forwards (each drafts >= 1 token per row) and drafts the host loop's first c tokens; a
+    fixed-F round runs its F whatever the cut. "cuda": real conditional nodes."""
+    from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
+
+    if graphs == "cuda" and device != "cuda":
+        pytest.skip("CUDA graph conditional nodes need the CUDA test device (OUROBOROS_TEST_DEVICE)")
+    if graphs == "cuda" and not conditional_nodes_supported():
+        pytest.skip(f"this torch ({torch.__version__}, CUDA {torch.version.cuda}) has no conditional nodes")
+    path = str(tiny_models["draft"])
+    # Decode only: one token per forward, so an uncut round runs gamma forwards.
+    kw = CONFIGS["decode-only"]
+    host, fixed = make(path, device, "host", **kw), make(path, device, "device", round_forwards=99, **kw)
+    if graphs == "cuda":
+        early = make(path, device, "graph", round_forwards=99, **kw)
+    else:
+        early = make(path, device, "device", round_forwards=99, **kw)
+        early.device_round = DeviceRound(early, graphs=True, emulate_graphs=True, early_exit=True)
+    rng = np.random.default_rng(23)
+    V = host.model.vocab_size
+    contexts = [rng.integers(2, V, n).tolist() for n in (5, 12, 30)]
+    slots = np.arange(3, dtype=np.int64)
+    for c in (2, 1, None):
+        tab = table(contexts, rng)
+        a = host.run_round(slots, *tab)
+        b, e = fixed.run_round(slots, *tab, max_tokens=c), early.run_round(slots, *tab, max_tokens=c)
+        want = GAMMA if c is None else c
+        assert (e.draft_lens == want).all() and (b.draft_lens == want).all(), (c, e.draft_lens, b.draft_lens)
+        for i in range(len(slots)):
+            assert e.drafts[i, :want].tolist() == a.drafts[i, :want].tolist() == b.drafts[i, :want].tolist()
+        assert e.forwards == want and b.forwards == fixed.device_round.max_forwards == GAMMA, (c, e.forwards)
+        contexts = [ctx + a.drafts[i, :2].tolist() for i, ctx in enumerate(contexts)]
+    assert early.device_round.early_exit
 
 
 def test_failed_conditional_capture_falls_back_to_fixed_forwards(tiny_models, device, caplog):

@@ -442,6 +442,7 @@ class _Runtime(SimpleNamespace):
 
     chain_below = DraftRuntime.chain_below
     drafts_chain = DraftRuntime.drafts_chain
+    stop_below = DraftRuntime.stop_below
 
 
 def _proposer(cap=None, slots=16):
@@ -1001,6 +1002,37 @@ def test_pool_fill_plans_from_the_pools_own_estimates():
     assert not p._fills_from_pool
     with pytest.raises(OuroborosConfigError, match="pool_fill=true needs"):
         validate(OuroborosConfig(draft_model="unused", pool_fill=True, max_speculative_batch=4))
+
+
+def test_an_early_exit_round_cut_short_costs_its_share_of_forwards():
+    """A device round with early exit stops at the cut (tests/test_device_round.py::
+    test_early_exit_stops_at_the_cut): a draft cut to s < stop_below tokens runs F s /
+    stop_below forwards, at least one, where a fixed-F round pays all F. On GPU-like curves
+    (2 ms target, 0.6 ms draft forward, F = 4) a request of E 2.5 then drafts one token per
+    step instead of a whole round; the host loop's chains keep F(s) = s."""
+    F = np.array([4.0, 2.0])
+    assert cost_model.round_forwards(F, 12).tolist() == [4.0, 2.0]
+    assert cost_model.round_forwards(F, 2, stop_below=4).tolist() == [2.0, 1.0]
+    assert cost_model.round_forwards(F, 1, stop_below=4).tolist() == [1.0, 1.0]  # at least one
+    assert cost_model.round_forwards(F, 4, stop_below=4).tolist() == [4.0, 2.0]
+    assert cost_model.round_forwards(F, 3, chain_below=4).tolist() == [3.0, 3.0]
+    assert cost_model.round_forwards(F[:, None], np.arange(1, 5)[None, :], stop_below=4).shape == (2, 4)
+
+    target = cost_model.curve_from_ms([(1, 2.0), (64, 2.2), (512, 6.0)])
+    draft = cost_model.curve_from_ms([(1, 0.6), (64, 0.72), (512, 3.0)])
+    A = cost_model.geometric_survival(np.array([2.5]), 12)
+    plan = lambda **kw: cost_model.speculation_plan(target, draft, A, np.ones((1, 12)),  # noqa: E731
+                                                    np.array([4.0]), 34, **kw)
+    assert plan().rows.all() and plan().max_tokens == 12
+    assert plan(stop_below=4).rows.all() and plan(stop_below=4).max_tokens == 1
+    p = _proposer()
+    assert p.runtime.stop_below is None  # the host loop: no early exit
+    p.runtime.device_round = SimpleNamespace(early_exit=False)
+    assert p.runtime.stop_below is None  # fixed F: every forward runs
+    p.runtime.device_round.early_exit = True
+    assert p.runtime.stop_below == 4 and p.runtime.chain_below is None
+    p._draft_forwards[:2] = 4.0
+    assert p._model_load(np.arange(2), 2).seconds == pytest.approx(2 * float(CPU(2 * 2)))
 
 
 def test_pool_fill_plans_beside_the_model_rounds_modeled_cost():

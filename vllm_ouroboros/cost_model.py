@@ -511,12 +511,27 @@ class SpeculationPlan:
     max_tokens: int
 
 
+def round_forwards(whole, s, chain_below: int | None = None, stop_below: int | None = None) -> np.ndarray:
+    """Draft forwards of a round cut to s draft tokens, for rows whose whole rounds run `whole`
+    forwards (arrays, broadcast together): a chain's one per token below chain_below (the host
+    loop), an early-exit device round's share F s / stop_below (at least one) below stop_below,
+    else a whole round's (speculation_plan)."""
+    whole, s = np.asarray(whole, float), np.asarray(s, float)
+    f = np.broadcast_to(whole, np.broadcast_shapes(whole.shape, s.shape))
+    if stop_below is not None:
+        f = np.where(s < stop_below, np.maximum(whole * s / stop_below, 1.0), f)
+    if chain_below is not None:
+        f = np.where(s < chain_below, np.maximum(s, 1.0), f)
+    return f
+
+
 def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, sent: np.ndarray,
                      draft_forwards: np.ndarray, draft_row_tokens: float, step_overhead: float = 0.0,
                      chain_below: int | None = None, chain_row_tokens: float = 2,
                      catch_up: CatchUp | None = None, prefill: CostCurve | None = None,
                      draft_scale: tuple[float, float] = (1.0, 1.0),
-                     load: StepLoad = StepLoad(), lookup_seconds: float = 0.0) -> SpeculationPlan:
+                     load: StepLoad = StepLoad(), lookup_seconds: float = 0.0,
+                     stop_below: int | None = None) -> SpeculationPlan:
     """Which of a step's B decoding requests speculate, and how long their drafts may be
     (module docstring).
 
@@ -526,7 +541,10 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     below this many tokens (the round's gamma) is drafted one token per forward, F = s forwards
     over chain_row_tokens tokens per row (the host loop without window or guesses: the same
     greedy tokens, a narrower forward); None where rounds have fixed shapes (device rounds): a
-    cut draft then costs a whole round and saves target tokens only. step_overhead (c,
+    cut draft then costs a whole round and saves target tokens only, unless stop_below is
+    given: a device round with early exit, whose rows stop at the cut and which stops once they
+    have, runs F_i s / stop_below forwards (at least one) for a draft cut below stop_below (the
+    round's length) tokens, as wide as a whole round's. step_overhead (c,
     seconds): the engine's time per step beyond the target forward. catch_up: the stretches
     the draft cache lacks per request, prefilled before the round (CatchUp); the requests
     chosen share one batched prefill, timed by the `prefill` curve (default: draft's).
@@ -545,7 +563,7 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
     gain, tokens = np.cumsum(A, 1), np.cumsum(T, 1)  # [B, S]: E_i(s) - 1, T_i(s) at s = 1..S
     s = np.arange(1, S + 1)
     chain = np.zeros(S, bool) if chain_below is None else s < chain_below
-    f = np.where(chain[None, :], s[None, :].astype(float), F[:, None])  # [B, S]
+    f = round_forwards(F[:, None], s[None, :], chain_below, stop_below)  # [B, S]
     n_d = np.where(chain, chain_row_tokens, draft_row_tokens)  # [S]
     k_d = np.where(chain, draft_scale[1], draft_scale[0])  # [S]
     m = np.arange(B + 1)[:, None]

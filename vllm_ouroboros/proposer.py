@@ -934,7 +934,8 @@ class OuroborosProposer:
         if self.cost is not None:
             chain = rt.drafts_chain(cut)
             n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
-            F = float(max(cut, 1)) if chain else float(self._draft_forwards[slots].mean())
+            F = float(cost_model.round_forwards(self._draft_forwards[slots], cut, rt.chain_below,
+                                                rt.stop_below).mean())
             seconds = F * float(self._draft_scale[int(chain)]) * float(self.cost(len(slots) * n_d))
         return cost_model.StepLoad(len(slots) + float(est.sent[slots, :cut].sum()),
                                    len(slots) + float(est.accepted[slots, :cut].sum()), seconds)
@@ -1043,7 +1044,7 @@ class OuroborosProposer:
         decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, A, T, F, n_d, self._overhead.value, rt.chain_below,
             cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, A), self.prefill_cost,
-            tuple(self._draft_scale))
+            tuple(self._draft_scale), stop_below=rt.stop_below)
         return self._model_est.plan(slots, decide)
 
     def _pool_plan(self, slots: np.ndarray, load: cost_model.StepLoad = cost_model.StepLoad()

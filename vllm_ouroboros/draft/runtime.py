@@ -222,6 +222,14 @@ class DraftRuntime:
         shape (fixed-shape device and graph rounds draft as usual)."""
         return self.s.draft_room if self.device_round is None else None
 
+    @property
+    def stop_below(self) -> int | None:
+        """Drafts cut below this many tokens end the round early: a device round with early
+        exit (its rows stop at the cut, and the round once they have); None elsewhere (the
+        host loop drafts a cut as a chain, a fixed-F device round runs its F whatever the cut)."""
+        dr = self.device_round
+        return self.s.draft_room if dr is not None and dr.early_exit else None
+
     def drafts_chain(self, max_tokens: int | None) -> bool:
         """Whether a round cut to `max_tokens` draft tokens (None: not cut) drafts a chain."""
         below = self.chain_below

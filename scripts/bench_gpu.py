@@ -183,6 +183,7 @@ GAMMA, BETA = 4, 5
 ROUND_SETTINGS = {"decode-only": (0, 0), "phrases W=G=4": (4, 4), "phrases W=G=7": (7, 7),
                   "phrases W=G=15": (15, 15)}
 POOL_BUDGET = 64 << 20  # OuroborosConfig.pool_budget_mb
+POOL_FILL_ROWS = {False: 8, True: 4}  # pool-filled requests beside the model's one (by Plan.tiny)
 
 
 def row_tokens(window: int, guesses: int) -> int:
@@ -606,6 +607,51 @@ def insert_section(vocab: int, plan: Plan, device: torch.device, graphs: bool) -
         print(f"  insert {n:>4} rows: torch eager {point['eager_ms']:8.3f} ms  graph {_ms(point.get('graph_ms'))} ms"
               + kern, flush=True)
     return out
+
+
+def pool_fill_section(model: DraftModel, plan: Plan, mode: str) -> dict:
+    """ms per step of a pool-filled step: one request's W = G = 4 round (RoundRunner, `mode`)
+    beside pool drafts for POOL_FILL_ROWS other requests (8 tokens, one suffix), the pool's
+    lookups run after the round's read ("after": a second wait for the device, as the proposer
+    ran them before) or queued ahead of the round ("queued": pool_draft.queue_pool_drafts, read
+    after the round's own read). The two forms alternate round by round on one runner (double
+    the rounds' count: its cache is sized for them)."""
+    import copy
+
+    from vllm_ouroboros.pool_draft import draft_from_pool, queue_pool_drafts
+
+    twice = copy.copy(plan)
+    twice.timed_rounds = 2 * plan.timed_rounds
+    runner = RoundRunner(model, 4, 4, 1, mode, twice, seed=31)
+    pool, rng = runner.rt.pool, np.random.default_rng(31)
+    rows = POOL_FILL_ROWS[plan.tiny]
+    slots = np.arange(1, rows + 1, dtype=np.int64)  # pool owners beside the model's request (slot 0)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def after():
+        runner.run()
+        draft_from_pool(pool, rng.integers(3, runner.V, rows), slots, 8, 1)
+
+    def queued():
+        pending = queue_pool_drafts(pool, rng.integers(3, runner.V, rows), slots, 8, 1)
+        runner.run()
+        pending.output()
+
+    times = {"after": [], "queued": []}
+    for r in range(twice.warmup_rounds + twice.timed_rounds):
+        name = ("after", "queued")[r % 2]
+        sync()
+        t0 = time.perf_counter()
+        (after if name == "after" else queued)()
+        ms = 1000 * (time.perf_counter() - t0)  # both forms end in host arrays: waited for
+        if r >= twice.warmup_rounds:
+            times[name].append(ms)
+    res = {"mode": mode, "model_rows": 1, "pool_rows": rows, "after_ms": median(times["after"]),
+           "queued_ms": median(times["queued"]), "rounds_each": {k: len(v) for k, v in times.items()}}
+    res["queued_over_after"] = res["queued_ms"] / res["after_ms"]
+    print(f"  pool fill ({mode}, 1 + {rows} rows): lookups after the round {res['after_ms']:.3f} ms/step, "
+          f"queued ahead of it {res['queued_ms']:.3f} ms/step ({res['queued_over_after']:.2f}x)", flush=True)
+    return res
 
 
 def profile_section(model: DraftModel, plan: Plan, cases: list[tuple[str, str]], budget: Budget,
@@ -1139,7 +1185,8 @@ def markdown(res: dict) -> str:
                   f"{'passed' if c['passed'] else 'FAILED: ' + c['reason']} | {c['seconds']:.1f} |"
                   for c in checks]
     lines += _md_curves(res) + _md_rounds(res) + _md_target_step(res.get("target_step"))
-    lines += _md_inserts(res.get("inserts")) + _md_kernel(res.get("kernel")) + _md_kernel_tiles(res.get("kernel_tiles"))
+    lines += _md_inserts(res.get("inserts")) + _md_pool_fill(res.get("pool_fill"))
+    lines += _md_kernel(res.get("kernel")) + _md_kernel_tiles(res.get("kernel_tiles"))
     lines += _md_profile(res.get("profile")) + _md_modeled(res.get("modeled"))
     lines += _md_fusion_choice(res.get("fusion_choice")) + _md_prefill(res.get("prefill"))
     if res["skipped"]:
@@ -1207,6 +1254,16 @@ def _md_inserts(pts: list | None) -> list[str]:
              "| rows | torch eager | torch CUDA graph | kernels eager | kernels CUDA graph |", "|---|---|---|---|---|"]
     return lines + [f"| {p['rows']} | {_ms(p['eager_ms'])} | {_ms(p.get('graph_ms'))} | {_ms(p.get('kernel_eager_ms'))} "
                     f"| {_ms(p.get('kernel_graph_ms'))} |" for p in pts]
+
+
+def _md_pool_fill(p: dict | None) -> list[str]:
+    if not p:
+        return []
+    return ["", f"## A pool-filled step ({p['mode']}; 1 drafted request + {p['pool_rows']} pool-filled; ms per "
+            "step, median)", "", "| pool lookups | ms per step |", "|---|---|",
+            f"| after the round's read (a second wait) | {_ms(p['after_ms'])} |",
+            f"| queued ahead of the round (`queue_pool_drafts`) | {_ms(p['queued_ms'])} |",
+            f"| queued / after | {p['queued_over_after']:.2f}x |"]
 
 
 def _md_profile(prof: dict | None) -> list[str]:
@@ -1322,7 +1379,7 @@ def parse_args() -> argparse.Namespace:
                     help="default bfloat16 (--tiny: float32)")
     ap.add_argument("--skip", nargs="*", default=[],
                     choices=["target", "rounds", "kernel", "tiles", "graph", "inserts", "fused", "profile",
-                             "prefill"],
+                             "prefill", "pool_fill"],
                     help="sections to leave out (graph: no CUDA-graph timings; fused: no graph rounds "
                          "through the fused layer kernels, DraftModel.fused_ops, which run on CUDA; tiles: "
                          "no tile sweep where the kernel table misses 1.25x)")
@@ -1402,7 +1459,7 @@ def main() -> int:
     if not cuda:
         torch.set_num_threads(1)  # tiny tensors: thread wake-ups cost more than the work (tests/conftest.py)
     res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "target_step": None,
-           "inserts": None, "kernel": None, "kernel_tiles": None, "profile": None,
+           "inserts": None, "pool_fill": None, "kernel": None, "kernel_tiles": None, "profile": None,
            "modeled": None, "skipped": {}, "errors": {}}
     print(f"# {res['device']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}"
           f"{', --tiny' if args.tiny else ''}", flush=True)
@@ -1567,6 +1624,13 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         skipped["inserts"] = budget.reason()
     else:
         res["inserts"] = section("inserts", lambda: insert_section(draft.vocab_size, plan, device, graphs))
+        checkpoint()
+    if "pool_fill" in args.skip:
+        skipped["pool_fill"] = "skipped: --skip pool_fill"
+    elif budget.spent():
+        skipped["pool_fill"] = budget.reason()
+    else:
+        res["pool_fill"] = section("pool_fill", lambda: pool_fill_section(draft, plan, graph_mode if graphs else "device"))
         checkpoint()
     del draft
     gc.collect()

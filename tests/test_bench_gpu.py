@@ -43,7 +43,7 @@ def test_tiny_run_exits_0_and_writes_both_files(tiny_run):
     assert result["tiny"] and result["torch"] == torch.__version__ and "--tiny" in result["command"]
     assert md.exists() and "## Acceptance" in md.read_text()
     # Seconds per section, to plan a lent GPU's minutes.
-    assert {"curves/draft", "curves/target", "rounds", "target_step", "inserts"} <= set(result["section_s"])
+    assert {"curves/draft", "curves/target", "rounds", "target_step", "inserts", "pool_fill"} <= set(result["section_s"])
     assert all(t > 0 for t in result["section_s"].values())
 
 
@@ -93,6 +93,18 @@ def test_inserts_are_timed(tiny_run):
     pts = {p["rows"]: p for p in result["inserts"]}
     assert set(pts) == {16, 64, 256} and all(p["eager_ms"] > 0 for p in pts.values())
     assert all(("graph_ms" in p) == CUDA for p in pts.values())
+
+
+def test_pool_fill_step_is_timed_both_ways(tiny_run):
+    """A pool-filled step with the pool's lookups after the round's read and queued ahead of
+    it (pool_draft.queue_pool_drafts), each over the plan's timed rounds."""
+    _, result, md, _ = tiny_run
+    p = result["pool_fill"]
+    plan = bench_gpu.Plan(tiny=True)
+    assert p["after_ms"] > 0 and p["queued_ms"] > 0 and p["pool_rows"] == bench_gpu.POOL_FILL_ROWS[True]
+    assert p["rounds_each"] == {"after": plan.timed_rounds, "queued": plan.timed_rounds}
+    assert p["mode"] == ("graph+fused" if CUDA else "device")
+    assert "A pool-filled step" in md.read_text()
 
 
 def test_target_step_is_timed_and_charged_to_the_model(tiny_run):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros.pool_draft import draft_from_pool
+from vllm_ouroboros.pool_draft import draft_from_pool, queue_pool_drafts
 
 L = 4
 
@@ -99,6 +99,27 @@ def test_on_cuda_same_as_on_cpu():
     np.testing.assert_array_equal(a.drafts, b.drafts)
     np.testing.assert_array_equal(a.draft_lens, b.draft_lens)
     np.testing.assert_array_equal(a.suffixes, b.suffixes)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_queued_drafts_read_the_pool_as_it_was_when_queued(device):
+    """Pool fill queues its lookups ahead of the draft model's round, whose window inserts then
+    change the pool: the queued drafts are the pool's before those inserts (stream order on a
+    GPU, eager on a CPU), read back whenever asked."""
+    rows = [(5, [6, 7, 8, 9], 0), (9, [10, 11, 12, 13], 0)]
+    pool, before = _pool(device), _pool(device)
+    _insert(pool, rows)
+    _insert(before, rows)
+    want = draft_from_pool(before, np.array([5, 9]), np.array([0, 0]), 8, 1)
+    pending = queue_pool_drafts(pool, np.array([5, 9]), np.array([0, 0]), 8, 1)
+    # What a round's window would insert next: phrases for the same keys, the same owner, newer.
+    _insert(pool, [(5, [1, 2, 3, 4], 0), (9, [2, 2, 2, 2], 0), (4, [3, 3, 3, 3], 0)])
+    got = pending.output()
+    for name in ("drafts", "draft_lens", "suffixes", "suffix_valid"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert got.draft_lens.tolist() == [8, 4]
+    after = draft_from_pool(pool, np.array([5]), np.array([0]), 4, 1)
+    assert after.drafts[0].tolist() == [1, 2, 3, 4], "the later inserts did not land: nothing was tested"
 
 
 def test_model_and_pool_drafts_as_one_output():

@@ -932,8 +932,7 @@ class OuroborosProposer:
         est, rt = self._model_est, self.runtime
         seconds = 0.0
         if self.cost is not None:
-            chain = rt.drafts_chain(cut)
-            n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+            chain, n_d = self._round_width(cut)
             F = float(cost_model.round_forwards(self._draft_forwards[slots], cut, rt.chain_below,
                                                 rt.stop_below).mean())
             seconds = F * float(self._draft_scale[int(chain)]) * float(self.cost(len(slots) * n_d))
@@ -1100,6 +1099,14 @@ class OuroborosProposer:
         graphs = self.runtime.prefill_graphs
         return graphs is not None and graphs.enabled
 
+    def _round_width(self, cut: int) -> tuple[bool, int]:
+        """(whether a round cut to `cut` draft tokens drafts a chain, its forwards' tokens per
+        row): a chain's current and uncached token, else the window's and guesses' too."""
+        rt = self.runtime
+        chain = rt.drafts_chain(cut)
+        return chain, cost_model.draft_row_tokens(0, 0, rt.L) if chain else \
+            cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+
     def _calibrate_draft(self, out, cut: int, seconds: float) -> None:
         """The back-off's draft cost from the rounds that ran: a running ratio, for whole rounds
         and for chain-drafted cuts apart, of a round's wall seconds (its prefill left out) to
@@ -1115,8 +1122,7 @@ class OuroborosProposer:
         if self.cost is None or out.forwards == 0 or not self.cfg.calibrate_costs:
             return
         rt = self.runtime
-        chain = rt.drafts_chain(cut)
-        n_d = cost_model.draft_row_tokens(0, 0, rt.L) if chain else cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
+        chain, n_d = self._round_width(cut)
         R = len(out.row_forwards)
         forwards = out.forwards if rt.device_round is not None else int(out.row_forwards.sum()) / R
         modeled = forwards * self.cost(R * n_d)

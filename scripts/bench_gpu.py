@@ -77,7 +77,7 @@ import torch
 # `kernels` subpackage is the repo's kernels/ folder only through setup.py's package_dir.
 from vllm_ouroboros.draft.attention import ROPE_IN_MAX_HEAD_DIM
 from vllm_ouroboros.draft.model import DraftConfig, DraftModel, rope_inv_freq
-from vllm_ouroboros.cost_model import draft_row_tokens
+from vllm_ouroboros.cost_model import draft_row_tokens, round_forwards
 from vllm_ouroboros.cuda_graph import capture_graph
 from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
 from vllm_ouroboros.draft.fusion_choice import REPS as FUSION_REPS, choose_all
@@ -173,6 +173,9 @@ ROPE_APART = "graph+fused+rope-apart"
 # ... and what RMSNorm and SiLU*up inside the products would save (NORM_GEMM: kernels/norm_gemm.py,
 # OuroborosConfig.draft_norm_gemm, off by default until this says it pays).
 NORM_GEMM = "graph+fused+norm-gemm"
+# The graph round's replay emulated on a CPU, early exit included (DeviceRound(emulate_graphs=True)):
+# what the cut-round section checks there of the rule a GPU's graph round is priced by.
+GRAPH_EMULATED = "graph-emulated"
 ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM)
 
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
@@ -424,7 +427,8 @@ class RoundRunner:
         # +torch-round: the work around each forward in torch (kernels/round_steps.py);
         # +rope-apart: RoPE and the KV write in their own launch (the kernel check's verdict
         # aside: like the kernel section, this times the paths regardless).
-        draft_round = "graph" if mode.startswith("graph") else mode.split("+")[0]
+        emulated = mode == GRAPH_EMULATED
+        draft_round = "device" if emulated else "graph" if mode.startswith("graph") else mode.split("+")[0]
         model.fused_ops = "+fused" in mode
         model.rope_in_attention = (not mode.endswith("+rope-apart")
                                    and model.head_dim <= ROPE_IN_MAX_HEAD_DIM)
@@ -443,6 +447,8 @@ class RoundRunner:
         self.rt = rt = DraftRuntime(model, pool, settings, B, max_len, dev)
         if mode == "graph-fixed":  # the graph round without conditional nodes: every F forward runs
             rt.device_round = DeviceRound(rt, graphs=True, early_exit=False)
+        elif emulated:
+            rt.device_round = DeviceRound(rt, graphs=True, emulate_graphs=True, early_exit=True)
         self.rng = rng = np.random.default_rng(seed)  # the same seed in every mode: the same contexts
         self.V = V = model.vocab_size
         self.contexts = [rng.integers(3, V, plan.prefix).tolist() for _ in range(B)]
@@ -452,12 +458,13 @@ class RoundRunner:
         # it and drops captured graphs). The next round rolls back to the contexts themselves.
         tail = rng.integers(3, V, (B, growth)).tolist()
         rt.run_round(self.slots, *token_table([c + t for c, t in zip(self.contexts, tail)]))
-        self.captured = rt.device_round.capture([B]) if draft_round == "graph" else 0
+        self.captured = rt.device_round.capture([B]) if draft_round == "graph" or emulated else 0
         self.generation = rt.generation
 
-    def run(self):
-        """One round (the RoundOutput); the contexts then take its draft and one random token."""
-        out = self.rt.run_round(self.slots, *token_table(self.contexts))
+    def run(self, max_tokens: int | None = None):
+        """One round (the RoundOutput), its drafts cut to max_tokens (None: whole); the contexts
+        then take its draft and one random token."""
+        out = self.rt.run_round(self.slots, *token_table(self.contexts), max_tokens=max_tokens)
         for b in range(len(self.contexts)):
             self.contexts[b] += out.drafts[b, :out.draft_lens[b]].tolist() + [int(self.rng.integers(3, self.V))]
         return out
@@ -652,6 +659,58 @@ def pool_fill_section(model: DraftModel, plan: Plan, mode: str) -> dict:
     print(f"  pool fill ({mode}, 1 + {rows} rows): lookups after the round {res['after_ms']:.3f} ms/step, "
           f"queued ahead of it {res['queued_ms']:.3f} ms/step ({res['queued_over_after']:.2f}x)", flush=True)
     return res
+
+
+def cut_round_section(model: DraftModel, plan: Plan, modes: list[str], budget: Budget, skipped: dict) -> list[dict]:
+    """The back-off's shorter drafts timed against what its plans charge for them. A plan prices
+    a round cut to s draft tokens as cost_model.round_forwards(F, s, chain_below, stop_below)
+    forwards at a whole round's price per forward (speculation_plan; the pool fill's modeled
+    load): a fixed-shape round runs its F whatever the cut, one that exits early (the graph
+    round with conditional nodes) F s / gamma, the host loop a chain of s below gamma (narrower
+    forwards: its measured share is below its forwards' share). Per mode, one request at
+    W = G = 4: whole rounds and rounds cut to s = 1 .. gamma - 1 in turn; per s, ms per round
+    and forwards (medians), the measured share of a whole round's ms and the modeled share
+    f(s) / F. With random weights a phrase is never accepted, so a forward adds about one
+    token: F is gamma, and an early-exit round cut to s should run s forwards; what a GPU
+    answers is whether its time follows them (a conditional node not taken costs nothing)."""
+    window, guesses = ROUND_SETTINGS["phrases W=G=4"]
+    out = []
+    for mode in modes:
+        if budget.spent():
+            skipped[f"cut_rounds/{mode}"] = budget.reason()
+            continue
+        cuts = copy.copy(plan)  # every s gets the plan's rounds: the runner's cache is sized for all
+        cuts.timed_rounds = GAMMA * (plan.warmup_rounds + plan.timed_rounds) - plan.warmup_rounds
+        runner = RoundRunner(model, window, guesses, 1, mode, cuts, seed=41)
+        rt = runner.rt
+        room = rt.s.draft_room
+        order = [None] + list(range(1, room))  # None: whole
+        sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        ms, fwd = {s: [] for s in order}, {s: [] for s in order}
+        for r in range(len(order) * (plan.warmup_rounds + plan.timed_rounds)):
+            s = order[r % len(order)]
+            sync()
+            t0 = time.perf_counter()
+            o = runner.run(s)
+            sync()
+            if r >= len(order) * plan.warmup_rounds:
+                ms[s].append(1000 * (time.perf_counter() - t0))
+                fwd[s].append(int(o.forwards))
+        whole_ms, F = median(ms[None]), median(fwd[None])
+        res = {"mode": mode, "requests": 1, "window": window, "guesses": guesses, "whole_ms": whole_ms,
+               "whole_forwards": F, "chain_below": rt.chain_below, "stop_below": rt.stop_below,
+               "early_exit": rt.device_round is not None and rt.device_round.early_exit, "cuts": []}
+        for s in order[1:]:
+            f = float(round_forwards(F, s, rt.chain_below, rt.stop_below))
+            res["cuts"].append({"s": s, "ms": median(ms[s]), "forwards": median(fwd[s]), "modeled_forwards": f,
+                                "measured_share": median(ms[s]) / whole_ms, "modeled_share": f / F})
+        out.append(res)
+        print(f"  cut rounds ({mode}, 1 request, W=G=4): whole {whole_ms:.3f} ms, {F:g} forwards; " + "; ".join(
+            f"s={c['s']} {c['ms']:.3f} ms, {c['forwards']:g} forwards (modeled {c['modeled_forwards']:g}), "
+            f"share {c['measured_share']:.2f} (modeled {c['modeled_share']:.2f})" for c in res["cuts"]), flush=True)
+        del runner, rt
+        gc.collect()
+    return out
 
 
 def profile_section(model: DraftModel, plan: Plan, cases: list[tuple[str, str]], budget: Budget,
@@ -1185,7 +1244,7 @@ def markdown(res: dict) -> str:
                   f"{'passed' if c['passed'] else 'FAILED: ' + c['reason']} | {c['seconds']:.1f} |"
                   for c in checks]
     lines += _md_curves(res) + _md_rounds(res) + _md_target_step(res.get("target_step"))
-    lines += _md_inserts(res.get("inserts")) + _md_pool_fill(res.get("pool_fill"))
+    lines += _md_inserts(res.get("inserts")) + _md_pool_fill(res.get("pool_fill")) + _md_cut_rounds(res.get("cut_rounds"))
     lines += _md_kernel(res.get("kernel")) + _md_kernel_tiles(res.get("kernel_tiles"))
     lines += _md_profile(res.get("profile")) + _md_modeled(res.get("modeled"))
     lines += _md_fusion_choice(res.get("fusion_choice")) + _md_prefill(res.get("prefill"))
@@ -1264,6 +1323,19 @@ def _md_pool_fill(p: dict | None) -> list[str]:
             f"| after the round's read (a second wait) | {_ms(p['after_ms'])} |",
             f"| queued ahead of the round (`queue_pool_drafts`) | {_ms(p['queued_ms'])} |",
             f"| queued / after | {p['queued_over_after']:.2f}x |"]
+
+
+def _md_cut_rounds(rounds: list | None) -> list[str]:
+    lines = []
+    for r in rounds or []:
+        lines += ["", f"## Rounds cut short ({r['mode']}, 1 request, W=G={r['window']}; whole: "
+                      f"{_ms(r['whole_ms'])} ms, {r['whole_forwards']:g} forwards; the plan's price: "
+                      "`cost_model.round_forwards`)", "",
+                  "| draft tokens s | ms per round | forwards | modeled forwards | share of a whole round | "
+                  "modeled share |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c['s']} | {_ms(c['ms'])} | {c['forwards']:g} | {c['modeled_forwards']:g} | "
+                  f"{c['measured_share']:.2f} | {c['modeled_share']:.2f} |" for c in r["cuts"]]
+    return lines
 
 
 def _md_profile(prof: dict | None) -> list[str]:
@@ -1379,7 +1451,7 @@ def parse_args() -> argparse.Namespace:
                     help="default bfloat16 (--tiny: float32)")
     ap.add_argument("--skip", nargs="*", default=[],
                     choices=["target", "rounds", "kernel", "tiles", "graph", "inserts", "fused", "profile",
-                             "prefill", "pool_fill"],
+                             "prefill", "pool_fill", "cut_rounds"],
                     help="sections to leave out (graph: no CUDA-graph timings; fused: no graph rounds "
                          "through the fused layer kernels, DraftModel.fused_ops, which run on CUDA; tiles: "
                          "no tile sweep where the kernel table misses 1.25x)")
@@ -1459,7 +1531,7 @@ def main() -> int:
     if not cuda:
         torch.set_num_threads(1)  # tiny tensors: thread wake-ups cost more than the work (tests/conftest.py)
     res = {**environment(device, dtype, args.tiny), "models": {}, "curves": {}, "rounds": [], "target_step": None,
-           "inserts": None, "pool_fill": None, "kernel": None, "kernel_tiles": None, "profile": None,
+           "inserts": None, "pool_fill": None, "cut_rounds": None, "kernel": None, "kernel_tiles": None, "profile": None,
            "modeled": None, "skipped": {}, "errors": {}}
     print(f"# {res['device']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}"
           f"{', --tiny' if args.tiny else ''}", flush=True)
@@ -1631,6 +1703,15 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         skipped["pool_fill"] = budget.reason()
     else:
         res["pool_fill"] = section("pool_fill", lambda: pool_fill_section(draft, plan, graph_mode if graphs else "device"))
+        checkpoint()
+    if "cut_rounds" in args.skip:
+        skipped["cut_rounds"] = "skipped: --skip cut_rounds"
+    elif budget.spent():
+        skipped["cut_rounds"] = budget.reason()
+    else:
+        # The round that serves; on a CPU every kind, the graph round's early exit emulated.
+        cut_modes = [graph_mode] if graphs else ["host", "device"] + ([GRAPH_EMULATED] if device.type != "cuda" else [])
+        res["cut_rounds"] = section("cut_rounds", lambda: cut_round_section(draft, plan, cut_modes, budget, skipped))
         checkpoint()
     del draft
     gc.collect()

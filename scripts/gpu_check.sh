@@ -122,7 +122,7 @@ if [[ $PART == bench || $PART == all ]]; then
     timed bench $(( budget + 45 < $(left) ? budget + 45 : $(left) )) "$OUT/bench.log" python \
         scripts/bench_gpu.py "${extra[@]}" --budget-s "$budget" --json "$OUT/bench_gpu.json" \
         --md "$OUT/bench_gpu.md"
-    { echo "== bench acceptance"; grep -E "PASS|FAIL|NOT MEASURED|INCOMPLETE|^\[errors\]|^\[kernel tiles\]|^\[profile\] |^\[fusion_choice\] |^  prefill |^  split rules|^  pool fill " "$OUT/bench.log"; } \
+    { echo "== bench acceptance"; grep -E "PASS|FAIL|NOT MEASURED|INCOMPLETE|^\[errors\]|^\[kernel tiles\]|^\[profile\] |^\[fusion_choice\] |^  prefill |^  split rules|^  pool fill |^  cut rounds " "$OUT/bench.log"; } \
         >> "$SUMMARY" 2>/dev/null
 fi
 

@@ -43,7 +43,8 @@ def test_tiny_run_exits_0_and_writes_both_files(tiny_run):
     assert result["tiny"] and result["torch"] == torch.__version__ and "--tiny" in result["command"]
     assert md.exists() and "## Acceptance" in md.read_text()
     # Seconds per section, to plan a lent GPU's minutes.
-    assert {"curves/draft", "curves/target", "rounds", "target_step", "inserts", "pool_fill"} <= set(result["section_s"])
+    assert {"curves/draft", "curves/target", "rounds", "target_step", "inserts", "pool_fill",
+            "cut_rounds"} <= set(result["section_s"])
     assert all(t > 0 for t in result["section_s"].values())
 
 
@@ -105,6 +106,36 @@ def test_pool_fill_step_is_timed_both_ways(tiny_run):
     assert p["rounds_each"] == {"after": plan.timed_rounds, "queued": plan.timed_rounds}
     assert p["mode"] == ("graph+fused" if CUDA else "device")
     assert "A pool-filled step" in md.read_text()
+
+
+def test_cut_rounds_run_the_forwards_their_price_counts(tiny_run):
+    """Rounds cut to s < gamma draft tokens against cost_model.round_forwards, the rule the
+    back-off's plans price them by: the host loop drafts a chain of s forwards, a fixed-shape
+    device round runs its whole F, and one that exits early (emulated here, conditional nodes
+    on CUDA) F s / gamma, s with random weights (a forward adds one token). On CUDA the
+    graph round that serves; what it costs per cut is the GPU's answer, not checked here."""
+    _, result, md, output = tiny_run
+    rounds = {r["mode"]: r for r in result["cut_rounds"]}
+    assert set(rounds) == ({"graph+fused"} if CUDA else {"host", "device", bench_gpu.GRAPH_EMULATED})
+    for mode, r in rounds.items():
+        assert [c["s"] for c in r["cuts"]] == list(range(1, bench_gpu.GAMMA)), mode
+        assert r["whole_ms"] > 0 and all(c["ms"] > 0 for c in r["cuts"]), mode
+        for c in r["cuts"]:
+            assert 1 <= c["forwards"] <= r["whole_forwards"] and 1 <= c["modeled_forwards"] <= r["whole_forwards"]
+            assert c["modeled_share"] == pytest.approx(c["modeled_forwards"] / r["whole_forwards"])
+    if not CUDA:  # the tiny draft's rounds (seeded): no guess is accepted, a forward adds one token
+        for mode, r in rounds.items():
+            assert r["whole_forwards"] == bench_gpu.GAMMA, mode
+            assert all(c["forwards"] == c["modeled_forwards"] for c in r["cuts"]), mode
+        assert rounds["host"]["chain_below"] == bench_gpu.GAMMA and rounds["host"]["stop_below"] is None
+        assert all(c["forwards"] == c["s"] for c in rounds["host"]["cuts"])
+        assert rounds["device"]["stop_below"] is None and not rounds["device"]["early_exit"]
+        assert all(c["forwards"] == bench_gpu.GAMMA for c in rounds["device"]["cuts"])
+        early = rounds[bench_gpu.GRAPH_EMULATED]
+        assert early["early_exit"] and early["stop_below"] == bench_gpu.GAMMA
+        assert all(c["forwards"] == c["s"] for c in early["cuts"])
+    assert output.count("  cut rounds (") == len(rounds)
+    assert md.read_text().count("## Rounds cut short") == len(rounds)
 
 
 def test_target_step_is_timed_and_charged_to_the_model(tiny_run):

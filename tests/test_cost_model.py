@@ -1032,7 +1032,7 @@ def test_an_early_exit_round_cut_short_costs_its_share_of_forwards():
     p.runtime.device_round.early_exit = True
     assert p.runtime.stop_below == 4 and p.runtime.chain_below is None
     p._draft_forwards[:2] = 4.0
-    assert p._model_load(np.arange(2), 2).seconds == pytest.approx(2 * float(CPU(2 * 2)))
+    assert p._model_load(np.arange(2), np.full(2, 100), 2).seconds == pytest.approx(2 * float(CPU(2 * 2)))
 
 
 def test_pool_fill_plans_beside_the_model_rounds_modeled_cost():
@@ -1043,18 +1043,39 @@ def test_pool_fill_plans_beside_the_model_rounds_modeled_cost():
     p = _proposer()
     p.runtime.W, p.runtime.G = 2, 2
     p._draft_scale[:] = (0.5, 0.8)
-    slots = np.arange(3)
-    whole = p._model_load(slots, 12)
+    slots, lens = np.arange(3), np.full(3, 100)  # contexts the draft cache holds: no catch-up
+    whole = p._model_load(slots, lens, 12)
     n_d = cost_model.draft_row_tokens(2, 2, 4)
     assert whole.seconds == pytest.approx(4.3 * 0.5 * float(CPU(3 * n_d)))
     assert whole.target_tokens == pytest.approx(3 + p._model_est.sent[slots].sum())
     assert whole.output_tokens == pytest.approx(3 + p._model_est.accepted[slots].sum())
-    chain = p._model_load(slots, 2)  # below draft_room (4): a 2-token chain
+    chain = p._model_load(slots, lens, 2)  # below draft_room (4): a 2-token chain
     assert chain.seconds == pytest.approx(2 * 0.8 * float(CPU(3 * cost_model.draft_row_tokens(0, 0, 4))))
     assert chain.output_tokens == pytest.approx(3 + p._model_est.accepted[slots, :2].sum())
-    assert p._model_load(slots[:0], 12) == cost_model.StepLoad()
+    assert p._model_load(slots[:0], lens[:0], 12) == cost_model.StepLoad()
     p.cost = None  # no curves: no seconds to weigh (the pool fill then takes every row)
-    assert p._model_load(slots, 12).seconds == 0.0
+    assert p._model_load(slots, lens, 12).seconds == 0.0
+
+
+def test_the_model_rows_catch_up_counts_in_the_pool_fills_load():
+    """A model row whose draft cache lacks a stretch prefills it before the round; the back-off
+    charged its plan the share E(s) / r of that prefill (the tokens the request has left), and
+    the pool fill's load carries the same share beside the round's forwards. Rows the cache
+    holds add nothing; a short stretch (the round's first forward takes it) neither."""
+    p = _proposer()
+    slots = np.arange(3)
+    base = p._model_load(slots, np.full(3, 100), 12)
+    p._len_limit[:] = 400
+    # Row 1's context is 300 tokens, 200 of them uncached; rows 0 and 2 are cached.
+    lens = np.array([100, 300, 100])
+    load = p._model_load(slots, lens, 12)
+    share = (1 + p._model_est.accepted[1].sum()) / (400 - 300)  # E(12) / tokens left
+    assert load.seconds == pytest.approx(base.seconds + share * float(CPU(200)))
+    assert (load.target_tokens, load.output_tokens) == (base.target_tokens, base.output_tokens)
+    cut = p._model_load(slots, lens, 2)  # a 2-token chain: E(2), and the chain's forwards
+    share2 = (1 + p._model_est.accepted[1, :2].sum()) / 100
+    assert cut.seconds == pytest.approx(p._model_load(slots, np.full(3, 100), 2).seconds + share2 * float(CPU(200)))
+    assert p._model_load(slots, np.array([100, 110, 100]), 12).seconds == pytest.approx(base.seconds)
 
 
 def test_a_step_the_pool_drafts_in_pays_its_lookups():

@@ -462,6 +462,20 @@ class CatchUp:
         apart = pick(np.where(u > 0, prefill.at(np.maximum(u, 1)), 0.0)[:, None] * share)
         return np.where(rows > 0, self.scale * np.minimum(together, apart), 0.0)
 
+    def step_seconds(self, prefill: CostCurve, s: int) -> float:
+        """seconds() of a step that drafts for all B rows at drafts of s tokens (1..S): what
+        their catch-up adds to it as the plan that chose them charged it."""
+        share = np.asarray(self.share, float)
+        S = share.shape[1] if share.ndim == 2 else 1
+        B = len(np.asarray(self.tokens))
+
+        def sort(x):
+            x = np.asarray(x, float)
+            return np.broadcast_to(x[:, None] if x.ndim == 1 else x, (B, S))
+
+        pick = lambda x: np.concatenate([np.zeros((1, S)), np.cumsum(sort(x), 0)])  # noqa: E731
+        return float(self.seconds(prefill, pick, sort)[B, min(s, S) - 1])
+
 
 def prefill_groups(counts: np.ndarray, prefill: CostCurve | None) -> list[np.ndarray]:
     """The rows of each forward of one prefill pass: counts [R] (tokens each row prefills) ->

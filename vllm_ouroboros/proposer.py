@@ -742,7 +742,7 @@ class OuroborosProposer:
                 # the rows the model drafts. Planned before the round, at its modeled cost, so
                 # that the pool's lookups queue ahead of it and come back with its one read.
                 idle = np.nonzero(~by_model)[0]
-                plan = self._pool_plan(slots[idle], self._model_load(slots[by_model], cut_model))
+                plan = self._pool_plan(slots[idle], self._model_load(slots[by_model], lens_ctx[by_model], cut_model))
                 by_pool[idle[plan.rows]] = True
                 cut_pool = plan.max_tokens
         pending, t_pool = None, 0.0
@@ -922,11 +922,13 @@ class OuroborosProposer:
         self._calibrate_draft(out, cut, t_draft)
         return by_model, out, t_draft
 
-    def _model_load(self, slots: np.ndarray, cut: int) -> cost_model.StepLoad:
-        """What the draft model's rows (by slot, [R]) bring to this step, by their estimates at
-        drafts of `cut` tokens: target tokens, output tokens, and their round's seconds as the
-        back-off's plan models them (F forwards x its measured scale x t_draft(rows x row
-        tokens); the catch-up's prefills left out)."""
+    def _model_load(self, slots: np.ndarray, lens: np.ndarray, cut: int) -> cost_model.StepLoad:
+        """What the draft model's rows (by slot, [R]; context lengths lens [R]) bring to this
+        step, by their estimates at drafts of `cut` tokens: target tokens, output tokens, and
+        their round's seconds as the back-off's plan models them (F forwards x its measured
+        scale x t_draft(rows x row tokens), and the catch-up's prefills at the share the plan
+        charged them: a step whose model rows prefill is dearer, and the pool's tokens count
+        for less beside it)."""
         if len(slots) == 0:
             return cost_model.StepLoad()
         est, rt = self._model_est, self.runtime
@@ -936,6 +938,9 @@ class OuroborosProposer:
             F = float(cost_model.round_forwards(self._draft_forwards[slots], cut, rt.chain_below,
                                                 rt.stop_below).mean())
             seconds = F * float(self._draft_scale[int(chain)]) * float(self.cost(len(slots) * n_d))
+            catch_up = self._catch_up(slots, lens, est.accepted[slots])
+            if (catch_up.tokens > 0).any():
+                seconds += catch_up.step_seconds(self.cost if self.prefill_cost is None else self.prefill_cost, cut)
         return cost_model.StepLoad(len(slots) + float(est.sent[slots, :cut].sum()),
                                    len(slots) + float(est.accepted[slots, :cut].sum()), seconds)
 

@@ -221,9 +221,11 @@ class OuroborosProposer:
 
     # ---- set-up ------------------------------------------------------------------------------
     def load_model(self, target_model=None) -> None:
-        """Load the draft and allocate its KV and the pool (inside vLLM's memory profiling).
-        A TP rank other than the first loads nothing: it only joins the collectives of the
-        target's cost curve."""
+        """Load the draft and allocate its KV and the pool (inside vLLM's memory profiling):
+        the draft model and its cache, the cost curves, the drafting mode, the pool, the
+        runtime and its graphs, in that order (each step reads the ones before). A TP rank
+        other than the first loads nothing: it only joins the collectives of the target's cost
+        curve."""
         cfg = self.cfg
         if not self._tp.leads:
             if target_model is not None and cfg.target_cost_ms is None:
@@ -233,6 +235,41 @@ class OuroborosProposer:
             logger.info("ouroboros: TP rank %d of %d takes the first rank's drafts (no draft "
                         "model loaded here)", self._tp.rank, self._tp.size)
             return
+        draft_round = resolved_draft_round(cfg, self.device.type)
+        # With graphs, slots for every batch captured below: a block table or page store that
+        # grows drops the graphs (they hold its address), so the 17th request, or the pages of
+        # 16 requests of draft_initial_len tokens, would otherwise cost a recapture.
+        init_slots = min(self.max_slots, CAPTURED_BATCH if draft_round == "graph" else 16)
+        init_len = min(self.max_model_len, cfg.draft_initial_len)
+        limit = None if cfg.draft_cache_max_mb is None else int(cfg.draft_cache_max_mb * 2**20)
+        model = self._load_draft(draft_round, init_slots, init_len, limit)
+        self._measure_curves(model, target_model, draft_round, init_len)
+        use_lookahead, use_guesses = self._choose_mode()
+        self.pool = self._make_pool(model.vocab_size)
+        self._make_runtime(model, draft_round, init_slots, init_len, use_lookahead, use_guesses)
+        if self.device.type == "cuda":
+            worst = model.cache_bytes(self.max_slots * self.runtime.max_slot_len)
+            warning = cache_growth_warning(
+                worst if limit is None else min(worst, limit), model.kv.bytes,
+                (1 - self.vllm_config.cache_config.gpu_memory_utilization)
+                * torch.cuda.get_device_properties(self.device).total_memory,
+                self.max_slots, self.runtime.max_slot_len)
+            if warning:
+                logger.warning("ouroboros: %s", warning)
+        if cfg.pool_save_path:
+            atexit.register(self.save_pool)
+        logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
+                    "(%d pages of %d tokens shared by the requests; grows on demand%s)",
+                    cfg.draft_model, model.dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
+                    model.kv.num_pages, model.kv.page_size,
+                    "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
+
+    def _load_draft(self, draft_round: str, init_slots: int, init_len: int, limit: int | None) -> DraftModel:
+        """The draft model with its options (fused layers, norm-in-product, the CPU's oneDNN
+        products), a paged cache for init_slots requests of init_len tokens (at most `limit`
+        bytes, None: unbounded), its attention kernel checked and, on CUDA, its fusions chosen
+        by timing (self.fusions)."""
+        cfg = self.cfg
         if cfg.draft_dtype == "auto":
             dtype = self.vllm_config.model_config.dtype
         else:
@@ -251,13 +288,6 @@ class OuroborosProposer:
             factory = onednn_gemm_factory(dtype=model.dtype)
             if factory is not None:
                 model.use_gemm(factory)
-        draft_round = resolved_draft_round(cfg, self.device.type)
-        # With graphs, slots for every batch captured below: a block table or page store that
-        # grows drops the graphs (they hold its address), so the 17th request, or the pages of
-        # 16 requests of draft_initial_len tokens, would otherwise cost a recapture.
-        init_slots = min(self.max_slots, CAPTURED_BATCH if draft_round == "graph" else 16)
-        init_len = min(self.max_model_len, cfg.draft_initial_len)
-        limit = None if cfg.draft_cache_max_mb is None else int(cfg.draft_cache_max_mb * 2**20)
         tokens = initial_cache_tokens(model.cache_bytes(PAGE_SIZE), init_slots * init_len, limit)
         # Pages shared by the requests: one long request takes more of them, not every slot.
         model.allocate_cache(init_slots + 1, init_len, num_tokens=tokens, limit_bytes=limit)
@@ -268,6 +298,14 @@ class OuroborosProposer:
                            "the draft's attention uses torch SDPA: %s", reason)
         if self.device.type == "cuda":
             self.fusions = self._choose_fusions(model, draft_round, init_len)
+        return model
+
+    def _measure_curves(self, model: DraftModel, target_model, draft_round: str, init_len: int) -> None:
+        """The cost curves the back-off and the mode choice read: the draft's t(n) (timed as
+        the round will run it, or as configured), its prefill's, and the target's (configured,
+        timed on target_model, or the draft's scaled by the size ratio), with the step overhead
+        and the target's calibration beside it."""
+        cfg = self.cfg
         if cfg.draft_cost_ms is not None:
             self.cost = cost_model.curve_from_ms(cost_points(cfg.draft_cost_ms))
         else:  # timed as the round will run it: replayed from CUDA graphs in graph mode
@@ -294,6 +332,13 @@ class OuroborosProposer:
             self._overhead = cost_model.StepOverhead(self.target_cost)
             self._target_calibration = cost_model.CurveCalibration(self.target_cost)
             self.target_clock = ForwardClock(self.device)
+
+    def _choose_mode(self) -> tuple[bool, bool]:
+        """The drafting mode at load from the curves (cost_model.choose_drafting_mode; pinned
+        options kept), and its review while serving where nothing is pinned. Returns the
+        runtime's (use_lookahead, use_guesses): the draft model's best mode, also where the
+        pool mode was chosen (the review may switch to the draft model)."""
+        cfg = self.cfg
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
                                                cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len)
@@ -330,18 +375,32 @@ class OuroborosProposer:
             logger.info("ouroboros: the drafting mode is reviewed every %d drafting steps from what the "
                         "engine measures, between %s and the pool alone (mode_review.py)",
                         cfg.mode_review_steps, drafted.name)
+        return use_lookahead, use_guesses
+
+    def _make_pool(self, vocab_size: int) -> PhrasePool:
+        """The phrase pool: loaded from pool_load_path, else empty, under pool_budget_mb."""
+        cfg = self.cfg
         budget = int(cfg.pool_budget_mb * 2**20)
         if cfg.pool_load_path:
-            self.pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
-                                        shared=cfg.warm_start, phrases_per_key=cfg.window_size)
+            pool = PhrasePool.load(cfg.pool_load_path, device=self.device, budget_bytes=budget,
+                                   shared=cfg.warm_start, phrases_per_key=cfg.window_size)
             logger.info("ouroboros: loaded phrase pool from %s", cfg.pool_load_path)
         else:
-            self.pool = PhrasePool(model.vocab_size, cfg.phrase_len, cfg.window_size, budget,
-                                   device=self.device, shared=cfg.warm_start)
+            pool = PhrasePool(vocab_size, cfg.phrase_len, cfg.window_size, budget,
+                              device=self.device, shared=cfg.warm_start)
         logger.info("ouroboros: phrase pool inserts and lookups through %s and %s", *(
             "Triton kernels" if b == "triton" else
-            f"torch ({self.pool.backend_reasons.get(op, 'its kernels serve CUDA only')})"
-            for op, b in (("insert", self.pool.insert_backend), ("lookup", self.pool.lookup_backend))))
+            f"torch ({pool.backend_reasons.get(op, 'its kernels serve CUDA only')})"
+            for op, b in (("insert", pool.insert_backend), ("lookup", pool.lookup_backend))))
+        return pool
+
+    def _make_runtime(self, model: DraftModel, draft_round: str, init_slots: int, init_len: int,
+                      use_lookahead: bool, use_guesses: bool) -> None:
+        """The drafting runtime (with the acceptance head where the draft length is adaptive),
+        its round's and prefill's CUDA graphs in graph mode (captured now, while vLLM profiles
+        memory), the pool writer, and the online choice of forwards per round where the round
+        runs a fixed F."""
+        cfg = self.cfg
         head, threshold = None, 0.5
         if cfg.draft_length == "adaptive":
             loaded = load_head(cfg.acceptance_head, cfg.draft_model, self.device)
@@ -402,22 +461,6 @@ class OuroborosProposer:
                     " (early exit: CUDA graph conditional nodes)" if dr is not None and dr.early_exit
                     else "" if self._round_length is None else
                     f" (forwards per round chosen online, 1..{self._round_length.max_forwards})")
-        if self.device.type == "cuda":
-            worst = model.cache_bytes(self.max_slots * self.runtime.max_slot_len)
-            warning = cache_growth_warning(
-                worst if limit is None else min(worst, limit), model.kv.bytes,
-                (1 - self.vllm_config.cache_config.gpu_memory_utilization)
-                * torch.cuda.get_device_properties(self.device).total_memory,
-                self.max_slots, self.runtime.max_slot_len)
-            if warning:
-                logger.warning("ouroboros: %s", warning)
-        if cfg.pool_save_path:
-            atexit.register(self.save_pool)
-        logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
-                    "(%d pages of %d tokens shared by the requests; grows on demand%s)",
-                    cfg.draft_model, dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
-                    model.kv.num_pages, model.kv.page_size,
-                    "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
 
     @property
     def _may_draft(self) -> bool:

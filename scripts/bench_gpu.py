@@ -1458,7 +1458,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float,
                     help="stop measuring after this many seconds: what is left is skipped with that "
                          "reason (sections run most needed first: curves, the rounds the issue's "
-                         "targets read, the kernel, the inserts); the files are written after every "
+                         "targets read, the kernel, the pool fill and cut rounds, the profile, the other rounds, the "
+                         "prefill, the inserts); the files are written after every "
                          "section, so a run killed later still leaves what it measured")
     ap.add_argument("--kernel-batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--kernel-prefix", type=int, nargs="+", default=[512, 2048, 8192])
@@ -1564,7 +1565,8 @@ def save(args, res: dict, budget: Budget) -> None:
 
 def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dict, budget: Budget) -> None:
     """The sections into `res`, what the issue's targets read first (curves, the rounds the
-    targets name, our step's work, the kernel, then the other rounds and the inserts), each
+    targets name, our step's work, the kernel, the pool fill and the cut rounds, then the
+    profile, the other rounds, the prefill and the inserts), each
     one's failure recorded in res["errors"], its skip's reason in res["skipped"], its seconds
     in res["section_s"] (to plan a lent GPU's minutes), the files written after each (save)."""
     skipped, errors = res["skipped"], res["errors"]
@@ -1678,6 +1680,24 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
             section("profile", lambda: profile_section(draft, plan, cases, budget, skipped, res["profile"]))
             checkpoint()
 
+    # Cheap (seconds on the H200), and what the back-off's GPU pricing rests on: before the
+    # profile, the tile sweep and the other rounds, which a budget cuts first.
+    if "pool_fill" in args.skip:
+        skipped["pool_fill"] = "skipped: --skip pool_fill"
+    elif budget.spent():
+        skipped["pool_fill"] = budget.reason()
+    else:
+        res["pool_fill"] = section("pool_fill", lambda: pool_fill_section(draft, plan, graph_mode if graphs else "device"))
+        checkpoint()
+    if "cut_rounds" in args.skip:
+        skipped["cut_rounds"] = "skipped: --skip cut_rounds"
+    elif budget.spent():
+        skipped["cut_rounds"] = budget.reason()
+    else:
+        # The round that serves; on a CPU every kind, the graph round's early exit emulated.
+        cut_modes = [graph_mode] if graphs else ["host", "device"] + ([GRAPH_EMULATED] if device.type != "cuda" else [])
+        res["cut_rounds"] = section("cut_rounds", lambda: cut_round_section(draft, plan, cut_modes, budget, skipped))
+        checkpoint()
     profile(profiles[0])
     tiles()
     profile(profiles[1])
@@ -1696,22 +1716,6 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         skipped["inserts"] = budget.reason()
     else:
         res["inserts"] = section("inserts", lambda: insert_section(draft.vocab_size, plan, device, graphs))
-        checkpoint()
-    if "pool_fill" in args.skip:
-        skipped["pool_fill"] = "skipped: --skip pool_fill"
-    elif budget.spent():
-        skipped["pool_fill"] = budget.reason()
-    else:
-        res["pool_fill"] = section("pool_fill", lambda: pool_fill_section(draft, plan, graph_mode if graphs else "device"))
-        checkpoint()
-    if "cut_rounds" in args.skip:
-        skipped["cut_rounds"] = "skipped: --skip cut_rounds"
-    elif budget.spent():
-        skipped["cut_rounds"] = budget.reason()
-    else:
-        # The round that serves; on a CPU every kind, the graph round's early exit emulated.
-        cut_modes = [graph_mode] if graphs else ["host", "device"] + ([GRAPH_EMULATED] if device.type != "cuda" else [])
-        res["cut_rounds"] = section("cut_rounds", lambda: cut_round_section(draft, plan, cut_modes, budget, skipped))
         checkpoint()
     del draft
     gc.collect()

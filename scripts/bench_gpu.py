@@ -1582,6 +1582,17 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
         res["section_s"][name] = res["section_s"].get(name, 0.0) + time.perf_counter() - t0
         return out
 
+    def optional(name: str, fn: Callable[[], object]) -> None:
+        """Section `name` into res[name] and a checkpoint, unless --skip names it or the budget
+        is spent (the reason in `skipped`)."""
+        if name in args.skip:
+            skipped[name] = f"skipped: --skip {name}"
+        elif budget.spent():
+            skipped[name] = budget.reason()
+        else:
+            res[name] = section(name, fn)
+            checkpoint()
+
     graphs = device.type == "cuda" and "graph" not in args.skip
     if not graphs:
         skipped["graph"] = "skipped: no CUDA" if device.type != "cuda" else "skipped: --skip graph"
@@ -1682,22 +1693,10 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
 
     # Cheap (seconds on the H200), and what the back-off's GPU pricing rests on: before the
     # profile, the tile sweep and the other rounds, which a budget cuts first.
-    if "pool_fill" in args.skip:
-        skipped["pool_fill"] = "skipped: --skip pool_fill"
-    elif budget.spent():
-        skipped["pool_fill"] = budget.reason()
-    else:
-        res["pool_fill"] = section("pool_fill", lambda: pool_fill_section(draft, plan, graph_mode if graphs else "device"))
-        checkpoint()
-    if "cut_rounds" in args.skip:
-        skipped["cut_rounds"] = "skipped: --skip cut_rounds"
-    elif budget.spent():
-        skipped["cut_rounds"] = budget.reason()
-    else:
-        # The round that serves; on a CPU every kind, the graph round's early exit emulated.
-        cut_modes = [graph_mode] if graphs else ["host", "device"] + ([GRAPH_EMULATED] if device.type != "cuda" else [])
-        res["cut_rounds"] = section("cut_rounds", lambda: cut_round_section(draft, plan, cut_modes, budget, skipped))
-        checkpoint()
+    optional("pool_fill", lambda: pool_fill_section(draft, plan, graph_mode if graphs else "device"))
+    # The round that serves; on a CPU every kind, the graph round's early exit emulated.
+    cut_modes = [graph_mode] if graphs else ["host", "device"] + ([GRAPH_EMULATED] if device.type != "cuda" else [])
+    optional("cut_rounds", lambda: cut_round_section(draft, plan, cut_modes, budget, skipped))
     profile(profiles[0])
     tiles()
     profile(profiles[1])
@@ -1710,13 +1709,7 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
                 else "skipped: --skip graph"
         res["prefill"] = section("prefill", lambda: prefill_section(draft, plan, graphs, budget, skipped))
         checkpoint()
-    if "inserts" in args.skip:
-        skipped["inserts"] = "skipped: --skip inserts"
-    elif budget.spent():
-        skipped["inserts"] = budget.reason()
-    else:
-        res["inserts"] = section("inserts", lambda: insert_section(draft.vocab_size, plan, device, graphs))
-        checkpoint()
+    optional("inserts", lambda: insert_section(draft.vocab_size, plan, device, graphs))
     del draft
     gc.collect()
 

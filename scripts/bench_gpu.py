@@ -623,8 +623,6 @@ def pool_fill_section(model: DraftModel, plan: Plan, mode: str) -> dict:
     ran them before) or queued ahead of the round ("queued": pool_draft.queue_pool_drafts, read
     after the round's own read). The two forms alternate round by round on one runner (double
     the rounds' count: its cache is sized for them)."""
-    import copy
-
     from vllm_ouroboros.pool_draft import draft_from_pool, queue_pool_drafts
 
     twice = copy.copy(plan)

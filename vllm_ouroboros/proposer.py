@@ -970,8 +970,8 @@ class OuroborosProposer:
         step, by their estimates at drafts of `cut` tokens: target tokens, output tokens, and
         their round's seconds as the back-off's plan models them (F forwards x its measured
         scale x t_draft(rows x row tokens), and the catch-up's prefills at the share the plan
-        charged them: a step whose model rows prefill is dearer, and the pool's tokens count
-        for less beside it)."""
+        charged them: a step whose model rows prefill is dearer, and the fill weighs its rows
+        against that step)."""
         if len(slots) == 0:
             return cost_model.StepLoad()
         est, rt = self._model_est, self.runtime

@@ -6,9 +6,10 @@ sent, the calibration ratios (prefill; whole and chain rounds), and the target's
 the call as the engine timed it (tokens, seconds) beside the curve measured at load. Then the same batch without
 speculation, and the two wall times; configs alternate --reps times (this host drifts 20-30%).
 
-    source scripts/env.sh && python scripts/step_trace.py --prompts 4 --max-tokens 48 [--temperature 0.7]
+    source scripts/env.sh && python scripts/step_trace.py --prompts 4 --max-tokens 48 [--temperature 0.7] [--workload mtbench]
 
-The first N HumanEval prompts, all submitted together; greedy unless --temperature. What the
+The first N HumanEval prompts (or MT-Bench first turns, in the target's chat template, as
+scripts/benchmark.py sends them), all submitted together; greedy unless --temperature. What the
 back-off decides rests on the cost curves measured at load, which the run logs
 (`ouroboros: target forward t(n) ...`).
 """
@@ -69,17 +70,25 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--reps", type=int, default=1, help="no-spec / ouroboros pairs, alternating")
+    ap.add_argument("--workload", choices=("humaneval", "mtbench"), default="humaneval")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
     log: list[dict] = []
     traced(log)
-    prompts = humaneval_prompts(args.prompts)
+    target = models_dir() / "qwen2.5-coder-1.5b-instruct"
+    if args.workload == "mtbench":
+        from transformers import AutoTokenizer
+
+        from benchmark import mtbench_prompts
+        prompts = mtbench_prompts(args.prompts, AutoTokenizer.from_pretrained(target))
+    else:
+        prompts = humaneval_prompts(args.prompts)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1)
     draft = str(models_dir() / "qwen2.5-coder-0.5b-instruct")
     for rep in range(args.reps):
         for name, spec in (("no-spec", None), ("ouroboros", {"method": "ouroboros", "model": draft})):
-            llm = LLM(model=str(models_dir() / "qwen2.5-coder-1.5b-instruct"), dtype="float32",
+            llm = LLM(model=str(target), dtype="float32",
                       max_model_len=2048, enforce_eager=True, seed=0, max_num_seqs=args.prompts,
                       speculative_config=spec)
             llm.generate(["def warm_up():"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from pool_key_sim import LruPool, match  # noqa: E402
+from pool_key_sim import ContextRankedPool, LruPool, match  # noqa: E402
 
 
 def test_lru_pool_keeps_the_newest_phrases_of_a_key():
@@ -14,6 +14,17 @@ def test_lru_pool_keeps_the_newest_phrases_of_a_key():
     # (1, 2) re-inserted moved to the front, then (5, 6) pushed (3, 4) out
     assert pool.get("k") == [(5, 6), (1, 2)]
     assert pool.get("other") == []
+
+
+def test_context_ranked_pool_puts_phrases_after_the_same_token_first():
+    pool = ContextRankedPool(3)
+    for phrase, before in [((1, 2), "a"), ((3, 4), "b"), ((5, 6), "a"), ((1, 2), "b"), ((7, 8), "c")]:
+        pool.insert("k", phrase, before)
+    # (1, 2) moved to the front with its new context "b"; (3, 4), the oldest, fell out of 3 slots
+    assert pool.get("k", "b", 3) == [(1, 2), (7, 8), (5, 6)]
+    assert pool.get("k", "a", 2) == [(5, 6), (7, 8)]  # the match, then the newest
+    assert pool.get("k", "z", 2) == [(7, 8), (1, 2)]  # no match: newest first
+    assert pool.get("other", "a", 2) == []
 
 
 def test_match_is_the_longest_guessed_prefix():

@@ -14,7 +14,7 @@ from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime
 
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0,) * 8)
-# This repository's CPU machine, the real pair (results/benchmark.md: 0.5B draft, 1.5B target).
+# This repository's CPU machine, the real pair (an early scripts/benchmark.py run: 0.5B draft, 1.5B target).
 CPU = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (0.116, 0.118, 0.232, 0.305, 0.324, 0.468, 0.649, 1.239))
 CPU_TARGET = CostCurve((1, 2, 4, 8, 16, 32, 64, 128),
                        (0.403, 0.434, 0.424, 0.479, 0.573, 0.829, 1.271, 2.257))
@@ -130,7 +130,7 @@ def test_flat_curve_speculates_whole_drafts_where_they_are_accepted():
 
 def test_compute_bound_backs_off_with_load():
     # Real-pair numbers with phrase drafting off: E = 3.75 tokens per target forward, 4.3 draft
-    # forwards per step of ~2 tokens (results/benchmark.md). Measured there: draft_model k = 3
+    # forwards per step of ~2 tokens (an early scripts/benchmark.py run). Measured there: draft_model k = 3
     # gains 1.37x at concurrency 1 and loses at 4 and 16.
     assert _rows(3.75).all()
     assert not _rows([3.75] * 4).any()
@@ -142,7 +142,7 @@ def test_compute_bound_backs_off_with_load():
     assert list(_rows([9.0, 1.0, 9.0, 9.0, 2.0])) == [True, False, True, True, False]
 
 
-# The curves of the c89644f benchmark on this CPU (results/benchmark.md, kept non-decreasing as
+# The curves of the c89644f benchmark on this CPU (results/README.md, its table; kept non-decreasing as
 # the proposer keeps measured ones): vLLM's draft_model at k = 3 gained 1.18x at 4 requests
 # there, where the back-off, choosing between whole 12-token drafts and none, gained 1.04x.
 BENCH_TARGET = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (0.243, 0.279, 0.279, 0.279, 0.307, 0.528, 0.920, 1.667))

@@ -43,8 +43,10 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           the draft's vocabulary: eager vs replayed from a CUDA graph, in torch and (CUDA) through
           the pool's Triton kernels (kernels/pool_insert.py).
   modeled benchmark.py's modeled speedup over no speculation from these curves and the CPU
-          runs' counters (results/drafting_modes.json, results/device_round_counters.json,
-          results/pool_mode.json: the pool mode, no draft forward).
+          runs' counters (results/phrases_40.json: phrase drafting over 40 prompts, first, so
+          the acceptance line reads it; results/drafting_modes.json,
+          results/device_round_counters.json, results/pool_mode.json: the pool mode, no draft
+          forward).
 What the issue's targets read comes first (curves, the rounds they name, the target step, the
 kernel, the profile; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
 with that reason. Then the issue's acceptance lines, PASS / FAIL only
@@ -986,17 +988,23 @@ def kernel_tiles_section(args, device: torch.device, kern: dict, budget: Budget,
 
 def counter_rows(args) -> list[dict]:
     """The CPU runs' counters: a row from the flags, or the ouroboros rows of each --counters
-    file: scripts/generate.py's JSON (results/drafting_modes.json: chain, guesses and phrases
-    through the host loop; results/device_round_counters.json: phrases through the device
-    round), or benchmark.py's (HumanEval, concurrency 1, greedy)."""
+    file: scripts/generate.py's JSON (results/phrases_40.json: phrases through the host loop,
+    40 prompts; results/drafting_modes.json: chain, guesses and phrases, 8 prompts;
+    results/device_round_counters.json: phrases through the device round), or benchmark.py's
+    (HumanEval, concurrency 1, greedy). A config name already taken by an earlier file's row
+    gets the file's stem in brackets."""
     if args.tokens_per_target_forward is not None or args.draft_forwards_per_token is not None:
         if args.tokens_per_target_forward is None or args.draft_forwards_per_token is None:
             raise SystemExit("--tokens-per-target-forward and --draft-forwards-per-token go together")
         return [synthetic_row(args.tokens_per_target_forward, args.draft_forwards_per_token,
                               args.target_tokens_per_forward, args.draft_tokens_per_forward)]
-    out = []
+    out, seen = [], set()
     for path in args.counters:
-        out += file_counter_rows(path)
+        for r in file_counter_rows(path):
+            if r["method"] in seen:  # one config name in two runs: the later says whose it is
+                r["method"] = f"{r['method']} ({Path(path).stem})"
+            seen.add(r["method"])
+            out.append(r)
     return out
 
 
@@ -1466,7 +1474,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kernel-shipped-splits", action="store_true",
                     help="the kernel table with the shipped split thresholds, not measured first")
     ap.add_argument("--counters", type=Path, nargs="+",
-                    default=[REPO / "results" / "drafting_modes.json",
+                    default=[REPO / "results" / "phrases_40.json",
+                             REPO / "results" / "drafting_modes.json",
                              REPO / "results" / "device_round_counters.json",
                              REPO / "results" / "pool_mode.json"],
                     help="CPU runs whose ouroboros rows give the counters: scripts/generate.py --json "

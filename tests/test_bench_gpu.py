@@ -242,6 +242,13 @@ def test_modeled_reproduces_benchmark_json():
     assert got == pytest.approx(want, rel=1e-12)
 
 
+def test_a_config_name_in_two_counter_files_says_whose_it_is():
+    files = [REPO / "results" / "phrases_40.json", REPO / "results" / "drafting_modes.json"]
+    names = [r["method"] for r in bench_gpu.counter_rows(_args(counters=files))]
+    assert names[0] == "phrases-pinned"  # the first file's keeps its name: the acceptance line's row
+    assert "phrases-pinned (drafting_modes)" in names and len(set(names)) == len(names)
+
+
 def test_flag_counters_give_the_rates_asked_for():
     rows = bench_gpu.counter_rows(_args(tokens_per_target_forward=4.75, draft_forwards_per_token=0.8))
     (r,) = bench_gpu.modeled(rows, {1: 10.0, 8: 12.0}, {1: 1.0, 64: 1.0})

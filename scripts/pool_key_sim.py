@@ -2,7 +2,7 @@
 
 The phrase pool keys phrases on one token (algorithm.md). This replays the text of a
 `scripts/generate.py --json` run (prompt + each greedy output, prompts in order, one pool for
-all as under warm start) through two pools of W phrases of L tokens per key, LRU, fed only
+all as under warm start) through pools of W phrases of L tokens per key, LRU, fed only
 with the confirmed text's own phrases (context phrases: the prompt's, then each phrase as its
 last token is confirmed; no window, no target inspiration): keyed on the last token, and keyed
 on the last two tokens with the one-token pool filling the remaining guesses, and (--wide-pages)

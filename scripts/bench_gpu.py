@@ -46,7 +46,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           runs' counters (results/phrases_40.json: phrase drafting over 40 prompts, first, so
           the acceptance line reads it; results/drafting_modes.json,
           results/device_round_counters.json, results/pool_mode.json: the pool mode, no draft
-          forward).
+          forward; results/mtbench_16_h200.json and mtbench_16.json: MT-Bench chat, ours as it
+          decides under H200 curves and vLLM's draft_model k=3 / k=5 beside it).
 What the issue's targets read comes first (curves, the rounds they name, the target step, the
 kernel, the profile; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
 with that reason. Then the issue's acceptance lines, PASS / FAIL only
@@ -988,7 +989,8 @@ def kernel_tiles_section(args, device: torch.device, kern: dict, budget: Budget,
 
 def counter_rows(args) -> list[dict]:
     """The CPU runs' counters: a row from the flags, or the ouroboros rows of each --counters
-    file: scripts/generate.py's JSON (results/phrases_40.json: phrases through the host loop,
+    file: scripts/generate.py's JSON (and its vLLM draft_model-kN rows, priced beside ours;
+    results/phrases_40.json: phrases through the host loop,
     40 prompts; results/drafting_modes.json: chain, guesses and phrases, 8 prompts;
     results/device_round_counters.json: phrases through the device round), or benchmark.py's
     (HumanEval, concurrency 1, greedy). A config name already taken by an earlier file's row
@@ -1011,8 +1013,14 @@ def counter_rows(args) -> list[dict]:
 def file_counter_rows(path: Path) -> list[dict]:
     """One counters file's rows (counter_rows)."""
     data = json.loads(path.read_text())
-    if isinstance(data, list):  # scripts/generate.py --json: its ouroboros rows
-        return [generate_row(r) for r in data if r.get("counters") and r.get("settings")]
+    if isinstance(data, list):  # scripts/generate.py --json: its ouroboros and vLLM draft_model rows
+        rows = [generate_row(r) if r.get("counters") else builtin_row(r) for r in data
+                if (r.get("counters") and r.get("settings"))
+                or (r.get("spec") and r["config"].startswith("draft_model-k"))]
+        for r in rows:  # a workload other than the HumanEval of every other row says so
+            if r["workload"] != "humaneval":
+                r["method"] = f"{r['method']} [{r['workload']}]"
+        return rows
     rows = data["rows"]
     keep = [r for r in rows if r["method"] in ("ouroboros", "ouroboros-phrases") and r["workload"] == "humaneval"
             and r["concurrency"] == 1 and r["temperature"] == 0 and "draft_forwards" in r]
@@ -1021,12 +1029,12 @@ def file_counter_rows(path: Path) -> list[dict]:
 
 
 def generate_row(r: dict) -> dict:
-    """A scripts/generate.py row (greedy HumanEval; counters over the timed requests, settings as
+    """A scripts/generate.py row (greedy, its workload; counters over the timed requests, settings as
     the proposer resolved them) as a benchmark.py row: target forwards are its drafts (each
     verified one draft), drafted tokens what the target verified beyond its own token."""
     c, st = r["counters"], r["settings"]
     conc = r.get("concurrency", 1)
-    return {"method": r["config"], "workload": "humaneval", "concurrency": conc,
+    return {"method": r["config"], "workload": r.get("workload", "humaneval"), "concurrency": conc,
             "temperature": 0.0, "tokens": r["tokens"], "seconds": r["seconds"],
             # One request at a time, what a round costs is the forwards it ran: a device
             # round runs F of them even where its row needed fewer (round_length.py).
@@ -1035,6 +1043,17 @@ def generate_row(r: dict) -> dict:
                          "drafting_mode": st.get("drafting_mode")},
             "spec": {"num_drafts": c["target_forwards"], "num_accepted_tokens": c["accepted_tokens"],
                      "num_draft_tokens": c["drafted_tokens"], "per_pos": []}}
+
+
+def builtin_row(r: dict) -> dict:
+    """A scripts/generate.py row of vLLM's own draft-model speculation (draft_model-kN: N one-token
+    draft forwards per verified step, vLLM's spec-decode counters) as a benchmark.py row, which
+    benchmark.derive prices the way it prices that method: the same GPU curves, side by side."""
+    return {"method": r["config"], "workload": r.get("workload", "humaneval"),
+            "concurrency": r.get("concurrency", 1), "temperature": 0.0, "tokens": r["tokens"],
+            "seconds": r["seconds"], "draft_row_tokens": 1, "spec": r["spec"],
+            "settings": {"draft_round": "vllm"},  # vLLM's own loop: not one of our rounds
+            "draft_forwards": int(r["config"].removeprefix("draft_model-k")) * r["spec"]["num_drafts"]}
 
 
 def synthetic_row(tokens_per_forward: float, draft_forwards_per_token: float, target_tokens: float,
@@ -1477,9 +1496,11 @@ def parse_args() -> argparse.Namespace:
                     default=[REPO / "results" / "phrases_40.json",
                              REPO / "results" / "drafting_modes.json",
                              REPO / "results" / "device_round_counters.json",
-                             REPO / "results" / "pool_mode.json"],
-                    help="CPU runs whose ouroboros rows give the counters: scripts/generate.py --json "
-                         "files, or benchmark.py's results/benchmark.json")
+                             REPO / "results" / "pool_mode.json",
+                             REPO / "results" / "mtbench_16_h200.json",
+                             REPO / "results" / "mtbench_16.json"],
+                    help="CPU runs whose ouroboros (and vLLM draft_model) rows give the counters: "
+                         "scripts/generate.py --json files, or benchmark.py's results/benchmark.json")
     ap.add_argument("--tokens-per-target-forward", type=float, help="instead of --counters (with the next)")
     ap.add_argument("--draft-forwards-per-token", type=float)
     ap.add_argument("--target-tokens-per-forward", type=float, default=1 + GAMMA,

@@ -3,6 +3,11 @@ with the same run without speculation (and, by default, Ouroboros with phrase dr
 whatever this device's cost curve decides for the defaults).
 
     source scripts/env.sh && python scripts/generate.py --prompts 5 --max-tokens 64
+    python scripts/generate.py --workload mtbench --configs no-spec,ouroboros,draft_model-k3
+
+--workload mtbench: MT-Bench first turns in the target's chat template (as scripts/benchmark.py
+sends them) instead of HumanEval. draft_model-k3/-k5 are vLLM's own draft-model speculation,
+for a side-by-side on the same prompts (their counters are vLLM's spec-decode metrics).
 
 Prints per configuration: generated tokens/s (and the ratio to no speculation from this run),
 mean tokens per target forward, draft forwards per generated token, acceptance, pool use; and
@@ -40,6 +45,9 @@ CONFIGS = {
     "ouroboros-k1": {"use_suffixes": True},
     "ouroboros-k2": {"num_suffixes": 2, "use_suffixes": True},
     "ouroboros-k3": {"num_suffixes": 3, "use_suffixes": True},
+    # vLLM's built-in draft-model speculation (a whole speculative_config: it names its method).
+    "draft_model-k3": {"method": "draft_model", "num_speculative_tokens": 3},
+    "draft_model-k5": {"method": "draft_model", "num_speculative_tokens": 5},
 }
 
 
@@ -55,34 +63,62 @@ def humaneval_prompts(n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in f][:n]
 
 
+def workload_prompts(workload: str, n: int, target: Path) -> list[str]:
+    """The first n prompts of a workload: HumanEval, or MT-Bench first turns in the chat template."""
+    if workload == "humaneval":
+        return humaneval_prompts(n)
+    from transformers import AutoTokenizer
+
+    from benchmark import mtbench_prompts  # imports this module: not at the top
+
+    return mtbench_prompts(n, AutoTokenizer.from_pretrained(target))
+
+
 def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens: int,
                concurrency: int, target: Path, draft: Path, max_model_len: int = 2048) -> dict:
-    """Generate `prompts` greedily with one engine; return outputs, timing and counters."""
+    """Generate `prompts` greedily with one engine; return outputs, timing and counters.
+    overrides: None (no speculation), ouroboros settings, or a whole speculative_config of one
+    of vLLM's own methods (it has a "method"; the draft model is filled in)."""
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros.metrics import engine_snapshot
 
+    builtin = overrides is not None and "method" in overrides
     spec = None if overrides is None else {"method": "ouroboros", "model": str(draft), **overrides}
     llm = LLM(model=str(target), dtype="float32", max_model_len=max_model_len,
               enforce_eager=True, seed=0, max_num_seqs=max(concurrency, 1),
-              speculative_config=spec)
+              speculative_config=spec, disable_log_stats=not builtin)
+    if builtin:
+        from benchmark import diff, spec_counters
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         llm.generate(["def warm_up():"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-        before = engine_snapshot(llm) if spec else None
+        before = (spec_counters(llm) if builtin else engine_snapshot(llm)) if spec else None
         outputs, t0 = [], time.perf_counter()
         for i in range(0, len(prompts), concurrency):
             outs = llm.generate(prompts[i:i + concurrency], sp, use_tqdm=False)
             outputs += [list(o.outputs[0].token_ids) for o in outs]
         elapsed = time.perf_counter() - t0
-        after = engine_snapshot(llm) if spec else None
+        after = (spec_counters(llm) if builtin else engine_snapshot(llm)) if spec else None
     finally:
         del llm
         gc.collect()
     tokens = sum(len(o) for o in outputs)
     row = {"config": name, "overrides": overrides, "concurrency": concurrency, "outputs": outputs,
            "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
-    if spec:
+    if builtin:
+        # vLLM's metrics: a draft is one verified step of k tokens, drafted in k forwards.
+        c, k = diff(after, before), overrides["num_speculative_tokens"]
+        drafts = c["num_drafts"]
+        row.update({
+            "spec": c,
+            "tokens_per_target_forward": (c["num_accepted_tokens"] + drafts) / max(drafts, 1),
+            "draft_forwards_per_token": k * drafts / max(tokens, 1),
+            "acceptance_rate": c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1),
+            # Steps that carried no draft (decoded as without speculation).
+            "plain_steps": max(tokens - drafts - c["num_accepted_tokens"], 0),
+        })
+    elif spec:
         # What "auto" resolved to on this device (W and G are 0 where phrase drafting was off):
         # scripts/bench_gpu.py --counters reads the draft's tokens per forward from it.
         row["settings"] = after.get("settings")
@@ -120,17 +156,19 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['config']:<24}{'NO':>10}  output differs from no-spec: speed not reported")
             continue
         c = r.get("counters", {})
-        spec = (f"{r['tokens_per_target_forward']:>16.2f}{r['draft_forwards_per_token']:>15.2f}"
-                f"{r['acceptance_rate']:>8.2f}{c.get('inspiration_inserts', 0):>10}"
-                f"{c.get('refinement_inserts', 0):>9}{c.get('suffix_accepted', 0):>9}"
-                f"{c.get('tree_suffix_accepted', 0):>9}{c.get('tree_gain', 0):>10}") if c else (
-                    f"{'-':>16}{'-':>15}{'-':>8}{'-':>10}{'-':>9}{'-':>9}{'-':>9}{'-':>10}")
+        rates = (f"{r['tokens_per_target_forward']:>16.2f}{r['draft_forwards_per_token']:>15.2f}"
+                 f"{r['acceptance_rate']:>8.2f}") if "acceptance_rate" in r else f"{'-':>16}{'-':>15}{'-':>8}"
+        spec = rates + ((f"{c.get('inspiration_inserts', 0):>10}"
+                         f"{c.get('refinement_inserts', 0):>9}{c.get('suffix_accepted', 0):>9}"
+                         f"{c.get('tree_suffix_accepted', 0):>9}{c.get('tree_gain', 0):>10}") if c else (
+                             f"{'-':>10}{'-':>9}{'-':>9}{'-':>9}{'-':>10}"))
         print(f"{r['config']:<24}{'yes':>10}{r['tokens_per_s']:>8.2f}{r['speedup']:>10.2f}{spec}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=5, help="first N HumanEval prompts")
+    ap.add_argument("--prompts", type=int, default=5, help="first N prompts of the workload")
+    ap.add_argument("--workload", choices=("humaneval", "mtbench"), default="humaneval")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1, help="requests submitted together")
     ap.add_argument("--configs", default="no-spec,ouroboros,ouroboros-phrases",
@@ -151,8 +189,9 @@ def main() -> int:
             names.append(name)
     if names[0] != "no-spec":
         names.insert(0, "no-spec")
-    prompts = humaneval_prompts(args.prompts)
-    print(f"target {target.name}, draft {draft.name}; {len(prompts)} HumanEval prompts x "
+    prompts = workload_prompts(args.workload, args.prompts, target)
+    label = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}[args.workload]
+    print(f"target {target.name}, draft {draft.name}; {len(prompts)} {label} prompts x "
           f"{args.max_tokens} tokens, concurrency {args.concurrency}, greedy, float32", flush=True)
     rows = []
     for name in names:
@@ -161,6 +200,8 @@ def main() -> int:
                                target, draft))
     compare(rows)
     print_table(rows)
+    for r in rows:
+        r["workload"] = args.workload
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

@@ -391,6 +391,29 @@ def test_counters_from_generate_json(tmp_path):
     assert bench_gpu.phrase_modeled(mod, "graph drafting (graph round)") == host["modeled"]
 
 
+def test_builtin_draft_model_rows_are_priced_beside_ours(tmp_path):
+    """A generate.py row of vLLM's draft_model-k3 (vLLM's counters, no proposer settings) is
+    priced as benchmark.py prices that method: k one-token draft forwards per verified step of
+    k + 1 tokens, steps without a draft as plain decodes; its name says its workload (every
+    other row is HumanEval's), and the file's name marks it where a name repeats."""
+    rows = [{"config": "no-spec", "tokens": 100, "seconds": 20.0},
+            {"config": "draft_model-k3", "concurrency": 1, "tokens": 100, "seconds": 15.0,
+             "workload": "mtbench", "spec": {"num_drafts": 30, "num_draft_tokens": 90,
+                                             "num_accepted_tokens": 60, "per_pos": [25, 20, 15]}}]
+    path = tmp_path / "mt.json"
+    path.write_text(json.dumps(rows))
+    (r,) = bench_gpu.modeled(bench_gpu.counter_rows(_args(counters=[path])), {1: 10.0, 4: 13.0},
+                             {1: 2.0, 64: 50.0})
+    assert r["row"] == "draft_model-k3 [mtbench]" and not r["phrase_drafting"] and r["draft_row_tokens"] == 1
+    assert r["draft_round"] == "vllm"
+    assert r["draft_forwards_per_token"] == pytest.approx(0.9)
+    # 90 draft forwards of 2 ms, 30 verifications of 4 tokens (13 ms), 10 plain decodes (10 ms).
+    assert r["modeled"] == pytest.approx(10.0 / ((90 * 2.0 + 30 * 13.0 + 10 * 10.0) / 100))
+    again = bench_gpu.counter_rows(_args(counters=[path, path]))
+    assert [x["method"] for x in again] == ["draft_model-k3 [mtbench]", "draft_model-k3 [mtbench] (mt)"]
+    assert bench_gpu.modeled(again, {1: 10.0, 4: 13.0}, {1: 2.0, 64: 50.0})[1]["modeled"] == r["modeled"]
+
+
 def test_pool_mode_row_is_modeled_from_target_forwards_alone():
     """results/pool_mode.json's row (the pool mode: no draft forward, though its settings carry
     the runtime's window and guesses) is not phrase drafting, and its modeled speedup on a flat

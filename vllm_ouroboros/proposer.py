@@ -304,7 +304,7 @@ class OuroborosProposer:
         """The cost curves the back-off and the mode choice read: the draft's t(n) (timed as
         the round will run it, or as configured), its prefill's, and the target's (configured,
         timed on target_model, or the draft's scaled by the size ratio), with the step overhead
-        and the target's calibration beside it."""
+        (measured only where calibrate_costs is on) and the target's calibration beside it."""
         cfg = self.cfg
         if cfg.draft_cost_ms is not None:
             self.cost = cost_model.curve_from_ms(cost_points(cfg.draft_cost_ms))
@@ -316,7 +316,6 @@ class OuroborosProposer:
         self.prefill_cost = self.cost
         if cfg.target_cost_ms is not None:
             self.target_cost = cost_model.curve_from_ms(cost_points(cfg.target_cost_ms))
-            self._overhead = cost_model.StepOverhead(self.target_cost)
             logger.info("ouroboros: target forward t(n) as configured (target_cost_ms): %s ms",
                         _ms(self.target_cost))
         elif target_model is not None:
@@ -329,9 +328,13 @@ class OuroborosProposer:
                 self.target_cost = cost_model.CostCurve(self.cost.n, tuple(t / r for t in self.cost.seconds))
             logger.info("ouroboros: target forward t(n) (linear layers + LM head): %s ms",
                         _ms(self.target_cost))
-            self._overhead = cost_model.StepOverhead(self.target_cost)
             self._target_calibration = cost_model.CurveCalibration(self.target_cost)
             self.target_clock = ForwardClock(self.device)
+        if self.target_cost is not None and cfg.calibrate_costs:
+            # Not with calibrate_costs off: against another device's curve (an H200's 2 ms
+            # forward reproduced on this CPU), this host's whole forward would count as the
+            # engine's overhead per step (243 ms), which prices any speculation as paying.
+            self._overhead = cost_model.StepOverhead(self.target_cost)
 
     def _choose_mode(self) -> tuple[bool, bool]:
         """The drafting mode at load from the curves (cost_model.choose_drafting_mode; pinned

@@ -1016,7 +1016,7 @@ def file_counter_rows(path: Path) -> list[dict]:
     if isinstance(data, list):  # scripts/generate.py --json: its ouroboros and vLLM draft_model rows
         rows = [generate_row(r) if r.get("counters") else builtin_row(r) for r in data
                 if (r.get("counters") and r.get("settings"))
-                or (r.get("spec") and r["config"].startswith("draft_model-k"))]
+                or (r.get("spec") and (r.get("overrides") or {}).get("method") == "draft_model")]
         for r in rows:  # a workload other than the HumanEval of every other row says so
             if r["workload"] != "humaneval":
                 r["method"] = f"{r['method']} [{r['workload']}]"
@@ -1046,14 +1046,15 @@ def generate_row(r: dict) -> dict:
 
 
 def builtin_row(r: dict) -> dict:
-    """A scripts/generate.py row of vLLM's own draft-model speculation (draft_model-kN: N one-token
-    draft forwards per verified step, vLLM's spec-decode counters) as a benchmark.py row, which
-    benchmark.derive prices the way it prices that method: the same GPU curves, side by side."""
+    """A scripts/generate.py row of vLLM's own draft-model speculation (its speculative_config
+    in "overrides": k = num_speculative_tokens one-token draft forwards per verified step;
+    vLLM's spec-decode counters) as a benchmark.py row, which benchmark.derive prices the way
+    it prices that method: the same GPU curves, side by side."""
     return {"method": r["config"], "workload": r.get("workload", "humaneval"),
             "concurrency": r.get("concurrency", 1), "temperature": 0.0, "tokens": r["tokens"],
             "seconds": r["seconds"], "draft_row_tokens": 1, "spec": r["spec"],
             "settings": {"draft_round": "vllm"},  # vLLM's own loop: not one of our rounds
-            "draft_forwards": int(r["config"].removeprefix("draft_model-k")) * r["spec"]["num_drafts"]}
+            "draft_forwards": r["overrides"]["num_speculative_tokens"] * r["spec"]["num_drafts"]}
 
 
 def synthetic_row(tokens_per_forward: float, draft_forwards_per_token: float, target_tokens: float,

@@ -115,8 +115,6 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
             "tokens_per_target_forward": (c["num_accepted_tokens"] + drafts) / max(drafts, 1),
             "draft_forwards_per_token": k * drafts / max(tokens, 1),
             "acceptance_rate": c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1),
-            # Steps that carried no draft (decoded as without speculation).
-            "plain_steps": max(tokens - drafts - c["num_accepted_tokens"], 0),
         })
     elif spec:
         # What "auto" resolved to on this device (W and G are 0 where phrase drafting was off):

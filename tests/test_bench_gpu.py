@@ -398,6 +398,7 @@ def test_builtin_draft_model_rows_are_priced_beside_ours(tmp_path):
     other row is HumanEval's), and the file's name marks it where a name repeats."""
     rows = [{"config": "no-spec", "tokens": 100, "seconds": 20.0},
             {"config": "draft_model-k3", "concurrency": 1, "tokens": 100, "seconds": 15.0,
+             "overrides": {"method": "draft_model", "num_speculative_tokens": 3},
              "workload": "mtbench", "spec": {"num_drafts": 30, "num_draft_tokens": 90,
                                              "num_accepted_tokens": 60, "per_pos": [25, 20, 15]}}]
     path = tmp_path / "mt.json"

@@ -9,6 +9,11 @@ whatever this device's cost curve decides for the defaults).
 sends them) instead of HumanEval. draft_model-k3/-k5 are vLLM's own draft-model speculation,
 for a side-by-side on the same prompts (their counters are vLLM's spec-decode metrics).
 
+A config named twice runs twice, in the order given: this host drifts 20-30% in an hour, so
+compare configs over a palindrome of readings, e.g. --configs no-spec,ouroboros,draft_model-k3,
+draft_model-k3,ouroboros,no-spec; the ratios are to the mean of the no-spec readings, and a
+summary gives each repeated config's mean.
+
 Prints per configuration: generated tokens/s (and the ratio to no speculation from this run),
 mean tokens per target forward, draft forwards per generated token, acceptance, pool use; and
 refuses to report a configuration whose greedy output differs from no speculation.
@@ -135,12 +140,31 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Mark each row identical/different to no-spec and add the speed ratio."""
+    """Mark each row identical/different to no-spec (the first row) and add the speed ratio,
+    to the mean of every no-spec reading of the run (a config named twice in --configs runs
+    twice: over a palindrome such as no-spec,A,B,B,A,no-spec a steady drift of the host
+    cancels between the configs' means)."""
     base = rows[0]
+    no_spec = [r["tokens_per_s"] for r in rows if r["config"] == "no-spec"]
+    mean = sum(no_spec) / len(no_spec)
     for r in rows:
         r["identical"] = r["outputs"] == base["outputs"]
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / mean
     return rows
+
+
+def repeated_readings(rows: list[dict]) -> list[tuple[str, list[float], float]]:
+    """(config, its tok/s readings in run order, their mean / the no-spec readings' mean) for
+    each config whose output was identical, in order of first appearance, once some config ran
+    more than once; empty where every config ran once."""
+    runs: dict[str, list[float]] = {}
+    for r in rows:
+        runs.setdefault(r["config"], []).append(r["tokens_per_s"])
+    if all(len(v) == 1 for v in runs.values()):
+        return []
+    base = sum(runs["no-spec"]) / len(runs["no-spec"])
+    differs = {r["config"] for r in rows if not r["identical"]}
+    return [(c, v, sum(v) / len(v) / base) for c, v in runs.items() if c not in differs]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -161,6 +185,11 @@ def print_table(rows: list[dict]) -> None:
                          f"{c.get('tree_suffix_accepted', 0):>9}{c.get('tree_gain', 0):>10}") if c else (
                              f"{'-':>10}{'-':>9}{'-':>9}{'-':>9}{'-':>10}"))
         print(f"{r['config']:<24}{'yes':>10}{r['tokens_per_s']:>8.2f}{r['speedup']:>10.2f}{spec}")
+    means = repeated_readings(rows)
+    if means:
+        print("\nmean over each config's readings (x no-spec: to the mean of the no-spec readings)")
+        for c, v, ratio in means:
+            print(f"{c:<24}{ratio:>6.2f}x   tok/s {', '.join(f'{x:.2f}' for x in v)}")
 
 
 def main() -> int:

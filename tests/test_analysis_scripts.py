@@ -33,3 +33,20 @@ def test_match_is_the_longest_guessed_prefix():
     assert match([(4,)], [1, 2]) == 0
     assert match([], [1]) == 0
     assert match([(1, 2, 3, 4)], [1, 2]) == 2  # the text ends before the phrase does
+
+
+def test_generate_ratios_are_to_the_mean_of_the_no_spec_readings():
+    """generate.py over a palindrome of configs: each row's ratio and each config's mean are
+    against the mean of every no-spec reading, not the first one; a config whose output
+    differed is left out of the means."""
+    from generate import compare, repeated_readings
+
+    def row(config, tps, out="same"):
+        return {"config": config, "tokens_per_s": tps, "outputs": [out]}
+
+    rows = compare([row("no-spec", 6.0), row("a", 9.0), row("b", 7.0, "other"), row("a", 7.0),
+                    row("no-spec", 10.0)])
+    assert [r["speedup"] for r in rows] == [0.75, 1.125, 0.875, 0.875, 1.25]
+    assert [r["identical"] for r in rows] == [True, True, False, True, True]
+    assert repeated_readings(rows) == [("no-spec", [6.0, 10.0], 1.0), ("a", [9.0, 7.0], 1.0)]
+    assert repeated_readings(compare([row("no-spec", 5.0), row("a", 6.0)])) == []

@@ -571,6 +571,41 @@ def test_draft_cost_calibrated_by_measured_rounds():
     assert plan((1.0, 1.0)).max_tokens < 4 and plan((0.9, 1.2)).max_tokens >= 4
 
 
+def test_a_stalled_round_moves_the_price_of_rounds_by_a_bounded_step():
+    """A round or a catch-up prefill that stalled (a GC pause, another process) counts at most
+    RATIO_OUTLIER x the running ratio. Uncapped, one whole round clamped at 4x its model beside
+    rounds measured at 0.8 moved the whole round's price to 1.76: the plan then cut a request
+    that accepts well to chains, so no whole round ran to bring the price back (and the mode
+    review priced the draft model's mode alike). A real change of cost is still followed."""
+    from vllm_ouroboros.proposer import ESTIMATE_RATE, RATIO_OUTLIER
+
+    p = _proposer()
+    p.runtime.s.draft_room = 4
+    n_whole = cost_model.draft_row_tokens(p.runtime.W, p.runtime.G, p.runtime.L)
+    whole = SimpleNamespace(forwards=4, row_forwards=np.array([4]), prefill_seconds=0.0)
+    for _ in range(40):
+        p._calibrate_draft(whole, 12, 0.8 * 4 * CPU(n_whole))
+    p._calibrate_draft(whole, 12, 10 * 4 * CPU(n_whole))  # stalled: clamped at 4, then capped
+    assert p._draft_scale[0] == pytest.approx(0.8 + ESTIMATE_RATE * (RATIO_OUTLIER - 1) * 0.8, rel=1e-3)
+    assert p._draft_scale[0] < 1.1  # uncapped: 1.76
+    A = cost_model.geometric_survival(np.array([5.0]), 12)  # 5 tokens per target forward
+    plan = lambda k: cost_model.speculation_plan(  # noqa: E731
+        BENCH_TARGET, BENCH_DRAFT, A, np.ones((1, 12)), np.array([4.0]), 18, 0.03, 4, draft_scale=k)
+    uncapped = 0.8 + ESTIMATE_RATE * (4.0 - 0.8)
+    assert plan((uncapped, 0.8)).max_tokens < 4 and plan((p._draft_scale[0], 0.8)).max_tokens == 12
+    for _ in range(20):  # the host really got 2.5x slower: followed
+        p._calibrate_draft(whole, 12, 2.0 * 4 * CPU(n_whole))
+    assert p._draft_scale[0] == pytest.approx(2.0, rel=1e-2)
+
+    p.prefill_cost = BENCH_DRAFT
+    modeled = BENCH_DRAFT(400)
+    for _ in range(30):
+        p._calibrate_prefill(SimpleNamespace(prefill_sizes=(400,), prefill_seconds=0.6 * modeled))
+    p._calibrate_prefill(SimpleNamespace(prefill_sizes=(400,), prefill_seconds=20 * modeled))
+    assert p._prefill_scale == pytest.approx(0.6 + ESTIMATE_RATE * (RATIO_OUTLIER - 1) * 0.6, rel=1e-3)
+    assert p._prefill_scale < 0.9  # uncapped: 3.42
+
+
 def test_mode_review_switch_keeps_each_sources_estimates():
     """_review_mode: priced at the engine's measured step (the target's curve plus the overhead
     measured beyond it), the pool mode chosen at load gives way to the draft model's; the

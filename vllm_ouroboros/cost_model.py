@@ -94,10 +94,16 @@ def is_flat(curve: "CostCurve | None") -> bool:
     return curve is None or curve.ratio(FILL_TOKENS) <= FILL_FLAT
 
 
-def running_mean(mean: float | None, x: float, rate: float) -> float:
+def running_mean(mean: float | None, x: float, rate: float, outlier: float | None = None) -> float:
     """A running mean moved by `rate` of each sample x, whose first sample replaces the
-    absent (None) prior."""
-    return x if mean is None else mean + rate * (x - mean)
+    absent (None) prior. outlier: a sample counts at most this many times the mean, for timings
+    that a stall (a GC pause, another process on the host) inflates: one such sample would
+    otherwise price what it timed out of the plans that would time it again."""
+    if mean is None:
+        return x
+    if outlier is not None:
+        x = min(x, outlier * mean)
+    return mean + rate * (x - mean)
 
 
 @dataclass(frozen=True)

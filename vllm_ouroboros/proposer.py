@@ -44,6 +44,14 @@ logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
 POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the running mean
+# A round's or a catch-up prefill's measured / modeled ratio counts at most this many times the
+# running ratio. One stalled round (its ratio clamped at 4) moved a whole round's price from 0.8
+# to 1.76: whole rounds then lose the back-off's plans and the draft model's mode the review,
+# and no whole round runs again to bring the price back. In two of five MT-Bench runs on this
+# CPU it ended at 1.18 and 2.22 (0.73-0.80 in the others) and the review moved to the pool mode
+# (results/README.md, "Session of 2026-12-02 (fifteenth)"). A real change of cost is still
+# followed within a few rounds (x2 a round at most).
+RATIO_OUTLIER = 2.0
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
@@ -898,9 +906,7 @@ class OuroborosProposer:
         waiting for their read where no round's read waited first. A sample counts at most
         POOL_OUTLIER x the mean: a stall (a GC pause, another process) would otherwise price
         the pool out of every plan, and a pool that drafts nowhere is never timed again."""
-        if self._pool_seconds is not None:
-            seconds = min(seconds, POOL_OUTLIER * self._pool_seconds)
-        self._pool_seconds = cost_model.running_mean(self._pool_seconds, seconds, ESTIMATE_RATE)
+        self._pool_seconds = cost_model.running_mean(self._pool_seconds, seconds, ESTIMATE_RATE, POOL_OUTLIER)
 
     def _model_rows(self, req_ids, slots: np.ndarray, lens: np.ndarray,
                     readable: np.ndarray) -> tuple[np.ndarray, int]:
@@ -1179,7 +1185,8 @@ class OuroborosProposer:
         modeled = forwards * self.cost(R * n_d)
         ratio = min(max((seconds - out.prefill_seconds) / max(modeled, 1e-9), 0.25), 4.0)
         k = int(chain)
-        self._draft_scale[k] += ESTIMATE_RATE * (ratio - self._draft_scale[k])
+        self._draft_scale[k] = cost_model.running_mean(float(self._draft_scale[k]), ratio, ESTIMATE_RATE,
+                                                       RATIO_OUTLIER)
         self._draft_scale_rounds[k] += 1
         if self._draft_scale_rounds[1 - k] == 0:
             self._draft_scale[1 - k] = self._draft_scale[k]
@@ -1195,7 +1202,8 @@ class OuroborosProposer:
         ratio = min(max(out.prefill_seconds / max(modeled, 1e-9), 0.1), 10.0)
         graphed = self._prefill_graphed()
         if graphed == self._prefill_scale_graphed:
-            self._prefill_scale += ESTIMATE_RATE * (ratio - self._prefill_scale)
+            self._prefill_scale = cost_model.running_mean(self._prefill_scale, ratio, ESTIMATE_RATE,
+                                                          RATIO_OUTLIER)
         else:
             # A prefill capture failed while serving: the prefill is eager from now on, priced
             # on the graph curve. Its first measured ratio replaces the graphs' at once, where a

@@ -49,8 +49,9 @@ POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the 
 # to 1.76: whole rounds then lose the back-off's plans and the draft model's mode the review,
 # and no whole round runs again to bring the price back. In two of five MT-Bench runs on this
 # CPU it ended at 1.18 and 2.22 (0.73-0.80 in the others) and the review moved to the pool mode
-# (results/README.md, "Session of 2026-12-02 (fifteenth)"). A real change of cost is still
-# followed within a few rounds (x2 a round at most).
+# (results/README.md, "Session of 2026-12-02 (fifteenth)"). Capped upward only: a price set too
+# low draws the rounds that measure it again, one set too high does not. A real rise of cost is
+# still followed within a few rounds (x2 a round at most).
 RATIO_OUTLIER = 2.0
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2

@@ -19,7 +19,13 @@ SplitRule. `tune_splits` measures both launch modes and registers both rules
 (`tree_attention.register_split_rule`), so every later plan for those shapes on that device
 splits by them. A plan made while a CUDA graph is captured takes the graph rule.
 Where nothing was measured (a CPU, the interpreter, a failed measurement) the shipped
-thresholds hold. Called where the kernel is checked before serving: the draft model's load
+thresholds hold.
+
+A known bias, left for a GPU to size: the measured calls read the same few scratch pages again
+and again, so on a GPU their keys come from L2, where a serving forward's come from HBM (the
+weights streamed through since the last forward evicted them). A split pays by spreading those
+reads over more SMs, so here it is measured at its least, and the rule errs toward the single
+pass (a later min_prefix), never toward a wrong result. Called where the kernel is checked before serving: the draft model's load
 (draft/model.py) and the target's attention patch (patches/tree_attention.py).
 """
 
@@ -32,7 +38,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .tree_attention import (MAX_SPLITS, SplitKey, SplitRule, TreeAttentionPlan, _launch_plan, _num_sms,
-                             ancestor_bitmask, choose_num_splits, register_split_rule)
+                             ancestor_bitmask, choose_num_splits, register_split_rule,
+                             registered_split_rule)
 
 logger = logging.getLogger("vllm.ouroboros")
 
@@ -157,9 +164,12 @@ def tune_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, no
                 modes: Sequence[bool] = (True, False), timer: Timer | None = None,
                 prefixes: Sequence[int] = PREFIXES, chunks: Sequence[int] = CHUNKS) -> dict[bool, SplitRule]:
     """Measure and register the SplitRule of these caches' shapes on their device for each
-    launch mode in `modes` (True: graph-replayed, False: eager); {mode: rule} of those measured.
-    A mode whose measurement fails keeps the shipped thresholds, logged: a slower split, never a
-    wrong result. Only on CUDA, or with a `timer` (tests): elsewhere nothing is measured."""
+    launch mode in `modes` (True: graph-replayed, False: eager); {mode: rule} of those measured
+    or registered before. A key measured once in the process is not measured again (the draft
+    is checked again where its fusions are chosen; a target checks each distinct layer shape):
+    every measurement captures graphs and compiles split variants. A mode whose measurement
+    fails keeps the shipped thresholds, logged: a slower split, never a wrong result. Only on
+    CUDA, or with a `timer` (tests): elsewhere nothing is measured."""
     device = k_cache.device
     if device.type != "cuda" and timer is None:
         return {}
@@ -167,13 +177,19 @@ def tune_splits(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, no
     rules = {}
     for graphed in modes:
         key = SplitKey(str(device), k_cache.dtype, num_heads, num_kv_heads, head_dim, block_size, graphed)
+        known = registered_split_rule(key)
+        if known is not None:
+            rules[graphed] = known
+            continue
         try:
             rule, found = measure_split_rule(k_cache, v_cache, num_heads, nodes, graphed, timer, prefixes, chunks)
         except Exception as e:  # noqa: BLE001 - the shipped thresholds still serve
             logger.warning("ouroboros: tree attention's splits on %s (%s) stay at the shipped thresholds: "
                            "measuring them failed: %s: %s", device, key, type(e).__name__, e)
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                # A failed capture can leave the error for the next sync: it must not escape here.
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(device)
             continue
         register_split_rule(key, rule)
         rules[graphed] = rule

@@ -22,6 +22,7 @@ builds the bitmask from a parent table. The plain-torch reference is
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import math
@@ -478,6 +479,11 @@ def split_rule(key: SplitKey) -> SplitRule:
     return _SPLIT_RULES.get(key, _DEFAULT_SPLIT_RULE)
 
 
+def registered_split_rule(key: SplitKey) -> SplitRule | None:
+    """The rule registered for `key`, None where none was."""
+    return _SPLIT_RULES.get(key)
+
+
 def clear_split_rules() -> None:
     """Forget every measured rule (tests)."""
     _SPLIT_RULES.clear()
@@ -535,9 +541,29 @@ def _merge_warps(splits_pad: int, head_dim_pad: int) -> int:
     return max(1, min(8, splits_pad * head_dim_pad // 512))
 
 
+# Set by graph_plans(): the plans made now are for a CUDA graph, its capture or the warm-ups
+# before it.
+_GRAPH_PLANS = contextvars.ContextVar("tree_attention_graph_plans", default=False)
+
+
+@contextlib.contextmanager
+def graph_plans():
+    """Plans made inside choose S by the graph-replayed SplitRule, as a capture's plans do
+    (cuda_graph.capture_graph opens it around its warm-ups and the capture). Without it a
+    warm-up, which runs on a side stream that is not capturing, would choose by the eager rule:
+    where the two measured rules differ, the split path and its merge launch would run (and
+    compile) for the first time inside the capture, and eager and replayed forwards would round
+    differently for no reason."""
+    token = _GRAPH_PLANS.set(True)
+    try:
+        yield
+    finally:
+        _GRAPH_PLANS.reset(token)
+
+
 def _capturing(device: torch.device) -> bool:
-    # A host-side query (no sync); a plan made under capture is replayed from the graph.
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # Host-side queries (no sync); a plan made under capture is replayed from the graph.
+    return _GRAPH_PLANS.get() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _launch_plan(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, batch: int,
@@ -547,8 +573,9 @@ def _launch_plan(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim
                  block_size: int = 0, graphed: bool | None = None) -> tuple[dict, int, int]:
     """(tile config, q blocks per request, S) of one `tree_attention` call; host values only.
     S follows the SplitRule measured for these shapes on `device` for graph-replayed calls
-    (`graphed`; None: whether a CUDA graph is being captured now) or eager ones, else the
-    shipped thresholds. The benchmarks print the S chosen here."""
+    (`graphed`; None: whether a CUDA graph is being captured now, or warmed up for one:
+    graph_plans) or eager ones, else the shipped thresholds. The benchmarks print the S chosen
+    here."""
     group_pad = _next_pow2(num_heads // num_kv_heads)
     cfg = _tile_config(dtype, group_pad, max(16, _next_pow2(head_dim)), max_query_len, tiles)
     num_q_blocks = -(-max_query_len // cfg["BLOCK_Q"])

@@ -194,6 +194,24 @@ def test_step_overhead_samples_only_unchanged_decoding_batches():
     o.end(("a",), 16, t)
     o.start(("a",), t + 0.5)
     assert o.value >= 0 and o.samples == 61
+    # A stalled step (30 s beside a 0.45 s step) moves the estimate by a bounded step, and the
+    # estimate is back within a few steps.
+    o = cost_model.StepOverhead(curve)
+    t = 0.0
+    for i in range(60):
+        o.end(("a", "b"), 5, t)
+        t += curve(5) + 0.1 + (30.0 if i == 40 else 0.0)
+        o.start(("a", "b"), t)
+        if i == 40:
+            assert o.value < 0.1 + 0.2 * (2 * (curve(5) + 0.1)), o.value  # uncapped: 6.1 s
+        t += 0.2
+    assert abs(o.value - 0.1) < 2e-3
+    # From 0, an overhead ten times the forward is still reached (the cap grows with the estimate).
+    o = cost_model.StepOverhead(curve)
+    for i in range(60):
+        o.end(("a",), 5, 10.0 * i)
+        o.start(("a",), 10.0 * i + curve(5) + 3.5)
+    assert abs(o.value - 3.5) < 0.01, o.value
     # Without a target curve nothing is estimated.
     none = cost_model.StepOverhead(None)
     none.end(("a",), 1, 0.0)

@@ -157,6 +157,47 @@ def test_plans_split_by_the_rule_of_their_shapes_and_launch_mode(many_sms, monke
                                                       for k, t in args.items()})).abs().max() <= 1e-3
 
 
+def test_a_graphs_warm_ups_plan_as_its_capture_does(many_sms):
+    # capture_graph warms up on a stream that is not capturing: without graph_plans its plans
+    # took the eager rule, and the split path ran for the first time inside the capture.
+    args = _one_request()
+    key = dict(device=str(args["q"].device), dtype=torch.float32, num_heads=2, num_kv_heads=1, head_dim=16,
+               block_size=4)
+    ta.register_split_rule(ta.SplitKey(**key, graphed=True), ta.SplitRule(128, 32, "test"))
+    ta.register_split_rule(ta.SplitKey(**key, graphed=False), ta.SplitRule(4096, 256, "test"))
+
+    def splits():
+        return ta.TreeAttentionPlan(**args, max_query_len=5, max_prefix_len=200).num_splits
+
+    eager = splits()
+    with ta.graph_plans():
+        graphed = splits()
+    assert eager == 1 and graphed > 1
+    assert splits() == eager, "graph_plans outlived its block"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="captures a CUDA graph")
+def test_capture_graph_warms_up_the_plans_it_captures(many_sms):
+    from vllm_ouroboros.cuda_graph import capture_graph
+
+    args = _one_request()
+    key = dict(device=str(args["q"].device), dtype=torch.float32, num_heads=2, num_kv_heads=1, head_dim=16,
+               block_size=4)
+    ta.register_split_rule(ta.SplitKey(**key, graphed=True), ta.SplitRule(128, 32, "test"))
+    ta.register_split_rule(ta.SplitKey(**key, graphed=False), ta.SplitRule(4096, 256, "test"))
+    seen = []
+
+    def run(graph):
+        plan = ta.TreeAttentionPlan(**args, max_query_len=5, max_prefix_len=200)
+        seen.append((graph is not None, plan.num_splits))
+        plan.run(args["q"], args["k_cache"], args["v_cache"], torch.empty_like(args["q"]))
+
+    capture_graph(run, args["q"].device, warmups=2).replay()
+    torch.cuda.synchronize()
+    assert [captured for captured, _ in seen] == [False, False, True]
+    assert len({s for _, s in seen}) == 1 and seen[0][1] > 1, seen
+
+
 def test_tune_splits_measures_registers_and_logs(many_sms, monkeypatch, caplog):
     logging.getLogger("vllm.ouroboros").addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="vllm.ouroboros")
@@ -205,6 +246,11 @@ def test_tune_splits_measures_registers_and_logs(many_sms, monkeypatch, caplog):
     logged = list(dict.fromkeys(r.getMessage() for r in caplog.records if "tree attention on" in r.getMessage()))
     assert len(logged) == 2 and "splits from 128 prefix tokens, chunks of >= 32 (graph-replayed" in logged[0]
     assert "256: " in logged[0]
+    # measured once per key and process: a second check of the same shapes times nothing
+    launched.clear()
+    again = st.tune_splits(k, v, 2, nodes=(1, 4), modes=(True, False), timer=timer(1e-6),
+                           prefixes=prefixes, chunks=chunks)
+    assert again == {True: graph[True], False: eager[False]} and launched == []
 
 
 def test_a_failed_measurement_keeps_the_shipped_thresholds(caplog):

@@ -340,9 +340,16 @@ class StepOverhead:
     step) and the start of the next (`start`): in between run the target forward and the rest of
     vLLM's step. That interval minus t_target(tokens) is one sample, taken only when the batch
     is unchanged (same requests, no prefill in the step, no idle gap: a new or finished request
-    or a chunked prefill would charge its own work to the overhead)."""
+    or a chunked prefill would charge its own work to the overhead). A step counts at most
+    OUTLIER x the step modeled so far (t_target + the estimate), as proposer.RATIO_OUTLIER caps
+    a round's ratio: a stall (a GC pause, another process on the host, the first launch of a
+    Triton kernel compiling) would otherwise add a fifth of itself to every step's price for
+    the next dozen steps. Relative to the whole modeled step, not to the estimate, which starts
+    at 0: the first sample may still reach t_target, and a real overhead above that is reached
+    within a few steps (the cap grows with the estimate)."""
 
     RATE = 0.2
+    OUTLIER = 2.0
 
     def __init__(self, target: CostCurve | None):
         self.target = target
@@ -355,9 +362,10 @@ class StepOverhead:
         pending, self._pending = self._pending, None
         if pending is None or self.target is None or pending[0] != batch_key:
             return
-        sample = now - pending[2] - self.target(pending[1])
+        forward = self.target(pending[1])
+        step = min(now - pending[2], self.OUTLIER * (forward + self.value))
         # A sample below zero is the curve's own noise; clip, so the estimate stays >= 0.
-        self.value += self.RATE * (max(sample, 0.0) - self.value)
+        self.value += self.RATE * (max(step - forward, 0.0) - self.value)
         self.samples += 1
 
     def end(self, batch_key: tuple, tokens: float, now: float) -> None:

@@ -24,17 +24,22 @@ def capture_graph(run: Callable[[object], object], device, pool=None, warmups: i
 
     device: the CUDA device; pool: a graph memory pool handle (torch.cuda.graph_pool_handle) the
     graph shares, None for its own; inference: capture under torch.inference_mode."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            run(None)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    mode = (torch.inference_mode() if inference and not torch.is_inference_mode_enabled()
-            else contextlib.nullcontext())
-    with torch.cuda.graph(graph, pool=pool), mode:
-        run(graph)
+    from vllm_ouroboros.kernels.tree_attention import graph_plans
+
+    # graph_plans: the warm-ups make the tree-attention plans the capture will (the graph rule's
+    # split count), so they compile and run what is captured.
+    with graph_plans():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                run(None)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        mode = (torch.inference_mode() if inference and not torch.is_inference_mode_enabled()
+                else contextlib.nullcontext())
+        with torch.cuda.graph(graph, pool=pool), mode:
+            run(graph)
     return graph
 
 

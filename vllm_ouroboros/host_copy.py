@@ -108,7 +108,4 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
 
     On a CPU device the arrays share the tensors' memory (what `.numpy()` gives): read them,
     do not write them."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return [t.detach().numpy() for t in tensors]
-    return _per_dtype([t.detach() for t in tensors],
-                      lambda group: torch.cat([t.reshape(-1) for t in group]).cpu().numpy())
+    return PendingRead(*tensors).arrays()

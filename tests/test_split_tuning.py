@@ -157,14 +157,21 @@ def test_plans_split_by_the_rule_of_their_shapes_and_launch_mode(many_sms, monke
                                                       for k, t in args.items()})).abs().max() <= 1e-3
 
 
-def test_a_graphs_warm_ups_plan_as_its_capture_does(many_sms):
-    # capture_graph warms up on a stream that is not capturing: without graph_plans its plans
-    # took the eager rule, and the split path ran for the first time inside the capture.
+def _one_request_with_rules_that_differ() -> dict:
+    """_one_request's arguments, with a graph rule that splits its 200-token prefix and an
+    eager one that does not."""
     args = _one_request()
     key = dict(device=str(args["q"].device), dtype=torch.float32, num_heads=2, num_kv_heads=1, head_dim=16,
                block_size=4)
     ta.register_split_rule(ta.SplitKey(**key, graphed=True), ta.SplitRule(128, 32, "test"))
     ta.register_split_rule(ta.SplitKey(**key, graphed=False), ta.SplitRule(4096, 256, "test"))
+    return args
+
+
+def test_a_graphs_warm_ups_plan_as_its_capture_does(many_sms):
+    # capture_graph warms up on a stream that is not capturing: without graph_plans its plans
+    # took the eager rule, and the split path ran for the first time inside the capture.
+    args = _one_request_with_rules_that_differ()
 
     def splits():
         return ta.TreeAttentionPlan(**args, max_query_len=5, max_prefix_len=200).num_splits
@@ -180,11 +187,7 @@ def test_a_graphs_warm_ups_plan_as_its_capture_does(many_sms):
 def test_capture_graph_warms_up_the_plans_it_captures(many_sms):
     from vllm_ouroboros.cuda_graph import capture_graph
 
-    args = _one_request()
-    key = dict(device=str(args["q"].device), dtype=torch.float32, num_heads=2, num_kv_heads=1, head_dim=16,
-               block_size=4)
-    ta.register_split_rule(ta.SplitKey(**key, graphed=True), ta.SplitRule(128, 32, "test"))
-    ta.register_split_rule(ta.SplitKey(**key, graphed=False), ta.SplitRule(4096, 256, "test"))
+    args = _one_request_with_rules_that_differ()
     seen = []
 
     def run(graph):

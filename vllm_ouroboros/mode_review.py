@@ -33,7 +33,14 @@ per output token at the batch the engine runs:
     E_m    = tokens per target forward of rows drafted whole in mode m (decayed mean over its
              recent rows), MODES' prior until MIN_ROWS rows were measured
 
-and the engine moves to the cheaper one where it saves more than MARGIN of the current one's
+The overhead is measured beside the load-time curve at the tokens the mode in force sends, so
+on a compute-bound curve it carries the curve's error there: on this CPU, MT-Bench read 42 ms in
+the guess mode and 3.4 ms in the pool mode, whose longer drafts the curve overprices. A lower T
+favours the mode with fewer tokens per forward, so each mode's reading leans the review toward
+itself, by less than MARGIN in those runs (results/README.md, "Session of 2026-12-02
+(sixteenth)"); on a GPU's flat curve the overhead does not depend on the mode.
+
+The engine moves to the cheaper one where it saves more than MARGIN of the current one's
 cost; each switch doubles the steps to the next review (up to MAX_GAP x). The draft model's
 mode is fixed at load (its window and guesses shape the runtime and its CUDA graphs, all built
 in load_model); only switching the draft model off and on is reviewed, and only where the user

@@ -21,12 +21,14 @@ splits by them. A plan made while a CUDA graph is captured takes the graph rule.
 Where nothing was measured (a CPU, the interpreter, a failed measurement) the shipped
 thresholds hold.
 
+Called where the kernel is checked before serving: the draft model's load (draft/model.py) and
+the target's attention patch (patches/tree_attention.py).
+
 A known bias, left for a GPU to size: the measured calls read the same few scratch pages again
 and again, so on a GPU their keys come from L2, where a serving forward's come from HBM (the
 weights streamed through since the last forward evicted them). A split pays by spreading those
 reads over more SMs, so here it is measured at its least, and the rule errs toward the single
-pass (a later min_prefix), never toward a wrong result. Called where the kernel is checked before serving: the draft model's load
-(draft/model.py) and the target's attention patch (patches/tree_attention.py).
+pass (a later min_prefix), never toward a wrong result.
 """
 
 from __future__ import annotations

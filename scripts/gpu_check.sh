@@ -102,7 +102,7 @@ python -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 240)
 GPU_FIRST=(tests/test_tree_attention_kernel.py tests/test_split_tuning.py tests/test_fused_ops.py tests/test_norm_gemm.py tests/test_draft_model.py tests/test_device_clock.py
            tests/test_draft_attention_layout.py tests/test_draft_runtime.py tests/test_device_round.py tests/test_prefill_graph.py tests/test_fusion_choice.py
            tests/test_cuda_graph.py tests/test_pool_writer.py tests/test_kv_cache.py tests/test_pool.py tests/test_pool_draft.py
-           tests/test_pool_kernels.py tests/test_round_steps_kernel.py
+           tests/test_pool_kernels.py tests/test_pool_warmup.py tests/test_round_steps_kernel.py
            tests/test_host_copy.py tests/test_target_step.py tests/test_sampled_walk_kernel.py
            tests/test_accept.py tests/test_kv_move_kernel.py tests/test_kv_relocate.py tests/test_bench_gpu.py)
 

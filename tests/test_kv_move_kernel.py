@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from conftest import DEVICE, import_kernel_module, needs_triton
+from triton_keys import Recorder, compile_key
 
 km = import_kernel_module("vllm_ouroboros.kernels.kv_move")
 
-from vllm_ouroboros.kv_relocate import move_kv  # noqa: E402
+from vllm_ouroboros.kv_relocate import move_kv, warm_move  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs_triton(km, km.kv_slots_kernel)]
 
@@ -86,3 +87,36 @@ def test_nothing_to_move_and_bad_backend():
 
 def test_check_kernel_passes_where_triton_runs():
     assert km.check_kernel(torch.device(DEVICE)) is None
+
+
+def test_serving_moves_reuse_the_warm_ups_binaries(monkeypatch):
+    """kv_relocate.warm_move, run at the engine's start on its own caches, compiles what the
+    moves of a serving step launch; the check's made-up layouts do not (the caches' block size,
+    heads and head dim are constexprs). The warm-up changes no cache."""
+    g = torch.Generator(DEVICE).manual_seed(3)
+    caches = layers_of("stacked", 3, blocks=6, bs=16, H=4, D=32, dtype=torch.float32, g=g)
+    before = [tuple(t.clone() for t in pair) for pair in caches]
+    launches = []
+    monkeypatch.setattr(km, "pick_kernel", lambda kernel, device, error: (kernel, None))
+    monkeypatch.setattr(km, "kv_slots_kernel", Recorder(km.kv_slots_kernel, launches))
+    assert km.check_kernel(torch.device(DEVICE)) is None
+    checked = {compile_key(*launch) for launch in launches}
+    del launches[:]
+    assert warm_move(caches, DEVICE) is None
+    assert all(torch.equal(a, b) for pair, old in zip(caches, before) for a, b in zip(pair, old))
+    warmed = {compile_key(*launch) for launch in launches}
+    del launches[:]
+    for M in (1, 3, 16, 17):
+        move_kv(caches, *moves(g, 6 * 16, M), backend="triton")
+    served = {compile_key(*launch) for launch in launches}
+    assert len(served) == 2 and served <= warmed  # to the buffer and back
+    assert not served <= checked, "the check compiles these caches' move: the warm-up is not needed"
+
+
+def test_a_failed_warm_up_says_why(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(km, "move_kv_triton", broken)
+    k = torch.zeros(2, 4, 1, 8, device=DEVICE)
+    assert warm_move([(k, k.clone())], DEVICE) == "RuntimeError: no kernel today"

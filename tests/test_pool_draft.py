@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros import pool_draft
-from vllm_ouroboros.host_copy import packed_copy
-from vllm_ouroboros.pool_draft import draft_from_pool, queue_pool_drafts, warm_pool_drafts
+from vllm_ouroboros.pool_draft import draft_from_pool, queue_pool_drafts
 
 L = 4
 
@@ -146,35 +144,3 @@ def test_model_and_pool_drafts_as_one_output():
     with pytest.raises(ValueError, match="no forward"):
         filled.followed_by(model)
 
-
-def test_the_warm_up_launches_every_lookup_a_step_can(monkeypatch):
-    """warm_pool_drafts compiles the lookup kernel's variants before serving. Triton compiles per
-    (n, masked rows or not) and per pointer alignment: on CUDA, to_device packs the keys and
-    owners into one buffer, emulated here on the host, so the owners sit at 8 x R bytes. Every
-    variant a pool step launches (any batch, any cut) was launched by the warm-up, which leaves
-    the pool alone."""
-    monkeypatch.setattr(pool_draft, "to_device", lambda dev, *a: packed_copy(
-        [torch.from_numpy(np.ascontiguousarray(x)) for x in a], dev, pin=False))
-    seen, real_lookup = [], PhrasePool.lookup
-
-    def lookup(self, keys, slots, n, rows=None):
-        seen.append((n, rows is None, keys.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0))
-        return real_lookup(self, keys, slots, n, rows)
-
-    monkeypatch.setattr(PhrasePool, "lookup", lookup)
-    pool = _pool()
-    _insert(pool, [(5, [6, 7, 8, 9], 0), (9, [10, 11, 12, 13], 1), (13, [1, 2, 3, 4], 2)])
-    before = pool.state_dict()
-    max_draft, K = 9, 2
-    warm_pool_drafts(pool, max_draft, K)
-    warmed = set(seen)
-    after = pool.state_dict()
-    assert all(torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
-               for k, v in before.items()), "the warm-up touched the pool"
-    seen.clear()
-    for R in range(1, 7):
-        for cut in (1, 4, max_draft):
-            queue_pool_drafts(pool, np.array([5, 9, 13, 3, 5, 9][:R]), np.arange(R) % 3, cut, K).output()
-    served = set(seen)
-    assert {a for *_, a in served} == {True, False}, "the emulated packing did not vary the alignment"
-    assert served <= warmed, served - warmed

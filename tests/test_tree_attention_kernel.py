@@ -10,7 +10,6 @@ the wrapper refuses to interpret and backend="triton" turns that into failures, 
 """
 
 import functools
-import inspect
 import itertools
 import logging
 import random
@@ -21,6 +20,7 @@ import torch
 
 from conftest import DEVICE, set_triton_interpret  # noqa: E402  (cuda when present; OUROBOROS_TEST_DEVICE overrides)
 from tiny_models import prefill_then_masked_forward  # noqa: E402
+from triton_keys import Recorder, compile_key  # noqa: E402
 _TRITON_WAS_IMPORTED = "triton" in sys.modules
 set_triton_interpret(True)
 try:
@@ -689,68 +689,6 @@ def test_check_kernel_needs_room_for_the_tree():
         ta.check_kernel(k, v, num_heads=4, max_query_len=40)
 
 
-class _Recorder:
-    """Wraps a @triton.jit kernel: records each launch's arguments, then launches it."""
-
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((self.kernel, args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-def _not_specialised(kernel) -> set[str]:
-    params = getattr(kernel, "params", None)  # JITFunction (compiled)
-    if params is not None:
-        return {p.name for p in params if p.do_not_specialize}
-    return set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())  # interpreter
-
-
-def _spec(value, specialise: bool):
-    """Triton's specialisation of one non-constexpr argument (runtime/jit.py, specialize_impl):
-    a pointer by its 16-byte alignment, an int by == 1 and % 16 == 0; nothing where the kernel
-    says do_not_specialize. Checked against Triton's own function where it has it."""
-    if isinstance(value, torch.Tensor):
-        ours = ("*" + str(value.dtype), ("D" if value.data_ptr() % 16 == 0 else "") if specialise else None)
-    elif isinstance(value, bool) or isinstance(value, float):
-        ours = (type(value).__name__, None)
-    else:
-        ty = "i32" if -2**31 <= value < 2**31 else "i64"
-        ours = (ty, None) if not specialise else ("constexpr", 1) if value == 1 else \
-            (ty, "D" if value % 16 == 0 else "")
-    try:
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.compiler import BaseBackend
-    except ImportError:
-        return ours
-    try:
-        native = native_specialize_impl(BaseBackend, value, False, specialise, True)
-    except TypeError:  # another Triton's signature: ours stands alone
-        return ours
-    assert native[1] == ours[1] or isinstance(value, (bool, float)), (value, native, ours)
-    return ours
-
-
-def _compile_key(kernel, args, kwargs) -> tuple:
-    """What Triton compiles a launch by: each argument's specialisation, the constexprs and the
-    launch options (num_warps, ...)."""
-    names = list(inspect.signature(kernel.fn).parameters)
-    bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
-    fixed = _not_specialised(kernel)
-    key = []
-    for name in names:
-        value = bound.get(name)
-        if name.isupper() or value is None:  # constexprs (upper case in our kernels) or defaults
-            key.append((name, value))
-        else:
-            key.append((name, _spec(value, name not in fixed)))
-    return (kernel.fn.__name__, tuple(key), options)
-
-
 def test_serving_launches_reuse_the_checked_binaries(monkeypatch):
     """Every launch a server makes must find a binary that check_kernel compiled before serving:
     one that does not compiles on the clock in a request's step (~1 s each on a GPU, and vLLM's
@@ -761,11 +699,11 @@ def test_serving_launches_reuse_the_checked_binaries(monkeypatch):
     launches = []
     kernel, reason = ta._pick_kernel(torch.device(DEVICE))
     assert kernel is not None, reason
-    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Recorder(kernel, launches), None))
+    monkeypatch.setattr(ta, "_pick_kernel", lambda device: (Recorder(kernel, launches), None))
     monkeypatch.setattr(ta, "tree_attention_merge_kernel",
-                        _Recorder(ta.tree_attention_merge_kernel, launches))
+                        Recorder(ta.tree_attention_merge_kernel, launches))
     assert ta.check_kernel(*check_caches("contiguous"), num_heads=4, **CHECK_SIZES) is None
-    checked = {_compile_key(*launch) for launch in launches}
+    checked = {compile_key(*launch) for launch in launches}
     assert any(key[0] == "tree_attention_merge_kernel" for key in checked)
 
     def packed(t, offset):  # t's values in a view `offset` elements into a larger buffer
@@ -789,7 +727,7 @@ def test_serving_launches_reuse_the_checked_binaries(monkeypatch):
         num_splits = rng.choice([None, 1, 2, 3, 4])
         tree_attention(**batch, backend="triton", num_splits=num_splits,
                        max_query_len=max(len(t) for t in trees))
-        served += [(_compile_key(*launch), n_req, num_splits) for launch in launches]
+        served += [(compile_key(*launch), n_req, num_splits) for launch in launches]
     missing = [(n_req, s, key) for key, n_req, s in served if key not in checked]
     assert not missing, f"{len(missing)} serving launches would compile: {missing[0]}"
 

@@ -144,6 +144,18 @@ class PhrasePool:
             from vllm_ouroboros.kernels.pool_lookup import lookup_triton as fn
         return fn
 
+    def empty_like(self, num_pages: int) -> "PhrasePool":
+        """An empty pool of `num_pages` pages with this one's vocabulary, L, W, sharing, device
+        and kernels (the same insert and lookup backends): a scratch pool that launches what
+        this one would (pool_warmup.py)."""
+        other = PhrasePool(self.vocab_size, self.L, self.W,
+                           self.budget_for(self.vocab_size, self.L, self.W, num_pages),
+                           device=self.device, shared=self.shared, kernels="torch")
+        other._insert_kernels, other._lookup_kernel = self._insert_kernels, self._lookup_kernel
+        other.insert_backend, other.lookup_backend = self.insert_backend, self.lookup_backend
+        other.backend_reasons = dict(self.backend_reasons)
+        return other
+
     @staticmethod
     def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
         """Bytes a pool with `num_pages` pages owns (all tensors, the key->page table included)."""

@@ -91,20 +91,3 @@ def queue_pool_drafts(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarr
         suffix_valid = torch.zeros((R, 0), dtype=torch.bool, device=dev)
     return PendingPoolDrafts(PendingRead(drafts, draft_lens, suffixes, suffix_valid), R)
 
-
-@torch.no_grad()
-def warm_pool_drafts(pool: PhrasePool, draft_len: int, num_suffixes: int) -> None:
-    """Run queue_pool_drafts once at one and at two rows on a scratch pool of `pool`'s shape
-    (vocabulary, L, W, sharing; its lookups chosen as the pool's were: "auto"), so that the
-    lookup kernel's variants a step can launch are compiled before serving: n = 1 with masked
-    rows (the chain) and n = num_suffixes without (the suffixes), each with the owners 16-byte
-    aligned or not (to_device packs keys and owners into one buffer: the owners' view is
-    aligned at an even row count only, and Triton specialises on a pointer's alignment). Compiled on the first pool
-    step instead, the compile time (up to a second beside a 2 ms target step) would be that
-    step's timing of the lookups, the first sample of proposer._pool_seconds, which would price
-    every later pool plan out and so never be timed again. `pool` is not touched."""
-    budget = PhrasePool.budget_for(pool.vocab_size, pool.L, pool.W, 1)
-    scratch = PhrasePool(pool.vocab_size, pool.L, pool.W, budget, device=pool.device, shared=pool.shared)
-    for rows in (1, 2):
-        zeros = np.zeros(rows, np.int64)
-        queue_pool_drafts(scratch, zeros, zeros, draft_len, num_suffixes).output()

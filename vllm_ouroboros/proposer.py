@@ -35,7 +35,8 @@ from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
 from vllm_ouroboros.mode_review import ModeReview
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros.pool_draft import queue_pool_drafts, warm_pool_drafts
+from vllm_ouroboros.pool_draft import queue_pool_drafts
+from vllm_ouroboros.pool_warmup import warm_pool_kernels
 from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
 from vllm_ouroboros.round_length import RoundLength
@@ -255,8 +256,8 @@ class OuroborosProposer:
         self._measure_curves(model, target_model, draft_round, init_len)
         use_lookahead, use_guesses = self._choose_mode()
         self.pool = self._make_pool(model.vocab_size)
-        if self.pool.lookup_backend == "triton":  # compiled now, not inside the first pool step's timing
-            warm_pool_drafts(self.pool, cfg.max_draft_len, cfg.tree_suffixes)
+        # Compiled now, not in a serving step (and its timings): pool_warmup.py.
+        warm_pool_kernels(self.pool, cfg.max_draft_len, cfg.tree_suffixes)
         self._make_runtime(model, draft_round, init_slots, init_len, use_lookahead, use_guesses)
         if self.device.type == "cuda":
             worst = model.cache_bytes(self.max_slots * self.runtime.max_slot_len)

@@ -71,12 +71,23 @@ class TreeState:
             # A winning suffix's KV moved in two launches for all layers instead of four indexing
             # calls per layer (kernels/kv_move.py), once compared with the torch copy here.
             from vllm_ouroboros.kernels.kv_move import check_kernel as check_kv_move
+            from vllm_ouroboros.kv_relocate import warm_move
 
             why = check_kv_move(runner.device)
+            if why is None and self.reason is None:
+                # The engine's own caches' variant, compiled now (a move runs only with the tree).
+                why = warm_move(_kv_caches(runner), runner.device)
             if why is None:
                 self.kv_move = "triton"
             else:
                 logger.warning("ouroboros: a winning suffix's KV is moved in torch: %s", why)
+
+
+def _kv_caches(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each attention layer's (key, value) cache views, but for layers that share another's
+    KV (it moves with that layer's)."""
+    return [tree_attention.kv_views(layer) for layer in tree_attention.attention_layers(runner).values()
+            if getattr(layer.impl, "kv_sharing_target_layer_name", None) is None]
 
 
 def _state(runner) -> TreeState:
@@ -194,10 +205,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
         src, dst = relocation_slots(v.result, step.root_rows, slots)
         if src.numel() and not _SKIP_RELOCATION:
-            move_kv([tree_attention.kv_views(layer)
-                     for layer in tree_attention.attention_layers(runner).values()
-                     if getattr(layer.impl, "kv_sharing_target_layer_name", None) is None],
-                    src, dst, backend=_state(runner).kv_move)
+            move_kv(_kv_caches(runner), src, dst, backend=_state(runner).kv_move)
         logprobs = None
         if sm.max_num_logprobs is not None:
             logprobs = _path_logprobs(runner.sampler, mode, raw, step, v, sm.max_num_logprobs)

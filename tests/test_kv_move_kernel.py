@@ -102,7 +102,7 @@ def test_serving_moves_reuse_the_warm_ups_binaries(monkeypatch):
     assert km.check_kernel(torch.device(DEVICE)) is None
     checked = {compile_key(*launch) for launch in launches}
     del launches[:]
-    assert warm_move(caches, DEVICE) is None
+    assert warm_move(caches) is None
     assert all(torch.equal(a, b) for pair, old in zip(caches, before) for a, b in zip(pair, old))
     warmed = {compile_key(*launch) for launch in launches}
     del launches[:]
@@ -119,4 +119,4 @@ def test_a_failed_warm_up_says_why(monkeypatch):
 
     monkeypatch.setattr(km, "move_kv_triton", broken)
     k = torch.zeros(2, 4, 1, 8, device=DEVICE)
-    assert warm_move([(k, k.clone())], DEVICE) == "RuntimeError: no kernel today"
+    assert warm_move([(k, k.clone())]) == "RuntimeError: no kernel today"

@@ -68,17 +68,20 @@ def move_kv(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
             cache[db, do] = cache[sb, so]
 
 
-def warm_move(caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str) -> str | None:
+def warm_move(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Compile move_kv's Triton kernel for these caches before serving, by copying slot 0 onto
     itself (nothing changes). The kernel's check (kernels/kv_move.check_kernel) compiles made-up
     layouts, and the caches' block size, heads and head dim are the kernel's constexprs: without
     this the first step whose winning suffix moves KV would compile, in a request's step
     (patches/tree_verify.py calls it once the check passed). Shape: caches as move_kv's.
     Returns None, or why the move failed (the caller then moves in torch)."""
+    if not caches:
+        return None
+    device = caches[0][0].device
     slot = torch.zeros(1, dtype=torch.long, device=device)
     try:
         move_kv(caches, slot, slot, backend="triton")
-        if torch.device(device).type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - the torch copy still serves
         return f"{type(e).__name__}: {e}"

@@ -90,4 +90,3 @@ def queue_pool_drafts(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarr
         suffixes = torch.zeros((R, 0, L), dtype=torch.long, device=dev)
         suffix_valid = torch.zeros((R, 0), dtype=torch.bool, device=dev)
     return PendingPoolDrafts(PendingRead(drafts, draft_lens, suffixes, suffix_valid), R)
-

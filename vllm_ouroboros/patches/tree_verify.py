@@ -76,7 +76,7 @@ class TreeState:
             why = check_kv_move(runner.device)
             if why is None and self.reason is None:
                 # The engine's own caches' variant, compiled now (a move runs only with the tree).
-                why = warm_move(_kv_caches(runner), runner.device)
+                why = warm_move(_kv_caches(runner))
             if why is None:
                 self.kv_move = "triton"
             else:

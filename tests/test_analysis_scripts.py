@@ -4,7 +4,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from pool_key_sim import ContextRankedPool, LruPool, match  # noqa: E402
+from pool_key_sim import (ContextRankedPool, LruPool, branch_tree, chain_tree, match,  # noqa: E402
+                          replay_pool_mode, sent_tokens)
 
 
 def test_lru_pool_keeps_the_newest_phrases_of_a_key():
@@ -50,3 +51,28 @@ def test_generate_ratios_are_to_the_mean_of_the_no_spec_readings():
     assert [r["identical"] for r in rows] == [True, True, False, True, True]
     assert repeated_readings(rows) == [("no-spec", [6.0, 10.0], 1.0), ("a", [9.0, 7.0], 1.0)]
     assert repeated_readings(compare([row("no-spec", 5.0), row("a", 6.0)])) == []
+
+
+def test_pool_mode_trees_chain_and_branches():
+    pool = LruPool(3)
+    for key, phrase in [(1, (2, 3)), (1, (4, 5)), (5, (6, 7)), (7, (8, 9)), (3, (1, 1))]:
+        pool.insert(key, phrase)
+    # newest first: key 1 -> (4, 5), then (2, 3); the chain follows 5 -> 7 -> 9, cut at 5 tokens
+    assert chain_tree(pool, 1, 5, 1) == [[4, 5, 6, 7, 8]]  # nothing after 8: no suffix
+    assert chain_tree(pool, 1, 4, 2) == [[4, 5, 6, 7], [4, 5, 6, 7, 8, 9]]
+    assert chain_tree(pool, 9, 4, 2) == []
+    assert branch_tree(pool, 1, 2) == [[4, 5], [2, 3]]
+    assert branch_tree(pool, 1, 3, chain_first=5) == [[4, 5, 6, 7, 8], [2, 3]]
+    assert sent_tokens(chain_tree(pool, 1, 4, 2)) == 6 and sent_tokens(branch_tree(pool, 1, 2)) == 4
+
+
+def test_pool_mode_replay_counts_steps_and_learns_the_text():
+    # After 9 the prompt had "2 3", then "4 5"; the output goes on as after the first 9.
+    prompt, out = [7, 9, 2, 3, 7, 9, 4, 5, 7, 9], [2, 3, 6, 6]
+    chain = replay_pool_mode([(prompt, out)], 2, 2, lambda p, k: chain_tree(p, k, 2, 1))
+    branches = replay_pool_mode([(prompt, out)], 2, 2, lambda p, k: branch_tree(p, k, 2))
+    # The chain tries 9's newest phrase (4 5, then 5's 7 9: 4 nodes) and gets the target's token
+    # alone; then 2's (3 7): one token and the target's; then nothing for 6: 4 tokens, 3 steps.
+    assert chain == (4 / 3, 6 / 3)
+    # The branches try both of 9's phrases: 2 3 and the target's 6; nothing for 6: 2 steps.
+    assert branches == (2.0, 2.0)

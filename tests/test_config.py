@@ -54,6 +54,11 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"mode_review_steps": -1}, "'mode_review_steps'=-1 is out of range >= 0"),
     ({"draft_fused_ops": "on"}, "'draft_fused_ops' must be true or false .or null: auto."),
     ({"draft_norm_gemm": "on"}, "'draft_norm_gemm' must be true or false .or null: auto."),
+    ({"pool_branches": "on"}, "'pool_branches' must be true or false .or null: auto."),
+    ({"pool_branches": True}, "pool_branches=true sends the pool's phrases as branches of a token tree, "
+                              "which needs num_suffixes >= 2 .* .got num_suffixes=1, tree_verification=True"),
+    ({"pool_branches": True, "num_suffixes": 3, "tree_verification": False},
+     "pool_branches=true .* .got num_suffixes=3, tree_verification=False, use_suffixes=None."),
     ({"gamma": 2.5}, "'gamma' must be an integer"),
     ({"draft_dtype": "int8"}, "'draft_dtype'='int8'"),
     ({"draft_attention": "flash"}, "'draft_attention'='flash'"),

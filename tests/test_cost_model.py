@@ -840,6 +840,37 @@ def test_prefill_scale_restarts_when_the_prefill_graphs_fail():
     assert p._prefill_scale == pytest.approx(6.7 + ESTIMATE_RATE * (10.0 - 6.7))
 
 
+def test_the_pool_modes_prior_with_branches_is_the_measured_row():
+    """cost_model.POOL_BRANCHES: the pool-branches row of results/pool_branches.json (E over
+    every step, as MODES' pool entry), measured beside the chain with the same K; the chain
+    there gives MODES' E within 0.01 (its K = 1 run), so the two priors compare like for like."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    rows = {r["config"]: r for r in json.loads((results / "pool_branches.json").read_text())}
+
+    def every_step_E(r):
+        c = r["counters"]
+        assert r["identical"] and c["draft_forward_calls"] == 0 and r["settings"]["drafting_mode"] == "pool"
+        return r["tokens"] / (r["tokens"] - c["accepted_tokens"])
+
+    branches, chain = rows["pool-branches"], rows["pool-chain-k4"]
+    assert branches["settings"]["pool_branches"] and not chain["settings"]["pool_branches"]
+    assert cost_model.POOL_BRANCHES.tokens_per_target_forward == pytest.approx(every_step_E(branches), abs=0.006)
+    pool = cost_model.pool_mode(False)
+    assert every_step_E(chain) == pytest.approx(pool.tokens_per_target_forward, abs=0.01)
+    assert cost_model.pool_mode(True) is cost_model.POOL_BRANCHES and not pool.uses_draft
+    # The costs price the pool mode by the prior of the drafts it will send.
+    flat = cost_model.CostCurve((1, 64), (2e-3, 2.2e-3))
+    chain_cost = cost_model.drafting_mode_costs(flat, flat, 4, 4, 4, 9)
+    branch_cost = cost_model.drafting_mode_costs(flat, flat, 4, 4, 4, 9, pool_branches=True)
+    assert branch_cost["pool"] == pytest.approx(chain_cost["pool"] * pool.tokens_per_target_forward
+                                                / cost_model.POOL_BRANCHES.tokens_per_target_forward)
+    assert {k: v for k, v in branch_cost.items() if k != "pool"} == \
+        {k: v for k, v in chain_cost.items() if k != "pool"}
+
+
 def test_drafting_mode_priors_are_the_measured_rows():
     """MODES' E and d are the pinned rows of results/drafting_modes.json (scripts/generate.py's
     JSON of the run that measured them), to the two decimals written in cost_model.py."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -507,19 +506,23 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
     assert sum(v["rounds"] for v in per_f.values()) <= s["rounds"], (per_f, s["rounds"])
 
 
-def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenario, tiny_models):
+@pytest.mark.parametrize("pool_branches", [None, False], ids=["branches", "chain"])
+def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenario, tiny_models, pool_branches):
     """Curves (as configured) where a draft forward costs what the target's does: the cost model
     picks the pool mode at load (no draft forward; pool_draft.py), the auto back-off runs on it,
     K = 3 trees, suffixes on auto. Same output as without speculation, greedy requests beside a
     sampled one too; no draft or prefill forward ran, and the pool's drafts and suffixes were
-    accepted: the pool's measured per-position acceptance cuts these tiny models' drafts short,
-    and the suffixes fill the room past the cut (proposal_layout.py; while the cut bounded them
-    too, one run in three sent almost none)."""
+    accepted. pool_branches on auto: the K phrases of the last token as branches under the root,
+    every accepted token from them. false: a chain of phrases with its suffixes; the pool's
+    measured per-position acceptance cuts these tiny models' drafts short, and the suffixes fill
+    the room past the cut (proposal_layout.py; while the cut bounded them too, one run in three
+    sent almost none)."""
     base, _, _ = runs
     curve = {"1": 6.0, "64": 7.0}
     # mode_review_steps 0: the load-time choice stays (the next test reviews it).
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": 3,
-            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0}
+            "draft_cost_ms": curve, "target_cost_ms": curve, "mode_review_steps": 0,
+            "pool_branches": pool_branches}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("mixed", scenario["mixed"]),))
     assert snaps["loaded"]["settings"]["drafting_mode"] == "pool", snaps["loaded"]["settings"]
@@ -535,6 +538,12 @@ def test_pool_mode_chosen_where_the_draft_is_dear_greedy_identical(runs, scenari
     # 48-53 suffix tokens accepted in three runs; 4 in each of three while the cut bounded the
     # suffixes too (results/README.md, "Session of 2026-11-29 (tenth)").
     assert s["suffix_accepted"] >= 20, s
+    assert s["settings"]["pool_branches"] is (pool_branches is None), s["settings"]
+    if pool_branches is None:  # no sentence draft: every accepted token was a branch's
+        assert s["accepted_tokens"] == s["suffix_accepted"], s
+        assert s["refinement_inserts"] == 0, s  # branches are not refined (feedback.refinable)
+    else:
+        assert s["accepted_tokens"] > s["suffix_accepted"], s
     costs = s["settings"]["drafting_mode_ms_per_token"]
     assert costs["pool"] == min(costs.values()), costs
 

@@ -6,7 +6,7 @@ position j (its prediction after context + d[:j]); t[n] is the bonus. -1 pads ra
 
 import numpy as np
 
-from vllm_ouroboros.feedback import accepted_lengths, correction_phrases, inspiration, refinement
+from vllm_ouroboros.feedback import accepted_lengths, correction_phrases, inspiration, refinable, refinement
 
 A = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
 
@@ -133,6 +133,19 @@ def test_refinement_verified_suffix_becomes_targets_tokens():
     # wrong answers: the suffix's own (drafted) tokens, or t[4], t[5] (shifted by one; t[5] is
     # the bonus after the suffix).
     assert phrases_of(p) == [(8, [20, 21], 1), (9, [2, 30], 5)]
+
+
+def test_refinable_suffixes_hang_off_a_draft_accepted_in_full():
+    slen = A([[4, 4, 2], [4, 4, 0], [4, 4, 4], [4, 0, 0]])
+    num_acc = A([3, 6, 2, 1])
+    draft_lens = A([3, 2, 0, 0])
+    got = refinable(num_acc, draft_lens, slen)
+    # row 0: draft of 3 accepted whole: all tried suffixes; row 1 likewise (2 of its suffix's
+    # tokens accepted too); rows 2 and 3: branches under the root (no draft), none, whatever
+    # they matched (row 3 accepted one token of its one branch).
+    assert got.tolist() == [[4, 4, 2], [4, 4, 0], [0, 0, 0], [0, 0, 0]]
+    # A draft rejected before its end: its suffixes continue a context the target did not accept.
+    assert refinable(A([1]), A([3]), A([[4, 4]])).tolist() == [[0, 0]]
 
 
 def test_refinement_L3_and_empty():

@@ -72,6 +72,31 @@ def test_chained_phrases_match_row_by_row_lookups(draft_len, K):
     assert not out.row_forwards.any() and not out.row_prefills.any() and not out.guess_tokens.any()
 
 
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_branches_are_the_roots_best_phrases(K):
+    """pool_branches: no sentence draft; the K suffixes are the lookup of the last token itself,
+    so each hangs off the root (tree.py: under the root where the draft is empty)."""
+    pool = _pool()
+    _insert(pool, [(5, [6, 7, 8, 9], 0), (5, [1, 2, 3, 4], 1), (5, [11, 12, 13, 14], 0),
+                   (9, [10, 11, 12, 13], 0), (13, [14, 15, 16, 5], 1)])
+    last, slots = np.array([5, 9, 13, 50]), np.array([0, 1, 1, 0])
+    ref = _pool_copy(pool)
+    want_s, want_v = ref.lookup(torch.tensor(last), torch.tensor(slots), K)
+    out = draft_from_pool(pool, last, slots, 8, K, branches=True)
+    assert out.draft_lens.tolist() == [0, 0, 0, 0] and out.drafts.shape == (4, 8)
+    np.testing.assert_array_equal(out.suffixes, want_s.numpy())
+    np.testing.assert_array_equal(out.suffix_valid, want_v.numpy())
+    assert out.suffix_valid.sum(1).tolist() == [min(K, 3), 1, 1, 0]
+    # key 5's own phrases first (slot 0 owns two of its three), newest first
+    assert out.suffixes[0, 0].tolist() == [11, 12, 13, 14] and out.suffixes[0, 1].tolist() == [6, 7, 8, 9]
+    chain = draft_from_pool(_pool_copy(pool), last, slots, 8, K)
+    # The chain form's draft is the first branch (nothing follows key 14), its suffixes none.
+    assert chain.draft_lens[0] == 4 and chain.drafts[0, :4].tolist() == [11, 12, 13, 14]
+    assert not chain.suffix_valid[0].any()
+    with pytest.raises(ValueError, match="branches needs num_suffixes >= 1"):
+        draft_from_pool(pool, last, slots, 8, 0, branches=True)
+
+
 def _pool_copy(pool: PhrasePool) -> PhrasePool:
     """The same phrases in a fresh pool: the reference's lookups then move their own copy's
     recency and counters, not those of the pool under test."""

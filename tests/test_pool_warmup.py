@@ -71,6 +71,9 @@ def test_serving_launches_reuse_the_warm_ups_binaries(launches, L, K):
     for rows in range(1, 7):
         for cut in (1, L, max_draft):
             pool_draft.queue_pool_drafts(pool, rng.integers(0, V, rows), np.arange(rows) % 3, cut, K).output()
+        if K >= 2:  # the pool's drafts as branches under the root (pool_branches)
+            pool_draft.queue_pool_drafts(pool, rng.integers(0, V, rows), np.arange(rows) % 3, max_draft, K,
+                                         branches=True).output()
     served = {compile_key(*launch) for launch in launches}
     # the uploads' offsets gave the inserts more than one alignment: the test can fail
     assert len({key for key in served if key[0] == "place_kernel"}) > 1

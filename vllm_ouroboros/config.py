@@ -71,6 +71,11 @@ class OuroborosConfig:
     # flat (cost_model.is_flat: a GPU's, not this CPU's) and max_speculative_batch is unset;
     # true = wherever the back-off plans; false = such a request decodes without a draft.
     pool_fill: bool | None = None
+    # The pool's drafts (the pool mode, pool fill) as K branches under the last confirmed token
+    # (its K best phrases, as Lookahead Decoding verifies n-grams) instead of a chain of best
+    # phrases with K suffixes at its end (pool_draft.py). Needs the tree (tree_suffixes >= 2).
+    # None = on wherever the tree is sent; a step without the tree sends the chain.
+    pool_branches: bool | None = None
     # Back-off: a step with more decoding requests than this speculates for none of them.
     # None = decided per step and request from the device's cost curves and each request's
     # acceptance, with drafts cut short where load makes the target's tokens dear
@@ -203,7 +208,8 @@ _INT_RANGES = {
     "mode_review_steps": (0, None),
 }
 _OPTIONAL_INTS = {"num_speculative_tokens", "max_speculative_batch", "correction_phrases"}  # None = derived / auto / off
-_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_draft", "use_suffixes", "pool_fill", "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
+_AUTO_BOOL_KEYS = {"use_lookahead", "use_guesses", "use_draft", "use_suffixes", "pool_fill", "pool_branches",
+                   "draft_fused_ops", "draft_norm_gemm"}  # None = decided on the device
 _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
               if f.type in ("bool", bool)} | _AUTO_BOOL_KEYS
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}
@@ -230,6 +236,12 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         raise OuroborosConfigError(
             "ouroboros: pool_fill=true needs the back-off's per-request plan; max_speculative_batch="
             f"{cfg.max_speculative_batch} fixes which requests speculate (unset it, or leave pool_fill on auto)")
+    if cfg.pool_branches and cfg.tree_suffixes < 2:
+        raise OuroborosConfigError(
+            "ouroboros: pool_branches=true sends the pool's phrases as branches of a token tree, "
+            f"which needs num_suffixes >= 2 with tree_verification and use_suffixes not false (got "
+            f"num_suffixes={cfg.num_suffixes}, tree_verification={cfg.tree_verification}, "
+            f"use_suffixes={cfg.use_suffixes}); leave pool_branches on auto or false")
     if cfg.num_guesses > cfg.window_size:
         raise OuroborosConfigError(
             f"ouroboros: num_guesses={cfg.num_guesses} exceeds window_size={cfg.window_size}; "

@@ -299,16 +299,27 @@ MODES = (
     # the steps that proposed.
     DraftingMode("pool", False, False, 1.47, 0.0, uses_draft=False),
 )
+# The pool mode where its drafts are branches under the root (pool_branches: K >= 2 on the
+# tree path): the pool-branches row of results/pool_branches.json (K = 4, the same protocol,
+# every step counted; results/README.md, "Branches under the root"). Taken for every K >= 2.
+POOL_BRANCHES = DraftingMode("pool", False, False, 1.62, 0.0, uses_draft=False)
+
+
+def pool_mode(branches: bool) -> DraftingMode:
+    """The pool mode's prior: drafting branches under the root, or a chain (MODES' entry)."""
+    return POOL_BRANCHES if branches else next(m for m in MODES if not m.uses_draft)
 
 
 def drafting_mode_costs(draft: CostCurve, target: CostCurve | None, window_size: int, num_guesses: int,
-                        phrase_len: int, target_tokens: float) -> dict[str, float]:
+                        phrase_len: int, target_tokens: float, pool_branches: bool = False) -> dict[str, float]:
     """Modeled seconds per output token of each mode in MODES:
     t_target(target_tokens) / E + d * t_draft(row tokens). Without a target curve the target's
     share is left out (every mode then pays the same per target forward), and with it the
-    pool mode, which only the target's share prices (infinite)."""
+    pool mode, which only the target's share prices (infinite). pool_branches: the pool mode's
+    E is that of its branches (`pool_mode`)."""
     out = {}
     for m in MODES:
+        m = m if m.uses_draft else pool_mode(pool_branches)
         if target is None and not m.uses_draft:
             out[m.name] = math.inf
             continue

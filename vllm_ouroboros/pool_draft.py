@@ -11,7 +11,13 @@ tokens on earlier trees (refinement, inspiration). This mode sends them without 
     suffixes       = the pool's K best phrases after the draft's last token
 
 the same tree as a drafted step (a chain, then K suffixes), verified by the same target forward,
-so greedy output stays the target's and sampling its distribution. The pool keeps learning from
+so greedy output stays the target's and sampling its distribution. With `branches` (K >= 2 on
+the tree path) the draft is empty and the K suffixes are the K best phrases after the last
+confirmed token: K branches under the root, as Lookahead Decoding verifies its n-grams. Where
+the best phrase is wrong, a chain of best phrases wins nothing, while one of the other K often
+does: replayed on the greedy text of 40 HumanEval prompts, 2.08 tokens per target forward
+against the chain's 1.84 at K = 4 (`python scripts/pool_key_sim.py results/phrases_40.json
+--pool-trees`; results/README.md). The pool keeps learning from
 every verification as in the other modes (proposer._learn). The draft model's mode uses it too,
 for the requests its round left this step (pool fill: the back-off's, an unreadable prompt, a
 full draft cache; proposer._propose). No vLLM imports.
@@ -28,7 +34,7 @@ from vllm_ouroboros.pool import PhrasePool
 
 
 def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray, draft_len: int,
-                    num_suffixes: int) -> RoundOutput:
+                    num_suffixes: int, branches: bool = False) -> RoundOutput:
     """One step's drafts for R requests from the pool, with no draft forward.
 
     last_tokens [R] (int): each request's last confirmed token; slots [R] (int): their pool
@@ -39,9 +45,10 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
     Returns a RoundOutput with drafts [R, draft_len] and draft_lens [R] (a row whose key has no
     phrase stops there: 0 tokens if the first lookup found none), suffixes [R, K, L] and
     suffix_valid [R, K], and zero draft and prefill forwards. The lookups stay on the device;
-    one read back at the end (queue_pool_drafts, then its output).
+    one read back at the end (queue_pool_drafts, then its output). branches: K branches under
+    the root instead (queue_pool_drafts).
     """
-    return queue_pool_drafts(pool, last_tokens, slots, draft_len, num_suffixes).output()
+    return queue_pool_drafts(pool, last_tokens, slots, draft_len, num_suffixes, branches).output()
 
 
 class PendingPoolDrafts:
@@ -62,15 +69,24 @@ class PendingPoolDrafts:
 
 @torch.no_grad()
 def queue_pool_drafts(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray, draft_len: int,
-                      num_suffixes: int) -> PendingPoolDrafts:
+                      num_suffixes: int, branches: bool = False) -> PendingPoolDrafts:
     """draft_from_pool's lookups and read back, queued without waiting for the device (same
     arguments). Queued ahead of a drafting round that ends in its own read, the pool's drafts
-    cost the step no wait of their own (proposer._propose, pool fill)."""
+    cost the step no wait of their own (proposer._propose, pool fill). branches: no sentence
+    draft (draft_lens 0); the suffixes are the K best phrases after each last token (the
+    module docstring)."""
     if draft_len < 1:
         raise ValueError(f"draft_len={draft_len} must be >= 1")
     R, L = len(slots), pool.L
     dev = pool.device
     key, owner = to_device(dev, np.asarray(last_tokens, np.int64), np.asarray(slots, np.int64))
+    if branches:
+        if num_suffixes < 1:
+            raise ValueError("branches needs num_suffixes >= 1")
+        suffixes, suffix_valid = pool.lookup(key, owner, num_suffixes)
+        drafts = torch.zeros((R, draft_len), dtype=torch.long, device=dev)
+        draft_lens = torch.zeros(R, dtype=torch.long, device=dev)
+        return PendingPoolDrafts(PendingRead(drafts, draft_lens, suffixes, suffix_valid), R)
     pieces, took = [], []
     alive = torch.ones(R, dtype=torch.bool, device=dev)
     for _ in range(-(-draft_len // L)):

@@ -40,7 +40,8 @@ SCRATCH_PAGES = 32
 def warm_pool_kernels(pool: PhrasePool, draft_len: int, num_suffixes: int) -> None:
     """Make, on a scratch pool like `pool` (PhrasePool.empty_like: its shape and kernels), the
     eager calls a serving step makes through the Triton kernels (module docstring):
-    queue_pool_drafts at one and two rows with this draft length and num_suffixes (K), and the
+    queue_pool_drafts at one and two rows with this draft length and num_suffixes (K), as a
+    chain and (K >= 2) as branches (pool_branches), and the
     refinement's replace and the writer's insert at INSERT_ROWS rows, each from a packed upload.
     Only the ops that run through Triton on `pool` are made; `pool` is not touched."""
     if pool.lookup_backend != "triton" and pool.insert_backend != "triton":
@@ -50,7 +51,8 @@ def warm_pool_kernels(pool: PhrasePool, draft_len: int, num_suffixes: int) -> No
     if pool.lookup_backend == "triton":
         for rows in (1, 2):
             zeros = np.zeros(rows, np.int64)
-            queue_pool_drafts(scratch, zeros, zeros, draft_len, num_suffixes).output()
+            for branches in (False, True) if num_suffixes >= 2 else (False,):
+                queue_pool_drafts(scratch, zeros, zeros, draft_len, num_suffixes, branches).output()
     if pool.insert_backend == "triton":
         for n in INSERT_ROWS:
             keys, phrases = np.arange(n, dtype=np.int64), np.zeros((n, pool.L), np.int64)

@@ -355,8 +355,12 @@ class OuroborosProposer:
         pool mode was chosen (the review may switch to the draft model)."""
         cfg = self.cfg
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
+        # The pool's drafts are branches where the tree will be sent (the tree is decided when
+        # the target's KV cache is allocated, after this; a refusal then leaves the chain).
+        branches = cfg.pool_branches is not False and cfg.tree_suffixes >= 2
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
-                                               cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len)
+                                               cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len,
+                                               branches)
         # An adaptive draft length is the draft model's (its acceptance head stops its drafts).
         use_draft = True if cfg.use_draft is None and cfg.draft_length == "adaptive" else cfg.use_draft
         mode = cost_model.choose_drafting_mode(costs, cfg.use_lookahead, cfg.use_guesses, use_draft)
@@ -370,7 +374,7 @@ class OuroborosProposer:
         self._mode, self.drafting_mode_at_load = mode, mode.name
         if (self.target_cost is not None and cfg.calibrate_costs and cfg.mode_review_steps and use_draft is None
                 and cfg.use_lookahead is None and cfg.use_guesses is None):
-            pool = next(m for m in cost_model.MODES if not m.uses_draft)
+            pool = cost_model.pool_mode(branches)
             self._mode_review = ModeReview(
                 drafted, pool,
                 drafted.row_tokens(cfg.window_size, cfg.num_guesses, cfg.phrase_len),
@@ -689,11 +693,8 @@ class OuroborosProposer:
             self._writer.stage(insp.keys, insp.tokens, insp.owners)
             self._writer.stage(corr.keys, corr.tokens, corr.owners)
         if self.cfg.use_refinement:
-            # Every suffix the walk tried: all K once the sentence draft was accepted in full.
-            # Where the draft was rejected first, the target's tokens on a suffix continue a
-            # context it did not accept; writing them would replace phrases with noise.
             key = np.repeat(self._last_suffix_key[slots], K)
-            s_len = np.where(np.repeat(num_acc >= n, K), slen.reshape(-1), 0)
+            s_len = feedback.refinable(num_acc, n, slen).reshape(-1)
             refn = feedback.refinement(target, np.repeat(n, K), s_len, key, flat_len, owners, L)
             if len(refn):
                 # refinement returns rows in (b, k) order; find each one's k for the old phrase.
@@ -813,7 +814,7 @@ class OuroborosProposer:
             # Drafts end at the plan's cut, so their suffixes follow them (proposal_layout.py).
             pending = queue_pool_drafts(self.pool, token_ids_cpu[rows[by_pool], lens_ctx[by_pool] - 1],
                                         slots[by_pool], min(self.cfg.max_draft_len, cut_pool),
-                                        self.cfg.tree_suffixes)
+                                        self.cfg.tree_suffixes, self._pool_branches)
             t_pool = time.perf_counter() - t_pool
         if by_model.any():
             # A row the draft cache cannot hold now decodes plainly this step (counted).
@@ -861,7 +862,9 @@ class OuroborosProposer:
                                                np.minimum(room, cut), np.minimum(room, S))
         n_main, lens = place.n_main, place.lens
         if self.cfg.use_suffixes is None and lens.any():
-            send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft + t_pool)
+            # The pool's branches are its whole draft: the back-off's plan chose to send them.
+            send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft + t_pool,
+                                       forced=from_pool & self._pool_branches)
             lens[~send] = 0
         sfx = place.ordered(out.suffixes[:, :K])
         chain, total = proposal_layout.proposal_tokens(out.drafts, sfx, place)
@@ -1124,6 +1127,12 @@ class OuroborosProposer:
         return self._pool_est.plan(slots, decide)
 
     @property
+    def _pool_branches(self) -> bool:
+        """Whether the pool drafts K branches under the root this step (pool_branches; on
+        auto wherever the step sends the tree), else a chain with K suffixes at its end."""
+        return self.cfg.pool_branches is not False and self.cfg.tree_suffixes >= 2 and self.sends_tree
+
+    @property
     def _fills_from_pool(self) -> bool:
         """Whether rows the draft model leaves this step may draft from the pool (pool_fill):
         on auto, where the back-off plans per request and the target's curve is flat
@@ -1215,17 +1224,22 @@ class OuroborosProposer:
             self._prefill_scale, self._prefill_scale_graphed = ratio, graphed
 
     def _send_suffixes(self, slots: np.ndarray, n_main: np.ndarray, suffix_tokens: np.ndarray,
-                       batch: int, draft_seconds: float) -> np.ndarray:
+                       batch: int, draft_seconds: float, forced: np.ndarray | None = None) -> np.ndarray:
         """Which drafting requests (by slot, [R]) send their candidate suffixes this step, as a
         bool mask [R] (cost_model.rows_sending_suffixes, from their own estimates; a request
         whose suffixes stayed off sends them again every few steps, gap doubling, to measure).
         n_main [R]: draft tokens per row; suffix_tokens [R]: suffix tokens per row; batch: the
-        step's requests (plain rows give one token each); draft_seconds: this step's drafting."""
+        step's requests (plain rows give one token each); draft_seconds: this step's drafting;
+        forced [R] (bool) or None: rows that send theirs undecided (the pool's branches, its
+        whole draft), counted in the step's tokens like drafts."""
+        forced = np.zeros(len(slots), bool) if forced is None else forced
         if self.target_cost is None:
             return suffix_tokens > 0
         base = self._base_tokens[slots].sum() + (batch - len(slots))
+        step_tokens = batch + n_main.sum() + suffix_tokens[forced].sum()
+        suffix_tokens = np.where(forced, 0, suffix_tokens)
         send = cost_model.rows_sending_suffixes(
-            self.target_cost, batch + n_main.sum(), suffix_tokens, base, self._suffix_gain(slots, n_main),
+            self.target_cost, step_tokens, suffix_tokens, base, self._suffix_gain(slots, n_main),
             draft_seconds + self._overhead.value)
         has = suffix_tokens > 0
         due = has & ~send & (self._suffix_wait[slots] <= 0)
@@ -1237,7 +1251,7 @@ class OuroborosProposer:
         self._suffix_gap[on] = self._suffix_wait[on] = PROBE_GAP
         self._suffix_wait[off] -= 1
         self.stats.add(off, suffix_skipped=np.ones_like(off))
-        return send | due
+        return send | due | forced
 
     def _suffix_gain(self, slots: np.ndarray, n_main: np.ndarray) -> np.ndarray:
         """Suffix tokens each drafting row (by slot, [R]) may expect to add this step: its
@@ -1267,6 +1281,7 @@ class OuroborosProposer:
                                "phrase_len": self.runtime.L,
                                "draft_round": self.runtime.s.draft_round,
                                "tree_verification": self._tree_decision,
+                               "pool_branches": self._pool_branches,
                                "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))

@@ -46,7 +46,8 @@ Sections (each one's failure is recorded and the others still run; the exit stat
           runs' counters (results/phrases_40.json: phrase drafting over 40 prompts, first, so
           the acceptance line reads it; results/drafting_modes.json,
           results/device_round_counters.json, results/pool_mode.json: the pool mode, no draft
-          forward; results/mtbench_16_h200.json and mtbench_16.json: MT-Bench chat, ours as it
+          forward; results/pool_branches.json: the pool mode as branches under the root and as
+          a chain with the same K; results/mtbench_16_h200.json and mtbench_16.json: MT-Bench chat, ours as it
           decides under H200 curves and vLLM's draft_model k=3 / k=5 beside it).
 What the issue's targets read comes first (curves, the rounds they name, the target step, the
 kernel, the profile; then the other rounds, the inserts); --budget-s S skips what is left after S seconds,
@@ -1498,6 +1499,7 @@ def parse_args() -> argparse.Namespace:
                              REPO / "results" / "drafting_modes.json",
                              REPO / "results" / "device_round_counters.json",
                              REPO / "results" / "pool_mode.json",
+                             REPO / "results" / "pool_branches.json",
                              REPO / "results" / "mtbench_16_h200.json",
                              REPO / "results" / "mtbench_16.json"],
                     help="CPU runs whose ouroboros (and vLLM draft_model) rows give the counters: "

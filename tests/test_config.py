@@ -250,3 +250,14 @@ def test_the_tree_asks_for_piecewise_cuda_graphs_on_a_gpu(monkeypatch, tiny_mode
     cfg = engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(tiny_models["draft"]),
                                                 "num_suffixes": 3})
     assert OuroborosConfig.from_dict(cfg.additional_config["ouroboros"]).num_suffixes == 3
+
+
+def test_pool_drafts_branches_where_the_tree_is_sent():
+    def branches(**kw):
+        return OuroborosConfig(draft_model="unused", **kw).pool_drafts_branches
+
+    assert branches(num_suffixes=3) and branches(num_suffixes=2, pool_branches=True)
+    assert not branches(num_suffixes=3, pool_branches=False)
+    assert not branches()  # K = 1: the chain is the tree
+    assert not branches(num_suffixes=3, tree_verification=False)
+    assert not branches(num_suffixes=3, use_suffixes=False)

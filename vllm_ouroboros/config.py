@@ -176,6 +176,12 @@ class OuroborosConfig:
             return 0
         return self.num_suffixes if self.tree_verification else min(self.num_suffixes, 1)
 
+    @property
+    def pool_drafts_branches(self) -> bool:
+        """Whether the pool drafts branches under the root (pool_branches on or auto, K >= 2 on
+        the tree path) in a step that sends the tree; other steps send its chain."""
+        return self.pool_branches is not False and self.tree_suffixes >= 2
+
     def spec_tokens(self) -> int:
         """Tokens per round sent to the target: draft plus the appended suffixes, capped."""
         derived = self.max_draft_len + self.tree_suffixes * self.phrase_len

@@ -357,7 +357,7 @@ class OuroborosProposer:
         # Target tokens per step: the current token, a gamma-token draft and one suffix.
         # The pool's drafts are branches where the tree will be sent (the tree is decided when
         # the target's KV cache is allocated, after this; a refusal then leaves the chain).
-        branches = cfg.pool_branches is not False and cfg.tree_suffixes >= 2
+        branches = cfg.pool_drafts_branches
         costs = cost_model.drafting_mode_costs(self.cost, self.target_cost, cfg.window_size,
                                                cfg.num_guesses, cfg.phrase_len, 1 + cfg.gamma + cfg.phrase_len,
                                                branches)
@@ -1130,7 +1130,7 @@ class OuroborosProposer:
     def _pool_branches(self) -> bool:
         """Whether the pool drafts K branches under the root this step (pool_branches; on
         auto wherever the step sends the tree), else a chain with K suffixes at its end."""
-        return self.cfg.pool_branches is not False and self.cfg.tree_suffixes >= 2 and self.sends_tree
+        return self.cfg.pool_drafts_branches and self.sends_tree
 
     @property
     def _fills_from_pool(self) -> bool:

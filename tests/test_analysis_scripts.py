@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from pool_key_sim import (ContextRankedPool, LruPool, branch_tree, chain_tree, match,  # noqa: E402
@@ -76,3 +78,27 @@ def test_pool_mode_replay_counts_steps_and_learns_the_text():
     assert chain == (4 / 3, 6 / 3)
     # The branches try both of 9's phrases: 2 3 and the target's 6; nothing for 6: 2 steps.
     assert branches == (2.0, 2.0)
+
+
+def test_self_lookahead_writes_the_models_own_greedy_text(tiny_models, one_thread):
+    """scripts/self_lookahead_sim.py takes every round's draft whole: that is lookahead decoding
+    of the model only if the drafts are its greedy text, checked here against Hugging Face."""
+    import numpy as np
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from self_lookahead_sim import self_lookahead
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 200, n).tolist() for n in (5, 12)]
+    r = self_lookahead(tiny_models["target"], prompts, max_tokens=20, gamma=6, beta=3, window=2,
+                       guesses=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_models["target"], dtype=torch.float32, attn_implementation="eager").eval()
+    for prompt, text in zip(prompts, r["texts"]):
+        assert len(text) >= 20
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=len(text), do_sample=False,
+                               min_new_tokens=len(text))[0, len(prompt):].tolist()
+        assert text == want
+    assert r["tokens"] == sum(len(t) for t in r["texts"])
+    assert r["tokens_per_forward"] == round(r["tokens"] / r["forwards"], 3) >= 1

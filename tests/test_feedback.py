@@ -139,13 +139,18 @@ def test_refinable_suffixes_hang_off_a_draft_accepted_in_full():
     slen = A([[4, 4, 2], [4, 4, 0], [4, 4, 4], [4, 0, 0]])
     num_acc = A([3, 6, 2, 1])
     draft_lens = A([3, 2, 0, 0])
-    got = refinable(num_acc, draft_lens, slen)
-    # row 0: draft of 3 accepted whole: all tried suffixes; row 1 likewise (2 of its suffix's
-    # tokens accepted too); rows 2 and 3: branches under the root (no draft), none, whatever
-    # they matched (row 3 accepted one token of its one branch).
+    # Accepted length along the draft + suffix k: past the draft where the suffix's first token
+    # was right. Row 1's suffix 1 (length 0) cannot be.
+    along = A([[5, 4, 4], [4, 3, 2], [2, 0, 1], [1, 0, 0]])
+    got = refinable(num_acc, draft_lens, slen, along)
+    # row 0: draft of 3 accepted whole, every suffix's first token right: all; row 1: suffix 0
+    # (2 of its tokens accepted) and suffix 1 (its first right, not chosen); rows 2 and 3:
+    # branches under the root (no draft), none, whatever they matched.
     assert got.tolist() == [[4, 4, 2], [4, 4, 0], [0, 0, 0], [0, 0, 0]]
+    # A suffix whose first token the target rejected: its target tokens follow a wrong token.
+    assert refinable(A([3]), A([3]), A([[4, 4, 4]]), A([[3, 5, 3]])).tolist() == [[0, 4, 0]]
     # A draft rejected before its end: its suffixes continue a context the target did not accept.
-    assert refinable(A([1]), A([3]), A([[4, 4]])).tolist() == [[0, 0]]
+    assert refinable(A([1]), A([3]), A([[4, 4]]), A([[1, 1]])).tolist() == [[0, 0]]
 
 
 def test_refinement_L3_and_empty():

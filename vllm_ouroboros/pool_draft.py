@@ -53,15 +53,20 @@ def draft_from_pool(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarray
 
 class PendingPoolDrafts:
     """Pool drafts whose lookups are queued on the device and whose read back to the host is
-    queued behind them (host_copy.PendingRead): `output()` waits for it."""
+    queued behind them (host_copy.PendingRead): `output()` waits for it. draft_len: branches
+    only (the read holds just the suffixes and their validity): every row's draft is empty, which
+    the host writes itself ([rows, draft_len] zeros) rather than reading back."""
 
-    def __init__(self, read: PendingRead, rows: int):
-        self._read, self._rows = read, rows
+    def __init__(self, read: PendingRead, rows: int, draft_len: int | None = None):
+        self._read, self._rows, self._draft_len = read, rows, draft_len
 
     def output(self) -> RoundOutput:
         """The drafts as draft_from_pool returns them."""
-        drafts, draft_lens, suffixes, suffix_valid = (a.copy() for a in self._read.arrays())
+        arrays = [a.copy() for a in self._read.arrays()]
         zeros = np.zeros(self._rows, np.int64)
+        if self._draft_len is not None:
+            arrays = [np.zeros((self._rows, self._draft_len), np.int64), zeros.copy(), *arrays]
+        drafts, draft_lens, suffixes, suffix_valid = arrays
         return RoundOutput(drafts, draft_lens, suffixes, suffix_valid, forwards=0, prefill_forwards=0,
                            row_forwards=zeros, guess_tokens=zeros.copy(), guess_hit_forwards=zeros.copy(),
                            row_prefills=zeros.copy())
@@ -84,9 +89,7 @@ def queue_pool_drafts(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarr
         if num_suffixes < 1:
             raise ValueError("branches needs num_suffixes >= 1")
         suffixes, suffix_valid = pool.lookup(key, owner, num_suffixes)
-        drafts = torch.zeros((R, draft_len), dtype=torch.long, device=dev)
-        draft_lens = torch.zeros(R, dtype=torch.long, device=dev)
-        return PendingPoolDrafts(PendingRead(drafts, draft_lens, suffixes, suffix_valid), R)
+        return PendingPoolDrafts(PendingRead(suffixes, suffix_valid), R, draft_len)
     pieces, took = [], []
     alive = torch.ones(R, dtype=torch.bool, device=dev)
     for _ in range(-(-draft_len // L)):

@@ -694,7 +694,7 @@ class OuroborosProposer:
             self._writer.stage(corr.keys, corr.tokens, corr.owners)
         if self.cfg.use_refinement:
             key = np.repeat(self._last_suffix_key[slots], K)
-            s_len = feedback.refinable(num_acc, n, slen).reshape(-1)
+            s_len = feedback.refinable(num_acc, n, slen, along).reshape(-1)
             refn = feedback.refinement(target, np.repeat(n, K), s_len, key, flat_len, owners, L)
             if len(refn):
                 # refinement returns rows in (b, k) order; find each one's k for the old phrase.

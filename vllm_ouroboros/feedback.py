@@ -138,8 +138,8 @@ def refinable(num_acc: np.ndarray, draft_lens: np.ndarray, suffix_len: np.ndarra
     """Suffix tokens to refine ([B, K], 0 = none; `refinement` takes a row of it): the suffixes
     whose first token the target accepted after a sentence draft accepted in full. Where the
     draft was rejected first, the target's tokens on a suffix continue a context it did not
-    accept, and writing them would replace phrases with noise; so where the suffix's own first
-    token was (the target's tokens then follow a wrong token). Measured on the real pair's
+    accept, and writing them would replace phrases with noise; the same where the target
+    rejected the suffix's own first token. Measured on the real pair's
     draft mode (8 HumanEval prompts, every mechanism pinned): the same tokens per target forward
     and draft forwards per token as refining every suffix after a whole draft (5.78 against
     5.79 at K = 4, 5.51 both at K = 1) for 27% (K = 4) and 44% (K = 1) of the pool replaces.

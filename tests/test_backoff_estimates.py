@@ -44,3 +44,21 @@ def test_whole_chance_and_probes():
     assert steps[:PROBE_GAP] == [[False, True]] * PROBE_GAP
     assert steps[PROBE_GAP] == [True, True] and est.probe_gap[0] == 2 * PROBE_GAP
     assert est.probe_gap[1] == PROBE_GAP
+
+
+def test_gains_in_place_of_accepted_lengths():
+    """The pool's branches (pool_draft.branch_gains): a position's estimate moves toward the
+    tokens it added, not toward "accepted >= k"; positions past the cut drift to the prior, and
+    the learned prior follows the gains' mean."""
+    from vllm_ouroboros.backoff_estimates import ESTIMATE_RATE
+
+    prior = np.array([0, 2.0, 0, 0.5, 0, 0.1])
+    est = BackoffEstimates(2, prior, learn_prior=True)
+    gains = np.array([[0, 2.0, 0, 0, 0, 0], [0, 0, 0, 1.0, 0, 0]])
+    est.observe(np.array([0, 1]), np.array([4, 4]), np.array([9, 9]), np.array([4, 4]), gains)
+    expect = prior + ESTIMATE_RATE * (gains - prior)
+    expect[:, 4:] = prior[4:]  # past the cut: unmeasured (they start at the prior)
+    assert est.accepted == pytest.approx(expect)
+    w = 1 - (1 - PRIOR_RATE) ** 2
+    assert est.prior[:4] == pytest.approx(prior[:4] + w * (gains.mean(0)[:4] - prior[:4]))
+    assert (est.prior[4:] == prior[4:]).all()

@@ -469,6 +469,7 @@ def _proposer(cap=None, slots=16):
     from vllm_ouroboros.config import OuroborosConfig
     from vllm_ouroboros.metrics import OuroborosStats
     from vllm_ouroboros.backoff_estimates import BackoffEstimates
+    from vllm_ouroboros.pool_draft import branch_prior
     from vllm_ouroboros.proposer import MODEL_DRAFT, PROBE_GAP, OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
@@ -485,6 +486,8 @@ def _proposer(cap=None, slots=16):
     p.num_spec_tokens, p._prior_tokens_per_fwd = 12, 7.0
     p._model_est = BackoffEstimates(slots, cost_model.geometric_survival(7.0, 12)[0])
     p._pool_est = BackoffEstimates(slots, cost_model.geometric_survival(7.0, 12)[0])
+    p._branch_est = BackoffEstimates(slots, branch_prior(cost_model.geometric_survival(7.0, 12)[0], 4, 2))
+    p._branched = np.zeros(slots, bool)
     p._model_est.accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
     p._draft_forwards = np.full(slots, 4.3)
     p._source = np.full(slots, MODEL_DRAFT, np.int8)
@@ -1208,3 +1211,52 @@ def test_a_step_the_pool_drafts_in_pays_its_lookups():
     assert p._pool_seconds == 1e-3 and not p._pool_plan(np.arange(1)).rows.any()
     p._time_pool(0.5)  # a stall
     assert p._pool_seconds == pytest.approx(1e-3 + ESTIMATE_RATE * (POOL_OUTLIER - 1) * 1e-3)
+
+
+# The H200's fused graph of the 1.5B target (bench_gpu, 2026-11-28; results/README.md), seconds.
+H200_TARGET = CostCurve((1, 2, 4, 8, 16, 34, 64, 128),
+                        np.array((1.963, 1.965, 2.049, 2.031, 2.071, 2.220, 2.252, 3.026)) / 1e3)
+
+
+def test_the_back_off_cuts_the_pools_branches_in_whole_branches():
+    """The pool's K = 4 branches of L = 4 tokens priced as what each adds over the better-ranked
+    ones (pool_draft.branch_gains; here the engine's: 1.45 tokens per target forward with one,
+    1.62 with four), on the H200's target curve. One request sends all four (nearly free);
+    more requests send fewer branches, then fewer requests, then none, where K L tokens a row
+    cost more than they accept. Each plan's modeled rate is at least no speculation's and, from
+    16 requests on, above what sending every branch of the same rows gives (the rule before:
+    the cut counted tokens of a chain, and the branches went whole)."""
+    from vllm_ouroboros.backoff_estimates import BackoffEstimates
+    from vllm_ouroboros.config import OuroborosConfig
+    from vllm_ouroboros.pool_draft import branches_under_cut
+
+    S, L, K = 24, 4, 4
+    gains = np.zeros(S)
+    gains[[3, 7, 11, 15]] = 0.45, 0.10, 0.05, 0.02
+    p = _proposer(slots=64)
+    p.cfg = OuroborosConfig(draft_model="unused", num_suffixes=K)
+    p._tree_decision, p._tree_ok_structured, p._tree_ok_sampling = "available", True, True
+    assert p._pool_branches
+    p.num_spec_tokens, p.target_cost = S, H200_TARGET
+    p._overhead = cost_model.StepOverhead(H200_TARGET)
+    p._branch_est = BackoffEstimates(64, gains)
+    p._branch_est.sent[:] = np.arange(1, S + 1) <= K * L
+
+    def rate(n, rows, b):  # tokens per second of a step, b branches for `rows` of n requests
+        return (n + rows * gains[:b * L].sum()) / H200_TARGET(n + rows * b * L)
+
+    picked, modeled = {}, {}
+    for n in (1, 4, 8, 16, 32, 64):
+        plan = p._pool_plan(np.arange(n))
+        rows, b = int(plan.rows.sum()), int(branches_under_cut(np.array([plan.max_tokens]), L, K)[0])
+        picked[n] = (rows, b if rows else 0)
+        # x no speculation: this plan, and every request sending all K (the rule before drafted
+        # for every request at each of these batch sizes, its chain estimates pricing a few
+        # tokens a row)
+        modeled[n] = (round(float(rate(n, rows, b) / rate(n, 0, 0)), 2), round(float(rate(n, n, K) / rate(n, 0, 0)), 2))
+        assert rate(n, rows, b) >= rate(n, 0, 0) - 1e-9, (n, rows, b)
+        assert rate(n, rows, b) >= rate(n, n, K) - 1e-9, (n, rows, b)
+        if n >= 16 and rows:
+            assert rate(n, rows, b) > rate(n, rows, K), (n, rows, b)
+    print("requests: (rows, branches)", picked, "\nx no speculation (cut, all K):", modeled)
+    assert picked == {1: (1, 4), 4: (4, 3), 8: (8, 2), 16: (12, 1), 32: (8, 1), 64: (0, 0)}, picked

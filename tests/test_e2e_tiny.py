@@ -605,3 +605,33 @@ def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
     assert one["settings"]["round_cost_rounds"]["whole"] > rounds["whole"], one["settings"]
     # Alone, the request drafted whole drafts (no step of it was cut).
     assert one["shortened_steps"] == main["shortened_steps"] and one["draft_rounds"] > main["draft_rounds"]
+
+
+def test_backoff_cuts_the_pools_branches_under_load(runs, scenario, tiny_models):
+    """The pool mode's K = 3 branches under the auto back-off on a compute-bound device (this
+    CPU's curves for the real pair, as configured): the 18 requests decoding at once send fewer
+    branches than K (the cut counts whole branches, priced by what each added: pool_draft.py),
+    where before every branch went whole. Every accepted token is a branch's, the output is the
+    one without speculation, and the snapshot reports what each branch added."""
+    base, _, _ = runs
+    K = 3
+    spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": K,
+            "use_draft": False, "calibrate_costs": False,
+            "draft_cost_ms": {"1": 105, "16": 114, "32": 233, "64": 372, "128": 742},
+            "target_cost_ms": {"1": 243, "2": 279, "16": 307, "32": 528, "64": 920, "128": 1667}}
+    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                             (("one", ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})),))
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"request {i} ({scenario['params'][i]}) differs"
+    assert ours["one"] == base["one"]
+    main, one = snaps["main"], snaps["one"]
+    print({k: (main[k], one[k]) for k in ("pool_draft_steps", "shortened_steps", "branches_cut", "backoff_steps",
+                                          "drafted_tokens", "accepted_tokens", "suffix_accepted")},
+          main["settings"]["pool_branch_gains"], one["settings"]["pool_branch_gains"])
+    assert main["settings"]["drafting_mode"] == "pool" and main["settings"]["pool_branches"], main["settings"]
+    assert main["draft_forward_calls"] == 0 and main["accepted_tokens"] > 0, main
+    assert main["accepted_tokens"] == main["suffix_accepted"], main  # the branches' alone
+    # Branches the pool found and the cut left out (none while every branch went whole).
+    assert main["shortened_steps"] > 0 and main["branches_cut"] > 0, main
+    gains = main["settings"]["pool_branch_gains"]
+    assert len(gains) == K and gains[0] > 0 and all(g >= 0 for g in gains), gains

@@ -1,4 +1,5 @@
-"""pool_draft.draft_from_pool: the pool mode's drafts, against the lookups done one row at a time."""
+"""pool_draft.draft_from_pool: the pool mode's drafts, against the lookups done one row at a time;
+the back-off's measure of the pool's branches (branch_gains, branch_prior, branches_under_cut)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros.pool_draft import draft_from_pool, queue_pool_drafts
+from vllm_ouroboros.pool_draft import (branch_gains, branch_prior, branches_under_cut, draft_from_pool,
+                                       queue_pool_drafts)
 
 L = 4
 
@@ -169,3 +171,44 @@ def test_model_and_pool_drafts_as_one_output():
     with pytest.raises(ValueError, match="no forward"):
         filled.followed_by(model)
 
+
+
+def test_branch_gains_add_up_to_what_the_best_of_b_branches_accepted():
+    """Summed to position b L, the gains are the most any of the first b branches sent accepted;
+    a branch that was not sent adds nothing, nor one past the estimates' width."""
+    rng = np.random.default_rng(0)
+    R, K, S = 64, 4, 14  # S // L = 3: the fourth branch's position does not fit
+    along = rng.integers(0, L + 1, (R, K))
+    sent = rng.integers(0, K + 1, R)
+    g = branch_gains(along, sent, L, S)
+    assert g.shape == (R, S) and (g >= 0).all()
+    total = np.cumsum(g, 1)
+    for b in range(1, S // L + 1):
+        best = np.where(np.arange(b)[None, :] < sent[:, None], along[:, :b], 0).max(1)
+        assert (total[:, b * L - 1] == best).all(), b
+    off = np.ones(S, bool)
+    off[L - 1::L] = False
+    assert (g[:, off] == 0).all()
+
+
+def test_a_cut_sends_whole_branches_at_least_one():
+    assert branches_under_cut(np.array([1, 3, 4, 7, 8, 12, 16, 24]), L, 3).tolist() == [1, 1, 1, 1, 2, 3, 3, 3]
+
+
+def test_the_branches_prior_is_the_best_of_b_tries_within_one_branch():
+    """From a chain's optimistic prior: one branch accepts what the chain's first L positions
+    would; b of them L (1 - (1 - f)^b), never more than a branch holds, each adding less than
+    the one before; nothing past the K branches."""
+    from vllm_ouroboros import cost_model
+
+    S, K = 24, 4
+    chain = cost_model.geometric_survival(13.0, S)[0]
+    prior = branch_prior(chain, L, K)
+    at = np.arange(1, K + 1) * L - 1
+    assert prior[at[0]] == pytest.approx(chain[:L].sum())
+    f = chain[:L].sum() / L
+    assert np.cumsum(prior)[at] == pytest.approx(L * (1 - (1 - f) ** np.arange(1, K + 1)))
+    assert np.cumsum(prior)[-1] < L and (np.diff(prior[at]) < 0).all()
+    rest = np.ones(S, bool)
+    rest[at] = False
+    assert (prior[rest] == 0).all()

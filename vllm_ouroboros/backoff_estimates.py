@@ -10,7 +10,8 @@ a request that accepts well would pay, and the probe's verification refreshes th
 
 The draft model and the pool (pool_draft.py) draft differently for the same request: each keeps
 its own BackoffEstimates (proposer.py), so a request whose model drafts fail while the pool's
-phrases land is priced for each as measured. Host numpy, indexed by the proposer's slots.
+phrases land is priced for each as measured. So do the pool's branches, whose cut is in whole
+branches (pool_draft.branches_under_cut). Host numpy, indexed by the proposer's slots.
 No vLLM imports.
 """
 
@@ -38,10 +39,15 @@ PRIOR_RATE = 0.05
 
 
 class BackoffEstimates:
-    """Per-slot survival estimates ([slots, S] each) and probe state for one draft source."""
+    """Per-slot survival estimates ([slots, S] each) and probe state for one draft source.
+
+    accepted[slot, k-1] is what the draft's k-th token adds to the tokens per target forward,
+    in expectation: P(accepted >= k) for a chain; for the pool's branches of L tokens, position
+    b L holds what branch b adds over branches 1..b-1 and the others 0 (pool_draft.branch_gains).
+    Either way its cumulative sum is E(s) - 1, all that cost_model.speculation_plan reads."""
 
     def __init__(self, max_slots: int, prior_accepted: np.ndarray, learn_prior: bool = False):
-        """prior_accepted [S]: P(accepted >= k) a new request starts from (sent starts at 1).
+        """prior_accepted [S]: the `accepted` a new request starts from (sent starts at 1).
         learn_prior: the prior follows what every request measured (a running mean over them,
         PRIOR_RATE per request-step), so a new request starts from what this source gave the
         requests before it, where a fixed optimistic prior would have it send whole drafts that
@@ -62,23 +68,26 @@ class BackoffEstimates:
         self.probe_gap[slots] = PROBE_GAP
         self.probe_wait[slots] = PROBE_GAP
 
-    def observe(self, slots: np.ndarray, cut: np.ndarray, accepted: np.ndarray, sent: np.ndarray) -> None:
+    def observe(self, slots: np.ndarray, cut: np.ndarray, accepted: np.ndarray, sent: np.ndarray,
+                gains: np.ndarray | None = None) -> None:
         """One verification per slot ([R] each): the tokens the target accepted and those sent,
         of drafts cut to `cut` tokens. A cut draft says how far the whole draft would have been
         accepted up to the cut only, so positions k <= cut learn from it. Positions past the cut
         go unmeasured: left as they were, one poor stretch would keep a request's drafts short
         for good, so they drift back toward the prior and a longer draft is tried again now and
-        then (the probe's idea, per position)."""
+        then (the probe's idea, per position). gains [R, S] (tokens) or None: what each
+        position added to the accepted tokens where that is not "accepted >= k" (the pool's
+        branches, pool_draft.branch_gains); `accepted` is then unused."""
         k = np.arange(1, self.accepted.shape[1] + 1)[None, :]
         seen = k <= cut[:, None]
         A, T = self.accepted[slots], self.sent[slots]
-        hit = k <= accepted[:, None]
+        hit = k <= accepted[:, None] if gains is None else gains
         self.accepted[slots] = np.where(seen, A + ESTIMATE_RATE * (hit - A),
                                         A + UNSEEN_DRIFT * (self.prior - A))
         self.sent[slots] = np.where(seen, T + ESTIMATE_RATE * ((k <= sent[:, None]) - T), T)
         if self.learn_prior:
             n = seen.sum(0)  # [S]: request-steps measured at each position
-            mean = (hit & seen).sum(0) / np.maximum(n, 1)
+            mean = np.where(seen, hit, 0).sum(0) / np.maximum(n, 1)
             self.prior += (1 - (1 - PRIOR_RATE) ** n) * (mean - self.prior)
 
     def whole_chance(self, slots: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -22,6 +22,8 @@ Definitions (per request, summed for the aggregate):
   shortened_steps      steps in which the request's draft was cut short by the back-off: at that
                        batch size a shorter draft per request paid better than whole ones
                        (cost_model.speculation_plan)
+  branches_cut         the pool's branches (pool_branches) found for the request that the back-off's
+                       cut left out: its cut counts whole branches, the best ranked sent first
   cache_full_steps     steps in which the draft model did not draft for the request because the
                        draft's KV cache could not grow to hold it (device memory;
                        runtime.DraftCacheFull); the pool may have drafted instead
@@ -59,7 +61,7 @@ from vllm_ouroboros.metrics_export import COUNTERS
 PER_REQUEST = (
     "draft_forwards", "prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens",
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
-    "inspiration_inserts", "refinement_inserts", "backoff_steps", "shortened_steps", "cache_full_steps", "suffix_skipped",
+    "inspiration_inserts", "refinement_inserts", "backoff_steps", "shortened_steps", "branches_cut", "cache_full_steps", "suffix_skipped",
     "scheduler_cut_steps", "unreadable_prompt_steps", "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
     "pool_draft_steps",
 )

@@ -41,6 +41,7 @@ COUNTERS = {
     "backoff_steps": "Request-steps without a draft from the draft model: speculation would not pay (load or "
                      "low acceptance); the pool may have drafted instead (pool_draft_steps)",
     "shortened_steps": "Request-steps whose draft the back-off cut short: load made the target's tokens dear",
+    "branches_cut": "The pool's branches found but left out by the back-off's cut (whole branches, best sent first)",
     "cache_full_steps": "Request-steps without a draft from the draft model: the draft KV cache could not grow "
                         "(device memory); the pool may have drafted instead",
     "suffix_skipped": "Request-steps whose draft went without its candidate suffixes: they would not pay",

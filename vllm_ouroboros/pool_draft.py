@@ -21,6 +21,12 @@ against the chain's 1.84 at K = 4 (`python scripts/pool_key_sim.py results/phras
 every verification as in the other modes (proposer._learn). The draft model's mode uses it too,
 for the requests its round left this step (pool fill: the back-off's, an unreadable prompt, a
 full draft cache; proposer._propose). No vLLM imports.
+
+The back-off (cost_model.speculation_plan) cuts branches in whole branches: a cut of s tokens
+sends the best max(1, s // L) (branches_under_cut). It weighs them by what each branch added
+over the better-ranked ones, measured per request (branch_gains): the chain's measure, how far
+the draft was accepted, says nothing of K alternatives, and while the branches went uncut a
+step priced at a chain's few tokens per row sent K L of them.
 """
 
 from __future__ import annotations
@@ -109,3 +115,48 @@ def queue_pool_drafts(pool: PhrasePool, last_tokens: np.ndarray, slots: np.ndarr
         suffixes = torch.zeros((R, 0, L), dtype=torch.long, device=dev)
         suffix_valid = torch.zeros((R, 0), dtype=torch.bool, device=dev)
     return PendingPoolDrafts(PendingRead(drafts, draft_lens, suffixes, suffix_valid), R)
+
+
+def branches_under_cut(cut: np.ndarray, phrase_len: int, num_branches: int) -> np.ndarray:
+    """Branches a row sends under the back-off's cut of `cut` [R] tokens: the whole branches
+    that fit, at least one (a row the plan drafts for sends its best), at most num_branches.
+    -> [R] int64."""
+    return np.clip(np.asarray(cut, np.int64) // phrase_len, 1, num_branches)
+
+
+def branch_gains(along: np.ndarray, num_sent: np.ndarray, phrase_len: int, positions: int) -> np.ndarray:
+    """What each branch added to a step's accepted tokens, as the back-off's estimates take it
+    (backoff_estimates.BackoffEstimates.observe's gains).
+
+    along [R, K]: tokens the target accepted along each branch, in sent (rank) order (greedy,
+    feedback.accepted_lengths); num_sent [R]: branches sent (the rest are not counted);
+    positions: S, the estimates' width. -> [R, S] float: at position b L (1-based) the
+    accepted tokens the best of branches 1..b gives over the best of 1..b-1, 0 elsewhere, so
+    the sum up to b L is what sending b branches accepted. Branches past S // L are dropped."""
+    R, K = along.shape
+    k = np.arange(K)
+    got = np.where(k[None, :] < np.asarray(num_sent)[:, None], along, 0)
+    best = np.maximum.accumulate(got, axis=1) if K else got
+    added = np.diff(best, axis=1, prepend=0)
+    out = np.zeros((R, positions))
+    pos = (k + 1) * phrase_len - 1
+    fits = pos < positions
+    out[:, pos[fits]] = added[:, fits]
+    return out
+
+
+def branch_prior(prior_accepted: np.ndarray, phrase_len: int, num_branches: int) -> np.ndarray:
+    """The branches' prior ([S]) from a chain's (P(accepted >= k), [S]): one branch accepts
+    what the chain's first L positions would, a fraction f of its L tokens, and each further
+    one is taken as another such try at what the ones before left: the best of b accepts
+    L (1 - (1 - f)^b). Optimistic as the chain's is, so a new request sends branches and
+    measures; never more than the L tokens a branch holds, which a chain's prior over K L
+    positions would promise. Nothing past branch num_branches."""
+    prior = np.asarray(prior_accepted, float)
+    S, L = len(prior), phrase_len
+    f = min(prior[:L].sum() / L, 1.0)
+    b = np.arange(1, min(num_branches, S // L) + 1)
+    best = L * (1 - (1 - f) ** b)
+    out = np.zeros(S)
+    out[b * L - 1] = np.diff(best, prepend=0.0)
+    return out

@@ -10,7 +10,8 @@ the pool's candidate refinement. Both caps stop at max_model_len. A row's suffix
 up after its draft's last token, so they follow only a draft sent whole: where a cap cut the
 draft (max_model_len's room), the row sends its draft alone. Drafts end at the back-off's cut
 (the pool's, the host round's and the device round's alike), so under a cut the suffixes
-follow. No vLLM imports.
+follow. The pool's branches are a row's whole draft, not suffixes after one: the proposer cuts
+them in whole branches before they are placed (pool_draft.branches_under_cut). No vLLM imports.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
 from vllm_ouroboros.mode_review import ModeReview
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros.pool_draft import queue_pool_drafts
+from vllm_ouroboros.pool_draft import branch_gains, branch_prior, branches_under_cut, queue_pool_drafts
 from vllm_ouroboros.pool_warmup import warm_pool_kernels
 from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
@@ -189,6 +189,11 @@ class OuroborosProposer:
         # measured no whole pool row (results/README.md, "Session of 2026-11-29 (ninth)").
         self._model_est = BackoffEstimates(self.max_slots, prior)
         self._pool_est = BackoffEstimates(self.max_slots, prior, learn_prior=True)
+        # The pool's branches apart again: what their k-th token adds is not the chain's.
+        self._branch_est = BackoffEstimates(
+            self.max_slots, branch_prior(prior, self.cfg.phrase_len, max(self.cfg.tree_suffixes, 1)),
+            learn_prior=True)
+        self._branched = np.zeros(self.max_slots, bool)  # the pool drafted branches last step
         self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
         # The pool's lookups per step it drafts in (seconds, running mean): what the pool's
         # plans and the mode review charge it beside its target tokens (None: not yet timed).
@@ -546,6 +551,7 @@ class OuroborosProposer:
             self.stats.start(slot, r)
             self._model_est.reset(slot)
             self._pool_est.reset(slot)
+            self._branch_est.reset(slot)
             self._source[slot] = NO_DRAFT
             self._last_cut[slot] = self.num_spec_tokens
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
@@ -633,8 +639,8 @@ class OuroborosProposer:
                 self._round_length.observe(self._round_forwards, float(num_acc[sel][by_model].mean()) + 1)
             self._round_forwards = 0
         sent = n[sel] + slen[sel].sum(1)
-        for est, which in ((self._model_est, MODEL_DRAFT), (self._pool_est, POOL_DRAFT)):
-            k = src == which
+        branched = (src == POOL_DRAFT) & self._branched[s]
+        for est, k in ((self._model_est, by_model), (self._pool_est, (src == POOL_DRAFT) & ~branched)):
             if k.any():
                 est.observe(s[k], cut[k], num_acc[sel][k], sent[k])
         if self._mode_review is not None:
@@ -655,13 +661,25 @@ class OuroborosProposer:
             got = (num_acc[sel] - n[sel])[reached]
             self._suffix_yield[s[reached]] += ESTIMATE_RATE * (got - self._suffix_yield[s[reached]])
             self._suffix_yield_all += ESTIMATE_RATE * (float(got.mean()) - self._suffix_yield_all)
-        self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
-                    tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+        along = self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
+                            tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+        if branched.any():
+            # What each branch added over the better-ranked ones, greedy along each (exact for
+            # greedy requests; a sampled one's accepted branch counts what it accepted).
+            along = along[branched]
+            won = sfx_idx[sel][branched]
+            rows = np.nonzero(won >= 0)[0]
+            along[rows, won[rows]] = num_acc[sel][branched][rows]
+            gains = branch_gains(along, (slen[sel][branched] > 0).sum(1), self.cfg.phrase_len,
+                                 self.num_spec_tokens)
+            self._branch_est.observe(s[branched], cut[branched], num_acc[sel][branched],
+                                     sent[branched], gains)
 
-    def _learn(self, slots, n, num_nodes, paths, plen, slen, tokens, tn, num_acc, sfx_idx) -> None:
+    def _learn(self, slots, n, num_nodes, paths, plen, slen, tokens, tn, num_acc, sfx_idx) -> np.ndarray:
         """Pool updates and counters from one verification, through one chain per suffix:
         the draft followed by suffix k. Shapes: slots/n/num_nodes/num_acc/sfx_idx [B],
-        paths [B, K, P] (tree nodes, -1 pad), plen/slen [B, K], tokens [B, N], tn [B, N+1]."""
+        paths [B, K, P] (tree nodes, -1 pad), plen/slen [B, K], tokens [B, N], tn [B, N+1].
+        Returns the greedy accepted length along each chain, [B, K]."""
         L = self.cfg.phrase_len
         B, K, P = paths.shape
         rows = np.arange(B)[:, None, None]
@@ -714,6 +732,7 @@ class OuroborosProposer:
             tree_suffix_accepted=np.where(sfx_idx >= 1, np.maximum(num_acc - n, 0), 0))
         self.stats.add(insp.owners, inspiration_inserts=np.ones_like(insp.owners))
         self.stats.add(refn.owners, refinement_inserts=np.ones_like(refn.owners))
+        return along
 
     def _learn_context(self, slots, token_ids, rows, lens) -> None:
         """Phrases of the text confirmed since the slot's last round (the prompt, at first)."""
@@ -858,13 +877,23 @@ class OuroborosProposer:
         room = np.maximum(self.max_model_len - 1 - lens_ctx, 0)
         R = len(rows)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
-        place = proposal_layout.place_suffixes(out.draft_lens, out.suffix_valid[:, :K], self.cfg.phrase_len,
+        valid = out.suffix_valid[:, :K]
+        branched = from_pool & self._pool_branches
+        if branched.any():
+            # The back-off's cut counts whole branches, the best ranked first (pool_draft.py);
+            # a row sending all K records no cut.
+            n_b = branches_under_cut(cut, self.cfg.phrase_len, max(K, 1))
+            found = valid.sum(1)
+            valid = valid & (np.cumsum(valid, 1) <= np.where(branched, n_b, K)[:, None])
+            self.stats.add(slots, branches_cut=found - valid.sum(1))
+            cut = np.where(branched & (n_b < K), n_b * self.cfg.phrase_len, np.where(branched, S, cut))
+        place = proposal_layout.place_suffixes(out.draft_lens, valid, self.cfg.phrase_len,
                                                np.minimum(room, cut), np.minimum(room, S))
         n_main, lens = place.n_main, place.lens
         if self.cfg.use_suffixes is None and lens.any():
             # The pool's branches are its whole draft: the back-off's plan chose to send them.
             send = self._send_suffixes(slots, n_main, lens.sum(1), B, t_draft + t_pool,
-                                       forced=from_pool & self._pool_branches)
+                                       forced=branched)
             lens[~send] = 0
         sfx = place.ordered(out.suffixes[:, :K])
         chain, total = proposal_layout.proposal_tokens(out.drafts, sfx, place)
@@ -891,6 +920,7 @@ class OuroborosProposer:
                 ran = out_m.forwards if self.runtime.device_round is not None else out_m.row_forwards
                 self._draft_forwards[m] += ESTIMATE_RATE * (ran - self._draft_forwards[m])
         self._last_cut[slots] = cut
+        self._branched[slots] = branched
         self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
@@ -1115,16 +1145,17 @@ class OuroborosProposer:
         """Which of these requests (by slot, [B]) draft from the pool alone (plan.rows [B]) and
         the most tokens each may send: cost_model.speculation_plan with no draft forward and no
         draft cache to catch up, from the pool's estimates of each request (probes as the
-        model's). load: what the draft model's rows bring to the step (pool fill; none in the
-        pool mode). A step the pool drafts in pays its lookups (_pool_seconds, measured). Without
-        cost curves, every one."""
+        model's; the branches' apart, whose cut is in whole branches: pool_draft.py). load: what
+        the draft model's rows bring to the step (pool fill; none in the pool mode). A step the
+        pool drafts in pays its lookups (_pool_seconds, measured). Without cost curves, every
+        one."""
         B, S = len(slots), self.num_spec_tokens
         if self.cost is None or self.target_cost is None:
             return cost_model.SpeculationPlan(np.ones(B, bool), S)
         decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, A, T, np.zeros(B), 1, self._overhead.value, load=load,
             lookup_seconds=self._pool_seconds or 0.0)
-        return self._pool_est.plan(slots, decide)
+        return (self._branch_est if self._pool_branches else self._pool_est).plan(slots, decide)
 
     @property
     def _pool_branches(self) -> bool:
@@ -1282,6 +1313,11 @@ class OuroborosProposer:
                                "draft_round": self.runtime.s.draft_round,
                                "tree_verification": self._tree_decision,
                                "pool_branches": self._pool_branches,
+                               # What each of the pool's branches adds, in tokens per target
+                               # forward, as a new request's plan starts (learned; pool_draft.py).
+                               "pool_branch_gains": self._branch_est.prior[
+                                   self.cfg.phrase_len - 1::self.cfg.phrase_len][:self.cfg.tree_suffixes].tolist()
+                               if self.cfg.pool_drafts_branches else None,
                                "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))

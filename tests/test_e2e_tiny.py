@@ -579,20 +579,30 @@ def test_mode_review_switches_to_the_draft_model_mid_run_greedy_identical(runs, 
     assert s["accepted_tokens"] > 0, s
 
 
-def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
-    """The auto back-off on a compute-bound device (the curves this CPU measured for the real
-    pair, as configured): with many requests decoding it sends short chain drafts instead of
-    none (shortened steps counted), with one the whole draft; the output is unchanged."""
-    base, _, _ = runs
-    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]),
-            "draft_cost_ms": {"1": 105, "16": 114, "32": 233, "64": 372, "128": 742},
-            "target_cost_ms": {"1": 243, "2": 279, "16": 307, "32": 528, "64": 920, "128": 1667}}
+# The cost curves this CPU measured for the real pair (ms per forward by tokens), as configured:
+# a compute-bound device, where the back-off has something to cut.
+CPU_PAIR_CURVES = {"draft_cost_ms": {"1": 105, "16": 114, "32": 233, "64": 372, "128": 742},
+                   "target_cost_ms": {"1": 243, "2": 279, "16": 307, "32": 528, "64": 920, "128": 1667}}
+
+
+def _loaded_and_alone(base, scenario, spec):
+    """The scenario's batch, then its sixth prompt alone (greedy, 48 tokens), under `spec`:
+    both outputs checked against no speculation's. -> the two runs' snapshots."""
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("one", ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})),))
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o == b, f"request {i} ({scenario['params'][i]}) differs"
     assert ours["one"] == base["one"]
-    main, one = snaps["main"], snaps["one"]
+    return snaps["main"], snaps["one"]
+
+
+def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
+    """The auto back-off on a compute-bound device (the curves this CPU measured for the real
+    pair, as configured): with many requests decoding it sends short chain drafts instead of
+    none (shortened steps counted), with one the whole draft; the output is unchanged."""
+    base, _, _ = runs
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), **CPU_PAIR_CURVES}
+    main, one = _loaded_and_alone(base, scenario, spec)
     print({k: (main[k], one[k]) for k in ("shortened_steps", "backoff_steps", "draft_rounds",
                                           "sentence_draft_tokens", "accepted_tokens")})
     assert main["shortened_steps"] > 0 and main["accepted_tokens"] > 0, main
@@ -616,15 +626,8 @@ def test_backoff_cuts_the_pools_branches_under_load(runs, scenario, tiny_models)
     base, _, _ = runs
     K = 3
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "num_suffixes": K,
-            "use_draft": False, "calibrate_costs": False,
-            "draft_cost_ms": {"1": 105, "16": 114, "32": 233, "64": 372, "128": 742},
-            "target_cost_ms": {"1": 243, "2": 279, "16": 307, "32": 528, "64": 920, "128": 1667}}
-    ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
-                             (("one", ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})),))
-    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
-        assert o == b, f"request {i} ({scenario['params'][i]}) differs"
-    assert ours["one"] == base["one"]
-    main, one = snaps["main"], snaps["one"]
+            "use_draft": False, "calibrate_costs": False, **CPU_PAIR_CURVES}
+    main, one = _loaded_and_alone(base, scenario, spec)
     print({k: (main[k], one[k]) for k in ("pool_draft_steps", "shortened_steps", "branches_cut", "backoff_steps",
                                           "drafted_tokens", "accepted_tokens", "suffix_accepted")},
           main["settings"]["pool_branch_gains"], one["settings"]["pool_branch_gains"])

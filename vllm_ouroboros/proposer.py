@@ -1315,9 +1315,10 @@ class OuroborosProposer:
                                "pool_branches": self._pool_branches,
                                # What each of the pool's branches adds, in tokens per target
                                # forward, as a new request's plan starts (learned; pool_draft.py).
+                               # None while the pool drafts a chain.
                                "pool_branch_gains": self._branch_est.prior[
                                    self.cfg.phrase_len - 1::self.cfg.phrase_len][:self.cfg.tree_suffixes].tolist()
-                               if self.cfg.pool_drafts_branches else None,
+                               if self._pool_branches else None,
                                "draft_cost_ms": dict(zip(self.cost.n, (1000 * t for t in self.cost.seconds))),
                                "target_cost_ms": dict(zip(self.target_cost.n, (
                                    1000 * t for t in self.target_cost.seconds)))

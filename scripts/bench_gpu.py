@@ -137,7 +137,8 @@ class Plan:
         small = self.round_batches[0]
         order = self.target_groups() + [("phrases W=G=7", small), ("phrases W=G=15", small)]
         order += [(s, b) for b in self.round_batches for s in ROUND_SETTINGS if (s, b) not in order]
-        return [(s, b, m) for s, b in order for m in modes if m not in ONE_REQUEST_MODES or b == small]
+        return [(s, b, m) for s, b in order for m in modes
+                if (m not in ONE_REQUEST_MODES or b == small) and (m != PADDED_STEPS or ROUND_SETTINGS[s][1] == 0)]
 
     def target_groups(self) -> list[tuple[str, int]]:
         """The (setting, requests) the issue's targets read: decode and W=G=4 at one request
@@ -180,6 +181,10 @@ NORM_GEMM = "graph+fused+norm-gemm"
 # The graph round's replay emulated on a CPU, early exit included (DeviceRound(emulate_graphs=True)):
 # what the cut-round section checks there of the rule a GPU's graph round is priced by.
 GRAPH_EMULATED = "graph-emulated"
+# ... and what one uncached column per forward after the first saves where there are no guesses
+# (PADDED_STEPS: L + 1 of them, DeviceRound(padded_steps=True); decode-only rounds only, at one
+# request and at the most, where the padding is 4 of every 5 rows the forward computes).
+PADDED_STEPS = "graph+fused+padded-steps"
 ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM)
 
 # Round settings: name -> (window W, guesses G); gamma 4, beta 5 (OuroborosConfig's defaults).
@@ -451,6 +456,8 @@ class RoundRunner:
         self.rt = rt = DraftRuntime(model, pool, settings, B, max_len, dev)
         if mode == "graph-fixed":  # the graph round without conditional nodes: every F forward runs
             rt.device_round = DeviceRound(rt, graphs=True, early_exit=False)
+        elif mode == PADDED_STEPS:
+            rt.device_round = DeviceRound(rt, graphs=True, padded_steps=True)
         elif emulated:
             rt.device_round = DeviceRound(rt, graphs=True, emulate_graphs=True, early_exit=True)
         self.rng = rng = np.random.default_rng(seed)  # the same seed in every mode: the same contexts
@@ -1202,7 +1209,7 @@ def acceptance(result: dict, tiny: bool) -> list[dict]:
         # The graph round as CUDA serving runs it (draft_fused_ops on by default there), the
         # unfused one where the fused was not measured; the other modes beside it.
         modes = ("host", "device", "graph-fixed", "graph", "graph+fused", TORCH_POOL, TORCH_ROUND, ROPE_APART,
-                 NORM_GEMM)
+                 NORM_GEMM, PADDED_STEPS)
         others = {m: find_round(rounds, setting, B, m, key) for m in modes}
         mode = "graph+fused" if others["graph+fused"] is not None else "graph"
         others.pop(mode)
@@ -1662,7 +1669,7 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     fused = graphs and "fused" not in args.skip
     modes = (["graph"] if graphs else []) + (["graph+fused"] if fused else []) + (
         ["graph-fixed"] if graphs and conditional_nodes_supported() else []) + (
-        [TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM] if fused and device.type == "cuda" else []) + [
+        [TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM, PADDED_STEPS] if fused and device.type == "cuda" else []) + [
         "host", "device"]
     if graphs and "fused" in args.skip:
         skipped["rounds/graph+fused"] = "skipped: --skip fused"

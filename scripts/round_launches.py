@@ -159,7 +159,7 @@ def compile_only(archs: list[int]) -> int:
     rc = 0
     print(f"triton {triton.__version__}")
     for arch in archs:
-        for W, G, U in ((4, 4, 5), (7, 7, 5), (0, 0, 8)):
+        for W, G, U in ((4, 4, 5), (7, 7, 5), (0, 0, 8), (0, 0, 1)):  # (0, 0, 1): a decode step
             L = 4
             Q = U + (W + G) * L
             consts = dict(U=U, W=W, WA=max(W, 1), L=L, G=G, Q=Q, BLOCK_Q=triton.next_power_of_2(Q), BLOCK_P=64,

@@ -66,12 +66,13 @@ def test_device_round_drafts_what_the_host_loop_drafts(tiny_run):
     from vllm_ouroboros.draft.device_round import conditional_nodes_supported
 
     cuda_modes = {"graph", "graph+fused", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND, bench_gpu.ROPE_APART,
-                  bench_gpu.NORM_GEMM}
+                  bench_gpu.NORM_GEMM, bench_gpu.PADDED_STEPS}
     modes = {"host", "device"} | (cuda_modes if CUDA else set()) | (
         {"graph-fixed"} if CUDA and conditional_nodes_supported() else set())
     plan = bench_gpu.Plan(tiny=True)
     assert set(rounds) == {(s, b, m) for s in bench_gpu.ROUND_SETTINGS for b in plan.round_batches for m in modes
-                           if m not in bench_gpu.ONE_REQUEST_MODES or b == 1}
+                           if (m not in bench_gpu.ONE_REQUEST_MODES or b == 1)
+                           and (m != bench_gpu.PADDED_STEPS or s == "decode-only")}
     for (setting, B, mode), r in rounds.items():
         assert len(r["round_ms"]) == plan.timed_rounds and r["ms_per_round"] > 0 and r["ms_per_forward"] > 0
         assert r["prefill_forwards"] == 0 and not r["cache_regrown"], (setting, B, mode)
@@ -339,7 +340,11 @@ def test_round_cases_put_the_targets_first():
     (decode and W=G=4) and at the most requests, before the rest."""
     plan = bench_gpu.Plan(tiny=False)
     cases = plan.round_cases(["graph", "graph+fused", "graph-fixed", bench_gpu.TORCH_POOL, bench_gpu.TORCH_ROUND,
-                             "host", "device"])
+                             "host", "device", bench_gpu.PADDED_STEPS])
+    # Padded steps differ from the graph round only without guesses: decode-only, every batch.
+    padded = [c for c in cases if c[2] == bench_gpu.PADDED_STEPS]
+    assert padded == [("decode-only", b, bench_gpu.PADDED_STEPS) for b in (1, 32, 8)]
+    cases = [c for c in cases if c not in padded]
     assert cases[:3] == [("decode-only", 1, "graph"), ("decode-only", 1, "graph+fused"),
                          ("decode-only", 1, "graph-fixed")]
     first = {c: i for i, c in enumerate(cases)}

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.draft import DraftModel
+from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings
 from vllm_ouroboros.pool import PhrasePool
 
@@ -287,6 +288,44 @@ def test_fewer_forwards_draft_a_prefix(tiny_models, device):
     assert dr.forwards_for_next_round() == dr.max_forwards
     dr._recent = [2, 1]
     assert dr.forwards_for_next_round() == 2
+
+
+@pytest.mark.parametrize("config", ["decode-only", "window-only", "phrases", "adaptive"])
+def test_later_forwards_carry_what_one_forward_drafts(config, tiny_models, device):
+    """Every forward after a round's first carries as many uncached columns as a forward may
+    draft: one without guesses (t1 alone), L + 1 with them; each forward's width is that plus
+    the window and guess columns. Without guesses L padding columns per row would otherwise
+    ride in every decode forward. The drafts stay the host loop's (the other tests)."""
+    kw = CONFIGS[config]
+    host, dev = make(str(tiny_models["draft"]), device, "host", **kw), \
+        make(str(tiny_models["draft"]), device, "device", round_forwards=99, **kw)
+    dr, model = dev.device_round, dev.model
+    Wc = W if kw.get("use_lookahead", True) else 0
+    Gc = G if kw.get("use_guesses", True) else 0
+    assert dr.step_width == (L + 1 if Gc else 1)
+    widths: list[list[int]] = []
+    real_run, real_forward = dr.run, model.forward
+
+    def run(*a, **k):  # the round's forwards (the prefill before it is the runtime's)
+        widths.append([])
+        model.forward = lambda ids, *fa, **fk: widths[-1].append(ids.shape[1]) or real_forward(ids, *fa, **fk)
+        try:
+            return real_run(*a, **k)
+        finally:
+            model.forward = real_forward
+
+    dr.run = run
+    # The old shape (bench_gpu times it beside): L + 1 columns, the same drafts.
+    padded = make(str(tiny_models["draft"]), device, "device", round_forwards=99, **kw)
+    padded.device_round = DeviceRound(padded, padded_steps=True)
+    assert padded.device_round.step_width == L + 1
+    for outs, _ in drive([host, dev, padded], 3, np.random.default_rng(5), model.vocab_size):
+        compare(outs[0], outs[1], config)
+        compare(outs[0], outs[2], config + ", padded steps")
+    assert len(widths) == 3
+    for per_round in widths:
+        assert len(per_round) == dr.max_forwards > 1
+        assert per_round[1:] == [dr.step_width + (Wc + Gc) * L] * (dr.max_forwards - 1), per_round
 
 
 aten = torch.ops.aten

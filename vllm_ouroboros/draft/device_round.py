@@ -8,7 +8,8 @@ whole round is queued at once and can be replayed from CUDA graphs:
   * a batch of A requests is padded to a batch bucket (padding rows draft for a spare cache slot
     and change nothing: their pool reads and writes are masked);
   * the first forward's uncached width is padded to a width bucket; every later forward carries
-    the L + 1 tokens the previous one drafted (beta columns);
+    the tokens the previous one drafted: L + 1 columns (beta) with guesses, one without (a
+    forward then drafts exactly one token: `DeviceRound.step_width`);
   * every forward carries all G guess columns (the host loop trims empty ones, which needs a sync);
   * a row may be cut (the back-off's shorter draft): it stops at its cut, and its last forward
     takes no token past it, as the host loop's (its suffixes then follow the draft it sends);
@@ -168,11 +169,14 @@ class DeviceRound:
     early_exit: with graphs, the forwards after the first in conditional nodes (module
     docstring); None: wherever this torch and CUDA have them (`conditional_nodes_supported`),
     and under emulation.
+    padded_steps: every forward after the first carries L + 1 uncached columns even without
+    guesses (the shape before `step_width`; scripts/bench_gpu.py times it beside).
     """
 
     def __init__(self, runtime, graphs: bool = False, emulate_graphs: bool = False,
-                 early_exit: bool | None = None):
+                 early_exit: bool | None = None, padded_steps: bool = False):
         self.rt = runtime
+        self.padded_steps = padded_steps
         self.graphs = graphs
         self.emulate = emulate_graphs
         if graphs and runtime.device.type != "cuda" and not emulate_graphs:
@@ -226,6 +230,14 @@ class DeviceRound:
         return round_steps.prepare, None if self.adaptive else round_steps.commit
 
     # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def step_width(self) -> int:
+        """Uncached columns of every forward after the first: the most tokens one forward
+        drafts. That is t1 and a guess's right tokens (L + 1) with guesses; without them every
+        forward drafts t1 alone, and the L columns more would be padding the draft computes
+        (on an H200 the real draft's forward costs 1.152 ms at 1 token, 1.203 ms at 4)."""
+        return self.rt.L + 1 if self.rt.G or self.padded_steps else 1
+
     @property
     def max_forwards(self) -> int:
         """Forwards that always suffice: each forward drafts >= 1 token per active row."""
@@ -285,7 +297,7 @@ class DeviceRound:
         st = self._state(A)
         self._layouts(U)
         if self.graphs:  # before the inputs go in: a capture runs on a neutral inbox
-            need = int(kv0.max()) + U + (self.max_forwards - 1) * (rt.L + 1)
+            need = int(kv0.max()) + U + (self.max_forwards - 1) * self.step_width
             if self.bounds.stale(need):  # longer contexts than the graphs read: capture again
                 self._states.clear()
                 st = self._state(A)
@@ -305,7 +317,7 @@ class DeviceRound:
         box[:B, INBOX:INBOX + min(unc0.shape[1], U)] = unc0[:, :U]
         self._inbox(st, U).copy_(host, non_blocking=True)
         # Cache columns a forward may read, for the dense-mask path (a bound: any is correct).
-        bound = int(kv0.max()) + U + (F - 1) * (rt.L + 1)
+        bound = int(kv0.max()) + U + (F - 1) * self.step_width
         if self.graphs:
             self._replay(st, U, F)
         else:
@@ -332,7 +344,7 @@ class DeviceRound:
         """Build (once) the masks the round's forwards use, outside the functions a graph
         captures: a layout is made on the host and copied in, which a capture cannot hold."""
         self.rt.layout(U, self.rt.G)
-        self.rt.layout(self.rt.L + 1, self.rt.G)
+        self.rt.layout(self.step_width, self.rt.G)
 
     # ---- the three functions (run eagerly or captured) -----------------------------------------
     def _start(self, st: RoundState, U: int, bound: int) -> None:
@@ -349,7 +361,7 @@ class DeviceRound:
         self._forward(st, box[:, INBOX:], box[:, 2], U, bound)
 
     def _step(self, st: RoundState, bound: int) -> None:
-        self._forward(st, st.next_unc, st.next_u, self.rt.L + 1, bound)
+        self._forward(st, st.next_unc, st.next_u, self.step_width, bound)
 
     def _rest(self, st: RoundState, bound: int, when) -> None:
         """The round after its first forward, with early exit: forward k + 1 runs when some row
@@ -379,7 +391,7 @@ class DeviceRound:
         round took them, in two kernels (kernels/round_steps.py).
 
         Shape: unc [A, U] int64 (first u[b] real), u [A] int64 >= 1."""
-        rt, A, L, W, G = self.rt, st.A, self.rt.L, self.rt.W, self.rt.G
+        rt, A, L, G = self.rt, st.A, self.rt.L, self.rt.G
         dev = rt.device
         act, slots, kv = st.active, st.slots, st.kv
         if G:
@@ -481,7 +493,7 @@ class DeviceRound:
         compilation) and the capture both see a neutral state: padding rows, none active, so
         the real pool, windows and caches are untouched."""
         rt = self.rt
-        self._layouts(U if name.startswith("start") else rt.L + 1)
+        self._layouts(U if name.startswith("start") else self.step_width)
         # A neutral state: every row padding, inactive.
         st.slots.fill_(rt.pad_slot)
         st.kv.zero_()

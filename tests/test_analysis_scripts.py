@@ -102,3 +102,16 @@ def test_self_lookahead_writes_the_models_own_greedy_text(tiny_models, one_threa
         assert text == want
     assert r["tokens"] == sum(len(t) for t in r["texts"])
     assert r["tokens_per_forward"] == round(r["tokens"] / r["forwards"], 3) >= 1
+
+
+def test_step_width_cost_times_both_forms(monkeypatch, capsys, one_thread):
+    """scripts/step_width_cost.py (results/README.md, "a decode step carries one token per row")
+    times the one-column and the padded decode steps side by side, on the same contexts."""
+    import step_width_cost
+
+    monkeypatch.setattr(sys, "argv", ["step_width_cost.py", "--tiny", "--rounds", "2", "--batches", "1", "2"])
+    assert step_width_cost.main() == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("B=")]
+    assert [ln.split(":")[0] for ln in lines] == ["B=1", "B=2"]
+    # bench_gpu's tiny drafts: beta 5, so L + 1 = 5 columns padded
+    assert all(" 1 column " in ln and " 5 columns " in ln and "ratio" in ln for ln in lines), lines

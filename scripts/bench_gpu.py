@@ -182,8 +182,8 @@ NORM_GEMM = "graph+fused+norm-gemm"
 # what the cut-round section checks there of the rule a GPU's graph round is priced by.
 GRAPH_EMULATED = "graph-emulated"
 # ... and what one uncached column per forward after the first saves where there are no guesses
-# (PADDED_STEPS: L + 1 of them, DeviceRound(padded_steps=True); decode-only rounds only, at one
-# request and at the most, where the padding is 4 of every 5 rows the forward computes).
+# (PADDED_STEPS: L + 1 of them, DeviceRound(padded_steps=True); decode-only rounds only, where it
+# differs, at every batch: there the padding is 4 of every 5 tokens a later forward computes).
 PADDED_STEPS = "graph+fused+padded-steps"
 ONE_REQUEST_MODES = ("graph-fixed", TORCH_POOL, TORCH_ROUND, ROPE_APART, NORM_GEMM)
 

@@ -556,10 +556,11 @@ def test_mode_review_switches_to_the_draft_model_mid_run_greedy_identical(runs, 
     model mid-run, whose drafts then catch up on the requests' contexts; the output is the
     same as without speculation, and both modes drafted."""
     base, _, _ = runs
-    # Every request speculates whole (max_speculative_batch above the batch): the review measures
-    # a mode's E from rows drafted whole only, and the back-off's plan, which rests on this
-    # host's timings, may cut every pool row's branches before the first review (seen once in a
-    # fresh-clone run: the pool's rows were never measured).
+    # Every request speculates (max_speculative_batch above the batch): the back-off's plan rests
+    # on this host's timings, and a row it leaves out drafts nothing the review could measure.
+    # (Rows whose branches it cut count, with their unsent branches' estimated gains: once, in a
+    # fresh-clone run, every pool row was cut before the first review and none was measured.
+    # Without this pin, a run measured 117 pool rows, 32 of them cut.)
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
             "draft_cost_ms": {"1": 0.6, "64": 0.7}, "target_cost_ms": {"1": 0.5, "64": 0.6},
             "mode_review_steps": 8, "max_speculative_batch": 64}

@@ -9,6 +9,7 @@ import torch
 
 from vllm_ouroboros.pool import PhrasePool
 from vllm_ouroboros.pool_draft import (branch_gains, branch_prior, branches_under_cut, draft_from_pool,
+                                       unsent_branch_gain,
                                        queue_pool_drafts)
 
 L = 4
@@ -189,6 +190,31 @@ def test_branch_gains_add_up_to_what_the_best_of_b_branches_accepted():
     off = np.ones(S, bool)
     off[L - 1::L] = False
     assert (g[:, off] == 0).all()
+
+
+def test_unsent_branches_gains_give_the_whole_rows_mean():
+    """A row cut to its first b branches plus the estimated gains of the ones it found and did
+    not send has, in the mean over rows, what the rows sent whole accepted (each rank's gain
+    being estimated from the rows that sent it); a row that sent all it found adds nothing."""
+    rng = np.random.default_rng(1)
+    R, K, S = 20000, 4, 16
+    along = np.minimum(rng.geometric([0.6, 0.5, 0.5, 0.4], (R, K)) - 1, L)  # ranks differ
+    found = rng.integers(0, K + 1, R)
+    whole = np.cumsum(branch_gains(along, found, L, S), 1)[:, -1]
+    at = np.arange(1, K + 1) * L - 1
+    gains = branch_gains(along, found, L, S)
+    est = np.zeros(S)
+    est[at] = [gains[found >= r + 1, at[r]].mean() for r in range(K)]
+    sent = rng.integers(1, K + 1, R)
+    cut = np.cumsum(branch_gains(along, np.minimum(sent, found), L, S), 1)[:, -1]
+    filled = cut + unsent_branch_gain(np.tile(est, (R, 1)), sent, found, L)
+    assert (cut < whole).mean() > 0.1  # the cut loses tokens in many rows
+    assert filled.mean() == pytest.approx(whole.mean(), rel=0.02)
+    assert abs(cut.mean() - whole.mean()) > 0.05 * whole.mean()
+    done = sent >= found
+    assert (unsent_branch_gain(np.tile(est, (R, 1)), sent, found, L)[done] == 0).all()
+    assert unsent_branch_gain(np.tile(est, (2, 1)), np.array([1, 2]), np.array([3, 4]), L) == \
+        pytest.approx([est[at[1]] + est[at[2]], est[at[2]] + est[at[3]]])
 
 
 def test_a_cut_sends_whole_branches_at_least_one():

@@ -31,7 +31,10 @@ per output token at the batch the engine runs:
     D_pool = the pool lookups' measured seconds per step (the proposer's running mean over
              every step the pool drafted in, pool mode or pool fill)
     E_m    = tokens per target forward of rows drafted whole in mode m (decayed mean over its
-             recent rows), MODES' prior until MIN_ROWS rows were measured
+             recent rows), MODES' prior until MIN_ROWS rows were measured. A pool row whose
+             branches the back-off cut counts with what its unsent branches are estimated to
+             add (pool_draft.unsent_branch_gain): under load the back-off may cut every row
+             (rows_estimated counts them)
 
 The overhead is measured beside the load-time curve at the tokens the mode in force sends, so
 on a compute-bound curve it carries the curve's error there: on this CPU, MT-Bench read 42 ms in
@@ -99,6 +102,7 @@ class ModeReview:
         self._tokens_w = dict.fromkeys(self.modes, 0.0)  # decayed sums: tokens, row-steps
         self._rows_w = dict.fromkeys(self.modes, 0.0)
         self.rows_measured = dict.fromkeys(self.modes, 0)
+        self.rows_estimated = dict.fromkeys(self.modes, 0)  # of those, rows with an estimated part
         self._forwards: float | None = None  # drafted mode's forwards per round, running mean
         self.batch = 1.0  # drafting rows per step, running mean (each step drafts >= 1)
         self.steps = 0  # drafting steps since the last review (or switch)
@@ -115,12 +119,15 @@ class ModeReview:
         if mode != self.pool and forwards is not None:
             self._forwards = running_mean(self._forwards, float(forwards), self.BATCH_RATE)
 
-    def observe(self, mode: str, tokens: np.ndarray) -> None:
+    def observe(self, mode: str, tokens: np.ndarray, estimated: int = 0) -> None:
         """Tokens per target forward ([R], accepted + 1) of R rows that mode `mode` drafted
-        whole (the back-off's cut drafts say less, and rows it left out drafted nothing)."""
+        whole (the back-off's cut drafts say less, and rows it left out drafted nothing), or
+        what a cut row would have given whole where that can be estimated in the mean (the
+        pool's branches); `estimated` of the R rows are such."""
         tokens = np.asarray(tokens, float)
         if mode not in self.modes or tokens.size == 0:
             return
+        self.rows_estimated[mode] += estimated
         keep = self.DECAY ** tokens.size
         self._tokens_w[mode] = self._tokens_w[mode] * keep + float(tokens.sum())
         self._rows_w[mode] = self._rows_w[mode] * keep + tokens.size
@@ -178,6 +185,7 @@ class ModeReview:
         return {"switches": self.switches, "steps_between_reviews": self.gap,
                 "tokens_per_target_forward": {m: round(self.tokens_per_forward(m)[0], 3) for m in self.modes},
                 "rows_measured": dict(self.rows_measured),
+                "rows_estimated": dict(self.rows_estimated),
                 "batch": round(self.batch, 2),
                 "last_ms_per_token": {m: round(1000 * p.seconds_per_token, 3) for m, p in self.last.items()}}
 

@@ -145,6 +145,22 @@ def branch_gains(along: np.ndarray, num_sent: np.ndarray, phrase_len: int, posit
     return out
 
 
+def unsent_branch_gain(accepted: np.ndarray, sent: np.ndarray, found: np.ndarray, phrase_len: int) -> np.ndarray:
+    """What the branches a row found and did not send (the back-off's cut) are expected to
+    add to its tokens per target forward: the sum of its estimates (branch_gains' layout) at
+    ranks sent + 1 .. found. Its accepted tokens plus this is the mean, over rows, of what the
+    pool mode gives a row sent whole, since each branch's gain over the better-ranked ones is
+    estimated apart: so rows cut under load still measure the mode (mode_review.py).
+
+    accepted [R, S]: the rows' estimates (BackoffEstimates.accepted); sent [R], found [R]:
+    branches sent and found. -> [R] float tokens (0 where nothing found went unsent)."""
+    accepted = np.asarray(accepted, float)
+    ranks = np.arange(1, accepted.shape[1] // phrase_len + 1)
+    at = accepted[:, ranks * phrase_len - 1]
+    unsent = (ranks[None, :] > np.asarray(sent)[:, None]) & (ranks[None, :] <= np.asarray(found)[:, None])
+    return np.where(unsent, at, 0.0).sum(1)
+
+
 def branch_prior(prior_accepted: np.ndarray, phrase_len: int, num_branches: int) -> np.ndarray:
     """The branches' prior ([S]) from a chain's (P(accepted >= k), [S]): one branch accepts
     what the chain's first L positions would, a fraction f of its L tokens, and each further

@@ -35,7 +35,8 @@ from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
 from vllm_ouroboros.mode_review import ModeReview
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
-from vllm_ouroboros.pool_draft import branch_gains, branch_prior, branches_under_cut, queue_pool_drafts
+from vllm_ouroboros.pool_draft import (branch_gains, branch_prior, branches_under_cut, queue_pool_drafts,
+                                       unsent_branch_gain)
 from vllm_ouroboros.pool_warmup import warm_pool_kernels
 from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
@@ -194,6 +195,7 @@ class OuroborosProposer:
             self.max_slots, branch_prior(prior, self.cfg.phrase_len, max(self.cfg.tree_suffixes, 1)),
             learn_prior=True)
         self._branched = np.zeros(self.max_slots, bool)  # the pool drafted branches last step
+        self._branches_found = np.zeros(self.max_slots, np.int64)  # ... of which it found this many
         self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
         # The pool's lookups per step it drafts in (seconds, running mean): what the pool's
         # plans and the mode review charge it beside its target tokens (None: not yet timed).
@@ -552,6 +554,7 @@ class OuroborosProposer:
             self._model_est.reset(slot)
             self._pool_est.reset(slot)
             self._branch_est.reset(slot)
+            self._branches_found[slot] = 0
             self._source[slot] = NO_DRAFT
             self._last_cut[slot] = self.num_spec_tokens
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
@@ -647,8 +650,23 @@ class OuroborosProposer:
             # The rows the mode in force drafted (a review, the only switch, runs in propose,
             # after the verification of the step it drafted is read here); pool-filled rows in
             # the draft model's mode are the rows it left, not what the pool mode would yield.
-            mine = whole & (src == (POOL_DRAFT if self.pool_only else MODEL_DRAFT))
-            self._mode_review.observe(self.drafting_mode, num_acc[sel][mine] + 1)
+            mine = src == (POOL_DRAFT if self.pool_only else MODEL_DRAFT)
+            got = num_acc[sel] + 1.0
+            counted = whole
+            if self.pool_only:
+                # A row whose branches the back-off cut counts too, with what its unsent branches
+                # are estimated to add (before this step's gains are learnt below): under load
+                # the back-off may cut every row, and the mode was then never measured (priced
+                # at its prior however the pool did). The scheduler's cuts stay out: a branch
+                # it cut in the middle was partly verified.
+                part = branched & ~whole & ~by_scheduler & mine
+                if part.any():
+                    got[part] += unsent_branch_gain(
+                        self._branch_est.accepted[s[part]], cut[part] // self.cfg.phrase_len,
+                        self._branches_found[s[part]], self.cfg.phrase_len)
+                    counted = whole | part
+            self._mode_review.observe(self.drafting_mode, got[counted & mine],
+                                      estimated=int((counted & mine & ~whole).sum()))
         sw = s[whole]
         self._base_tokens[sw] += ESTIMATE_RATE * (
             np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
@@ -878,12 +896,12 @@ class OuroborosProposer:
         R = len(rows)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
         valid = out.suffix_valid[:, :K]
+        found = valid.sum(1)
         branched = from_pool & self._pool_branches
         if branched.any():
             # The back-off's cut counts whole branches, the best ranked first (pool_draft.py);
             # a row sending all K records no cut.
             n_b = branches_under_cut(cut, self.cfg.phrase_len, max(K, 1))
-            found = valid.sum(1)
             valid = valid & (np.cumsum(valid, 1) <= np.where(branched, n_b, K)[:, None])
             self.stats.add(slots, branches_cut=found - valid.sum(1))
             cut = np.where(branched & (n_b < K), n_b * self.cfg.phrase_len, np.where(branched, S, cut))
@@ -899,7 +917,8 @@ class OuroborosProposer:
         chain, total = proposal_layout.proposal_tokens(out.drafts, sfx, place)
         for b, i in enumerate(rows):
             proposals[i] = chain[b, :total[b]].tolist()
-        empty = self.pool_only & from_pool & (cut >= S) & (total == 0)
+        # (branches: a row that found none sent all it had, whatever the cut)
+        empty = self.pool_only & from_pool & ((cut >= S) | (branched & (found == 0))) & (total == 0)
         if self._mode_review is not None and empty.any():
             # A row the pool had no phrase for decodes plainly: one token for its target forward
             # (on_verified never sees it), part of what the pool mode yields.
@@ -921,6 +940,7 @@ class OuroborosProposer:
                 self._draft_forwards[m] += ESTIMATE_RATE * (ran - self._draft_forwards[m])
         self._last_cut[slots] = cut
         self._branched[slots] = branched
+        self._branches_found[slots] = found
         self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))

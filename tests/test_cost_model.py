@@ -488,7 +488,7 @@ def _proposer(cap=None, slots=16):
     p._pool_est = BackoffEstimates(slots, cost_model.geometric_survival(7.0, 12)[0])
     p._branch_est = BackoffEstimates(slots, branch_prior(cost_model.geometric_survival(7.0, 12)[0], 4, 2))
     p._branched = np.zeros(slots, bool)
-    p._branches_found = np.zeros(slots, np.int64)
+    p._room_cut = np.zeros(slots, bool)
     p._model_est.accepted = cost_model.geometric_survival(np.full(slots, 3.75), 12)
     p._draft_forwards = np.full(slots, 4.3)
     p._source = np.full(slots, MODEL_DRAFT, np.int8)
@@ -1267,8 +1267,8 @@ def test_the_mode_review_measures_pool_rows_whose_branches_were_cut():
     """Under load the back-off may cut every pool row's branches; the review learnt E from rows
     drafted whole only, so it then priced the pool mode at its prior however the pool did (a
     fresh-clone CI run saw rows_measured["pool"] == 0). A cut row now counts with its accepted
-    tokens plus the estimated gains of the branches it found and did not send; a row that sent
-    every branch it found counts as it is; a row the scheduler cut stays out."""
+    tokens plus the estimated gains of the ranks it did not send; a row the scheduler cut, or
+    max_model_len's room, stays out."""
     from vllm_ouroboros.backoff_estimates import BackoffEstimates
     from vllm_ouroboros.config import OuroborosConfig
     from vllm_ouroboros.mode_review import ModeReview
@@ -1294,35 +1294,35 @@ def test_the_mode_review_measures_pool_rows_whose_branches_were_cut():
     gains = np.zeros(S)
     gains[[3, 7, 11, 15]] = 2.0, 0.5, 0.25, 0.125
     p._branch_est = BackoffEstimates(16, gains)
-    # Rows a..d: one branch sent of four found; three planned, two found (nothing unsent);
-    # all four sent; one sent of three found, but the scheduler verified 2 of its 4 tokens.
-    p._slot_of = {r: i for i, r in enumerate("abcd")}
-    p._source[:4], p._branched[:4] = POOL_DRAFT, True
-    p._branches_found[:4] = 4, 2, 4, 3
+    # Rows a..e: one branch sent; three planned (two sent: the pool found two); all four sent;
+    # one sent, but the scheduler verified 2 of its 4 tokens; one sent where max_model_len left
+    # room for no more.
+    sent_by_row = (1, 2, 4, 1, 1)
+    p._slot_of = {r: i for i, r in enumerate("abcde")}
+    p._source[:5], p._branched[:5] = POOL_DRAFT, True
     p._last_cut = np.full(16, S, np.int64)
-    p._last_cut[:4] = L, 3 * L, S, L
+    p._last_cut[:5] = L, 3 * L, S, L, L
+    p._room_cut[4] = True
     p._last_main = np.zeros(16, np.int64)
     p._last_suffix_len = np.zeros((16, K), np.int64)
-    for i, sent in enumerate((1, 2, 4, 1)):
+    paths = np.full((5, K, L), -1)
+    for i, sent in enumerate(sent_by_row):
         p._last_suffix_len[i, :sent] = L
-    scheduled = np.array([L, 2 * L, K * L, 2])
-    paths = np.full((4, K, L), -1)
-    for i, sent in enumerate((1, 2, 4, 1)):
         for k in range(sent):
             paths[i, k] = np.arange(k * L, (k + 1) * L)
-    tree = SimpleNamespace(B=4, D=K * L, layout=SimpleNamespace(
-        n=np.zeros(4, np.int64), num_nodes=scheduled, path_len=np.where(paths[:, :, 0] >= 0, L, 0),
+    scheduled = np.array([L, 2 * L, K * L, 2, L])
+    tree = SimpleNamespace(B=5, D=K * L, layout=SimpleNamespace(
+        n=np.zeros(5, np.int64), num_nodes=scheduled, path_len=np.where(paths[:, :, 0] >= 0, L, 0),
         slen=np.where(paths[:, :, 0] >= 0, L, 0), paths=paths))
-    accepted = np.array([3, 1, 4, 0])
-    p.on_verified(list("abcd"), SimpleNamespace(
-        tree=tree, num_accepted=accepted, suffix_index=np.array([0, 1, 2, -1]),
-        tokens=np.zeros((4, K * L), np.int64), target_next=np.zeros((4, K * L + 1), np.int64)))
+    p.on_verified(list("abcde"), SimpleNamespace(
+        tree=tree, num_accepted=np.array([3, 1, 4, 0, 2]), suffix_index=np.array([0, 1, 2, -1, 0]),
+        tokens=np.zeros((5, K * L), np.int64), target_next=np.zeros((5, K * L + 1), np.int64)))
     assert review.rows_measured["pool"] == 3 and review.rows_estimated["pool"] == 2, review.stats()
-    # Row a: 3 + 1 accepted-and-bonus, plus branches 2..4's estimates; b: as it is (2 found,
-    # both sent); c: whole. Each row's weight decays alike (one observe call).
-    expect = np.mean([3 + 1 + 0.5 + 0.25 + 0.125, 1 + 1, 4 + 1])
+    # Row a: 3 accepted + 1, plus ranks 2..4's estimates; b: ranks past the 3 planned (whatever
+    # it found: an estimate holds the chance of finding none); c: whole. One observe call: each
+    # row weighs alike.
+    expect = np.mean([3 + 1 + 0.5 + 0.25 + 0.125, 1 + 1 + 0.125, 4 + 1])
     assert review.tokens_per_forward("pool")[0] == pytest.approx(expect)
-    # The step's tree tokens still reach the pool's learning (not the review's row tokens).
-    assert learnt[0].shape == (4, K * L) and learnt[0].dtype == np.int64
-    # Before the change the review saw row c alone (the only one with cut >= S).
     assert review.stats()["rows_estimated"] == {"phrases": 0, "pool": 2}
+    # The step's tree tokens still reach the pool's learning (not the review's row tokens).
+    assert learnt[0].shape == (5, K * L) and learnt[0].dtype == np.int64

@@ -147,8 +147,8 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
 
     from vllm_ouroboros.metrics import engine_snapshot
 
-    llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
-              seed=0, max_num_seqs=32, speculative_config=spec, **engine_kw)
+    llm = LLM(model=str(target), dtype="float32", enforce_eager=True, seed=0, max_num_seqs=32,
+              speculative_config=spec, **{"max_model_len": 1024, **engine_kw})
     try:
         loaded = engine_snapshot(llm) if spec else None  # before any request
         sps = [SamplingParams(**p) for p in params]
@@ -582,6 +582,33 @@ def test_mode_review_switches_to_the_draft_model_mid_run_greedy_identical(runs, 
     # The runtime was built at load for the draft model's best mode (flat curves: phrases),
     # though the pool mode was chosen then.
     assert s["guess_lookups"] > 0 and s["settings"]["num_guesses"] > 0, s
+    assert s["accepted_tokens"] > 0, s
+
+
+def test_requests_run_to_max_model_len_greedy_identical(scenario, tiny_models):
+    """Requests that generate until the context is full (max_tokens to max_model_len, 160):
+    near the end a row's proposal is bounded by the room left, not by the plan (proposer
+    `room`: the root sits at len - 1, so nothing may pass max_model_len - 1). The outputs are
+    no speculation's, the ones that filled the context end there by length, and the drafting
+    steps near the end neither fail nor get counted as the mode's whole rows."""
+    from transformers import AutoTokenizer
+
+    max_len = 160
+    tok = AutoTokenizer.from_pretrained(tiny_models["target"])
+    prompts = [p for p in scenario["prompts"] if 4 <= len(tok(p).input_ids) <= max_len - 48][:8]
+    assert len(prompts) >= 6, [len(tok(p).input_ids) for p in scenario["prompts"]]
+    params = [{"temperature": 0.0, "max_tokens": max_len - len(tok(p).input_ids)} for p in prompts]
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
+            "max_speculative_batch": 64}
+    base, _ = run_engine(tiny_models["target"], prompts, params, max_model_len=max_len)
+    ours, snaps = run_engine(tiny_models["target"], prompts, params, spec, max_model_len=max_len)
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"request {i} differs"
+    full = [len(tok(p).input_ids) + len(o[0]) for p, o in zip(prompts, ours["main"]) if o[2] == "length"]
+    s = snaps["main"]
+    print(full, {k: s[k] for k in ("draft_rounds", "target_forwards", "accepted_tokens", "pool_draft_steps")},
+          s["settings"]["drafting_mode"], s["settings"].get("mode_review"))
+    assert full and all(n == max_len for n in full), full
     assert s["accepted_tokens"] > 0, s
 
 

@@ -195,12 +195,14 @@ class OuroborosProposer:
             self.max_slots, branch_prior(prior, self.cfg.phrase_len, max(self.cfg.tree_suffixes, 1)),
             learn_prior=True)
         self._branched = np.zeros(self.max_slots, bool)  # the pool drafted branches last step
-        self._branches_found = np.zeros(self.max_slots, np.int64)  # ... of which it found this many
         self._source = np.zeros(self.max_slots, np.int8)  # NO_DRAFT, MODEL_DRAFT, POOL_DRAFT
         # The pool's lookups per step it drafts in (seconds, running mean): what the pool's
         # plans and the mode review charge it beside its target tokens (None: not yet timed).
         self._pool_seconds: float | None = None
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
+        # The last proposal was bounded by max_model_len (room) rather than by the plan's cut:
+        # whole or cut, it says nothing of what the mode gives a row with room (mode review).
+        self._room_cut = np.zeros(self.max_slots, bool)
         # The most tokens each request's context can reach (prompt + max_tokens, else
         # max_model_len): what a draft cache that must catch up is weighed against.
         self._len_limit = np.full(self.max_slots, self.max_model_len, np.int64)
@@ -554,7 +556,7 @@ class OuroborosProposer:
             self._model_est.reset(slot)
             self._pool_est.reset(slot)
             self._branch_est.reset(slot)
-            self._branches_found[slot] = 0
+            self._room_cut[slot] = False
             self._source[slot] = NO_DRAFT
             self._last_cut[slot] = self.num_spec_tokens
             limit = None if self._length_limit_of is None else self._length_limit_of(r)
@@ -657,13 +659,13 @@ class OuroborosProposer:
                 # A row whose branches the back-off cut counts too, with what its unsent branches
                 # are estimated to add (before this step's gains are learnt below): under load
                 # the back-off may cut every row, and the mode was then never measured (priced
-                # at its prior however the pool did). The scheduler's cuts stay out: a branch
-                # it cut in the middle was partly verified.
-                part = branched & ~whole & ~by_scheduler & mine
+                # at its prior however the pool did). The scheduler's cuts and max_model_len's
+                # stay out: a branch cut in the middle was partly verified, and a row without
+                # room is not what the mode gives.
+                part = branched & ~whole & ~by_scheduler & ~self._room_cut[s] & mine
                 if part.any():
-                    got[part] += unsent_branch_gain(
-                        self._branch_est.accepted[s[part]], cut[part] // self.cfg.phrase_len,
-                        self._branches_found[s[part]], self.cfg.phrase_len)
+                    got[part] += unsent_branch_gain(self._branch_est.accepted[s[part]],
+                                                    cut[part] // self.cfg.phrase_len, self.cfg.phrase_len)
                     counted = whole | part
             self._mode_review.observe(self.drafting_mode, got[counted & mine],
                                       estimated=int((counted & mine & ~whole).sum()))
@@ -938,9 +940,11 @@ class OuroborosProposer:
             if whole_round:
                 ran = out_m.forwards if self.runtime.device_round is not None else out_m.row_forwards
                 self._draft_forwards[m] += ESTIMATE_RATE * (ran - self._draft_forwards[m])
-        self._last_cut[slots] = cut
+        # What the row could send: near max_model_len the room, not the plan, bounds it. The
+        # estimates must not learn the positions past the room as rejected (they were never sent).
+        self._last_cut[slots] = np.minimum(cut, room)
+        self._room_cut[slots] = room < np.minimum(cut, S)
         self._branched[slots] = branched
-        self._branches_found[slots] = found
         self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))

@@ -1326,3 +1326,6 @@ def test_the_mode_review_measures_pool_rows_whose_branches_were_cut():
     assert review.stats()["rows_estimated"] == {"phrases": 0, "pool": 2}
     # The step's tree tokens still reach the pool's learning (not the review's row tokens).
     assert learnt[0].shape == (5, K * L) and learnt[0].dtype == np.int64
+    # The branches (no sentence draft) leave the suffix decision's estimates as they were:
+    # they are of a draft and the suffixes after it, which the same slot's model rows read.
+    assert (p._base_tokens == 7.0).all() and (p._suffix_yield == 2.0).all() and p._suffix_yield_all == 1.0

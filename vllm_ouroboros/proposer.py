@@ -653,7 +653,7 @@ class OuroborosProposer:
             # after the verification of the step it drafted is read here); pool-filled rows in
             # the draft model's mode are the rows it left, not what the pool mode would yield.
             mine = src == (POOL_DRAFT if self.pool_only else MODEL_DRAFT)
-            got = num_acc[sel] + 1.0
+            per_row = num_acc[sel] + 1.0
             counted = whole
             if self.pool_only:
                 # A row whose branches the back-off cut counts too, with what its unsent branches
@@ -664,19 +664,24 @@ class OuroborosProposer:
                 # room is not what the mode gives.
                 part = branched & ~whole & ~by_scheduler & ~self._room_cut[s] & mine
                 if part.any():
-                    got[part] += unsent_branch_gain(self._branch_est.accepted[s[part]],
+                    per_row[part] += unsent_branch_gain(self._branch_est.accepted[s[part]],
                                                     cut[part] // self.cfg.phrase_len, self.cfg.phrase_len)
                     counted = whole | part
-            self._mode_review.observe(self.drafting_mode, got[counted & mine],
+            self._mode_review.observe(self.drafting_mode, per_row[counted & mine],
                                       estimated=int((counted & mine & ~whole).sum()))
-        sw = s[whole]
+        # The suffix decision's two estimates are of a sentence draft and the suffixes after it:
+        # the pool's branches (no draft; their suffixes are the whole draft, always sent) would
+        # pull a slot's tokens-from-the-draft toward 1 and its yield toward the branches' for
+        # the model rows the same slot drafts in pool fill.
+        chained = whole & ~branched
+        sw = s[chained]
         self._base_tokens[sw] += ESTIMATE_RATE * (
-            np.minimum(num_acc[sel][whole], n[sel][whole]) + 1 - self._base_tokens[sw])
+            np.minimum(num_acc[sel][chained], n[sel][chained]) + 1 - self._base_tokens[sw])
         # Suffix tokens accepted in a step that sent them and accepted its draft whole: a step
         # whose draft failed says nothing of its suffixes (they were never reached), and
         # counting it as 0 made the estimate swing with the draft's luck (rate 0.3 over values
         # of 0 or a few tokens), which flipped the decision near its margin.
-        reached = (slen[sel].sum(1) > 0) & (num_acc[sel] >= n[sel])
+        reached = (slen[sel].sum(1) > 0) & (num_acc[sel] >= n[sel]) & ~branched
         if reached.any():
             got = (num_acc[sel] - n[sel])[reached]
             self._suffix_yield[s[reached]] += ESTIMATE_RATE * (got - self._suffix_yield[s[reached]])

@@ -67,13 +67,14 @@ if triton is not None:
     def rows_kernel(
         keys_ptr,              # [N] int64
         phrases_ptr,           # [N, L] any integer dtype
+        owners_ptr,            # [N] int64 (read if OWNED)
         valid_ptr,             # [N] bool (read if HAS_VALID)
         key_to_page_ptr,       # [V] int32, the pool's
         kept_ptr,              # [N] int32 out: 1 = the newest row of its (key, phrase)
         page_ptr,              # [N] int32 out: the page of the row's key before this call, -1 none
         protect_ptr,           # [P] int8, zeros in: 1 at the pages this call's keys hold
         N, V, s_ph0, s_ph1,
-        L: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr,
+        L: tl.constexpr, HAS_VALID: tl.constexpr, OWNED: tl.constexpr, BLOCK: tl.constexpr,
     ):
         start = tl.program_id(0) * BLOCK
         i = start + tl.arange(0, BLOCK)
@@ -93,6 +94,10 @@ if triton is not None:
                 p_i = tl.load(phrases_ptr + i * s_ph0 + c * s_ph1, mask=in_i, other=0).to(tl.int32)
                 p_j = tl.load(phrases_ptr + j * s_ph0 + c * s_ph1, mask=in_j, other=0).to(tl.int32)
                 eq = eq & (p_i[:, None] == p_j[None, :])
+            if OWNED:  # a private pool: (key, phrase, owner) is the phrase
+                o_i = tl.load(owners_ptr + i, mask=in_i, other=-1).to(tl.int32)
+                o_j = tl.load(owners_ptr + j, mask=in_j, other=-1).to(tl.int32)
+                eq = eq & (o_i[:, None] == o_j[None, :])
             dup = tl.maximum(dup, tl.max(eq.to(tl.int32), axis=1))
         page = tl.load(key_to_page_ptr + tl.where(keep_i, key_i, 0), mask=keep_i, other=-1)
         tl.store(kept_ptr + i, (keep_i & (dup == 0)).to(tl.int32), mask=in_i)
@@ -158,6 +163,7 @@ if triton is not None:
         clock_ptr, counters_ptr,             # [] int64 (before this call's stamps), [4] int64
         N, K, NEVER, s_ph0, s_ph1,
         L: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
+        OWNED: tl.constexpr,
     ):
         i = tl.program_id(0)
         if tl.load(rank_ptr + i) == 0:  # the newest row of its key works for the whole group
@@ -199,6 +205,10 @@ if triton is not None:
                     mine = tl.load(phrases_ptr + row_r * s_ph0 + c * s_ph1, mask=live, other=0)
                     theirs = tl.load(tokens_ptr + (pg * W + s) * L + c, mask=in_s, other=0)
                     same = same & (mine.to(tl.int64)[:, None] == theirs.to(tl.int64)[None, :])
+                if OWNED:  # a private pool: only the row's owner's copy gives up its slot
+                    mine_o = tl.load(owners_ptr + row_r, mask=live, other=-1)
+                    theirs_o = tl.load(owner_ptr + pg * W + s, mask=in_s, other=-1)
+                    same = same & (mine_o.to(tl.int64)[:, None] == theirs_o.to(tl.int64)[None, :])
                 st = tl.where(tl.max(same.to(tl.int32), axis=0) > 0, 0, st)
                 # The c newest phrases take the c oldest (or empty) slots: slot s's place in a
                 # stable sort by stamp, compared with the group's rank.
@@ -252,9 +262,9 @@ def insert_triton(pool, keys: torch.Tensor, phrases: torch.Tensor, owners: torch
     ph = dict(s_ph0=phrases.stride(0), s_ph1=phrases.stride(1))
     launch = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with launch:
-        rows_kernel[rows_grid](keys, phrases, keys if valid is None else valid, pool.key_to_page,
+        rows_kernel[rows_grid](keys, phrases, owners, keys if valid is None else valid, pool.key_to_page,
                                kept, page, protect, N, pool.vocab_size, **ph,
-                               L=L, HAS_VALID=valid is not None, BLOCK=block)
+                               L=L, HAS_VALID=valid is not None, OWNED=not pool.shared, BLOCK=block)
         groups_kernel[rows_grid](keys, kept, rank, members, N, W=W, BLOCK_W=_pow2(W), BLOCK=block)
         page_scores_kernel[(triton.cdiv(P, _PAGES),)](pool.page_key, pool.page_last_used, protect,
                                                       score, P, _NEVER, BLOCK=_PAGES)
@@ -263,7 +273,7 @@ def insert_triton(pool, keys: torch.Tensor, phrases: torch.Tensor, owners: torch
         place_kernel[(N,)](keys, phrases, owners, rank, page, members, cand, cand_score,
                            pool.key_to_page, pool.page_key, pool.page_last_used, pool.tokens,
                            pool.stamp, pool.owner, pool.clock, pool.counters, N, k, _NEVER, **ph,
-                           L=L, W=W, BLOCK_W=_pow2(W), BLOCK=block, num_warps=1)
+                           L=L, W=W, BLOCK_W=_pow2(W), BLOCK=block, OWNED=not pool.shared, num_warps=1)
     pool.clock += N
     return True
 

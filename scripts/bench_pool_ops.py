@@ -66,7 +66,7 @@ def compile_only(archs: list[int], L: int, W: int) -> int:
                  cand_score_ptr="*i64", tokens_ptr="*i32", stamp_ptr="*i64", owner_ptr="*i32", clock_ptr="*i64",
                  counters_ptr="*i64", NEVER="i64", OWN="i64", slots_ptr="*i64", rows_ptr="*i1", out_ptr="*i64")
     n = min(4, W)
-    consts = dict(L=L, W=W, BLOCK_W=triton.next_power_of_2(W), HAS_VALID=True, HAS_ROWS=True, SHARED=True, n=n,
+    consts = dict(L=L, W=W, BLOCK_W=triton.next_power_of_2(W), HAS_VALID=True, HAS_ROWS=True, SHARED=True, OWNED=False, n=n,
                   BLOCK_N=triton.next_power_of_2(n), BLOCK_L=triton.next_power_of_2(L))
     launches = ((pi.rows_kernel, pi._ROWS, 4), (pi.groups_kernel, pi._ROWS, 4),
                 (pi.page_scores_kernel, pi._PAGES, 4), (pi.place_kernel, pi._ROWS, 1), (pl.lookup_kernel, None, 1))

@@ -120,6 +120,24 @@ def test_release_shared_keeps_phrases_for_everyone():
     assert get(pool, 8, slot=0) == [B, A]  # a new request in slot 0 does not own A any more
 
 
+def test_private_pools_hold_each_owners_copy_apart():
+    """Not shared: two requests holding the same phrase each keep their copy. One's insert does
+    not take the other's, its release does not delete it, its refinement does not remove it."""
+    pool = make(vocab=16, L=2, W=4, shared=False)
+    key, phrase = T([5]), T([[1, 2]])
+    pool.insert(key, phrase, T([0]))
+    pool.insert(key, phrase, T([1]))
+    pool.insert(T([5, 5]), T([[3, 4], [3, 4]]), T([0, 1]))  # both in one call
+    for slot in (0, 1):
+        got, ok = pool.lookup(T([5]), T([slot]), 4)
+        assert sorted(tuple(p) for p, v in zip(got[0].tolist(), ok[0].tolist()) if v) == [(1, 2), (3, 4)], slot
+    pool.replace(key, phrase, T([[7, 7]]), T([1]))  # request 1 refines its copy
+    pool.release(T([1]))
+    got, ok = pool.lookup(T([5]), T([0]), 4)
+    assert [tuple(p) for p, v in zip(got[0].tolist(), ok[0].tolist()) if v] == [(3, 4), (1, 2)]
+    assert pool.num_phrases() == 2
+
+
 def test_release_not_shared_deletes_and_frees_pages():
     pool = make(W=4, pages=2, shared=False)
     ins(pool, 8, [A], owner=0)
@@ -198,6 +216,9 @@ def test_remove():
     assert get(pool, 2) == [C, B]
 
 
+_STATS_COUNTED = ("lookups", "hits", "phrases_returned", "page_evictions", "hit_rate")
+
+
 def test_save_load_round_trip_and_mismatch(tmp_path):
     pool = make(vocab=32, L=3, W=4, shared=True)
     g = torch.Generator().manual_seed(1)
@@ -207,11 +228,18 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
                     torch.randint(-1, 3, (20,), generator=g))
     pool.save(tmp_path / "pool.pt")
     loaded = PhrasePool.load(tmp_path / "pool.pt", device=DEVICE)
+    # The saved owners were the saving engine's slots, which another engine's requests reuse:
+    # loaded, every phrase belongs to nobody, as if each of those requests had finished, and
+    # the counters are the new pool's own.
+    assert (loaded.owner == -1).all() and loaded.stats()["lookups"] == 0
+    saved = pool.stats()
+    pool.release(torch.arange(3))
     keys = torch.arange(32).repeat(4)
     slots = torch.arange(-1, 3).repeat_interleave(32)
     for a, b in zip(pool.lookup(keys, slots, 4), loaded.lookup(keys, slots, 4)):
         assert torch.equal(a, b)
-    assert loaded.stats() == pool.stats()
+    assert {k: v for k, v in loaded.stats().items() if k not in _STATS_COUNTED} == \
+        {k: v for k, v in saved.items() if k not in _STATS_COUNTED}
     for kw, name in ((dict(vocab=33, L=3, W=4), "vocab_size"),
                      (dict(vocab=32, L=2, W=4), "phrase_len")):
         with pytest.raises(ValueError, match=name):
@@ -221,7 +249,8 @@ def test_save_load_round_trip_and_mismatch(tmp_path):
 @pytest.mark.parametrize("W", [1, 2, 6])
 def test_load_into_another_window_size(tmp_path, W):
     """A pool saved with 4 phrases per key loads into W: each key keeps its newest min(W, 4)
-    phrases, ranked as before (own first), and takes new ones as a W-pool does."""
+    phrases, ranked newest first (loaded, they belong to nobody), and takes new ones as a W-pool
+    does."""
     pool = make(vocab=32, L=3, W=4, shared=True)
     g = torch.Generator().manual_seed(2)
     for _ in range(10):
@@ -237,8 +266,8 @@ def test_load_into_another_window_size(tmp_path, W):
     keys = torch.arange(32).repeat(4)
     slots = torch.arange(-1, 3).repeat_interleave(32)
     n = min(W, 4)
-    # the newest phrases of every key in the old pool, as every owner ranks them: newest first,
-    # own first; the re-cut pool holds each key's n newest, so it ranks those the same
+    # the newest phrases of every key in the old pool, newest first for every reader (the loaded
+    # phrases are nobody's own); the re-cut pool holds each key's n newest
     stamp = pool.stamp[pool.key_to_page.long().clamp(min=0)]        # [32, 4]
     newest = stamp.argsort(dim=1, descending=True)[:, :n]
     got = loaded.lookup(T(keys), T(slots), n)
@@ -246,7 +275,7 @@ def test_load_into_another_window_size(tmp_path, W):
         page = int(pool.key_to_page[k])
         kept = [] if page < 0 else [(int(pool.stamp[page, j]), int(pool.owner[page, j]), tuple(pool.tokens[page, j].tolist()))
                                     for j in newest[k].tolist() if pool.stamp[page, j] > 0]
-        want = sorted(kept, key=lambda e: (e[1] != s, -e[0]))
+        want = sorted(kept, key=lambda e: -e[0])
         assert [tuple(p) for p, v in zip(phr, ok) if v] == [e[2] for e in want], (k, s)
     assert loaded.num_phrases() == sum(min(int((pool.stamp[p] > 0).sum()), n) for p in range(pool.num_pages)
                                        if pool.page_key[p] >= 0)
@@ -277,38 +306,46 @@ def test_budget_too_small_raises():
 
 
 class RefPool:
-    """Pure-Python reference: key -> OrderedDict(phrase -> owner), oldest first, no page limit."""
+    """Pure-Python reference: key -> OrderedDict((phrase, owner) -> owner), oldest first, no
+    page limit. A shared pool holds a phrase once (the owner in its identity is None); a private
+    one holds each owner's copy apart."""
 
     def __init__(self, W, shared):
         self.W, self.shared, self.d = W, shared, {}
+
+    def _id(self, p, o):
+        return (p, None if self.shared else o)
 
     def insert(self, keys, phrases, owners, valid):
         for k, p, o, v in zip(keys, phrases, owners, valid):
             if v:
                 od = self.d.setdefault(k, OrderedDict())
-                od.pop(p, None)
-                od[p] = o
+                od.pop(self._id(p, o), None)
+                od[self._id(p, o)] = o
                 if len(od) > self.W:
                     od.popitem(last=False)
 
-    def remove(self, keys, phrases, valid):
-        for k, p, v in zip(keys, phrases, valid):
+    def remove(self, keys, phrases, valid, owners=None):
+        for i, (k, p, v) in enumerate(zip(keys, phrases, valid)):
             if v:
-                self.d.get(k, {}).pop(p, None)
+                od = self.d.get(k, {})
+                for pid in [pid for pid in od if pid[0] == p]:
+                    if self.shared or owners is None or pid[1] == owners[i]:
+                        del od[pid]
 
     def release(self, slots):
         for od in self.d.values():
-            for p, o in list(od.items()):
+            for pid, o in list(od.items()):
                 if o in slots:
                     if self.shared:
-                        od[p] = -1  # keeps its position
+                        od[pid] = -1  # keeps its position
                     else:
-                        del od[p]
+                        del od[pid]
 
     def lookup(self, key, slot, n):
         items = list(self.d.get(key, {}).items())[::-1]
-        own = [p for p, o in items if o == slot]
-        return (own + ([p for p, o in items if o != slot] if self.shared else []))[:n]
+        own = [pid[0] for pid, o in items if o == slot]
+        return (own + ([pid[0] for pid, o in items if o != slot] if self.shared else []))[:n]
 
 
 @pytest.fixture(autouse=True, params=["index_put", "scatter_add", "triton"])
@@ -359,7 +396,7 @@ def test_randomized_against_reference(shared, forms):
             keys, old, owners, valid = rows(rng.randrange(1, 10))
             new = [tuple(rng.randrange(3) for _ in range(L)) for _ in keys]
             pool.replace(T(keys), T(old), T(new), T(owners), T(valid))
-            ref.remove(keys, old, valid)
+            ref.remove(keys, old, valid, owners)
             ref.insert(keys, new, owners, valid)
         elif op < 0.9:
             keys, phrases, _, valid = rows(rng.randrange(1, 10))

@@ -373,6 +373,11 @@ def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> 
     from vllm_ouroboros.pool import PhrasePool, PoolFileError
 
     path = cfg.pool_load_path
+    if not cfg.warm_start:
+        raise OuroborosConfigError(
+            f"ouroboros: 'pool_load_path' {path!r} with 'warm_start': false: a private pool shows "
+            "each request its own phrases only, and a loaded pool's phrases belong to no request "
+            "(none would ever be drafted from); drop one of the two")
     if not os.path.isfile(path):
         raise OuroborosConfigError(f"ouroboros: 'pool_load_path' {path!r} does not exist")
     try:

@@ -246,11 +246,14 @@ class PhrasePool:
 
         # Repeated (key, phrase) rows: a lexicographic sort (stable sorts, last column first, rows
         # newest first) puts each run together with its newest row first; the rest are dropped.
+        # Private pools (not shared): a phrase is (key, phrase, owner), so one request's insert
+        # neither takes another's copy nor leaves it to be deleted with the other's release.
         kq = torch.where(keep, keys, V)
         perm = i.flip(0)
-        for col in [phrases[:, c] for c in reversed(range(self.L))] + [kq]:
+        cols = [phrases[:, c] for c in reversed(range(self.L))] + [kq]
+        for col in ([] if self.shared else [owners]) + cols:
             perm = perm[torch.sort(col[perm], stable=True).indices]
-        rows = torch.cat([kq[:, None], phrases], 1)[perm]
+        rows = torch.cat([kq[:, None], phrases] + ([] if self.shared else [owners[:, None]]), 1)[perm]
         dup = torch.zeros_like(keep)
         dup[perm[1:]] = (rows[1:] == rows[:-1]).all(1)
         kq = torch.where(keep & ~dup, keys, V)
@@ -303,6 +306,8 @@ class PhrasePool:
         # A re-inserted phrase gives up its old slot, so it is stored once, as newest.
         stored = self.stamp[pg]                                                    # [N, W]
         same = (self.tokens[pg] == phr[:, None, :]).all(-1) & (stored > 0) & live[:, None]
+        if not self.shared:
+            same &= self.owner[pg] == own[:, None]
         flat = pg[:, None] * W + torch.arange(W, device=dev)
         self.stamp.view(-1).scatter_reduce_(0, flat.view(-1), torch.where(same, 0, _NEVER).view(-1),
                                             "amin")
@@ -318,16 +323,20 @@ class PhrasePool:
 
     @torch.no_grad()
     def remove(self, keys: torch.Tensor, phrases: torch.Tensor,
-               valid: Optional[torch.Tensor] = None):
-        """Delete phrases where present.
+               valid: Optional[torch.Tensor] = None, owners: Optional[torch.Tensor] = None):
+        """Delete phrases where present: in a private pool (not shared) only the copies of
+        `owners` where given (each request holds its own), else every copy.
 
-        Shape: keys [N] (int), phrases [N, L] (int), valid [N] (bool) or None.
+        Shape: keys [N] (int), phrases [N, L] (int), valid [N] (bool) or None, owners [N] (int)
+        or None.
         """
         self._check_rows(keys, phrases)
         keys, phrases = keys.to(self.device).long(), phrases.to(self.device)
         page = self._pages_of(keys)
         pg = page.clamp(min=0)
         hit = (self.tokens[pg] == phrases[:, None, :]).all(-1) & (page >= 0)[:, None]   # [N, W]
+        if owners is not None and not self.shared:
+            hit &= self.owner[pg] == owners.to(self.device, self.owner.dtype)[:, None]
         if valid is not None:
             hit &= valid.to(self.device, torch.bool)[:, None]
         flat = pg[:, None] * self.W + torch.arange(self.W, device=self.device)
@@ -336,12 +345,13 @@ class PhrasePool:
 
     def replace(self, keys: torch.Tensor, old_phrases: torch.Tensor, new_phrases: torch.Tensor,
                 owners: torch.Tensor, valid: Optional[torch.Tensor] = None):
-        """Candidate refinement: drop the old phrase (if stored) and insert the new one as newest.
+        """Candidate refinement: drop the old phrase (if stored; in a private pool, the owner's
+        copy) and insert the new one as newest.
 
         Shape: keys [N] (int), old_phrases [N, L], new_phrases [N, L] (int), owners [N] (int),
         valid [N] (bool) or None.
         """
-        self.remove(keys, old_phrases, valid)
+        self.remove(keys, old_phrases, valid, owners)
         self.insert(keys, new_phrases, owners, valid)
 
     @torch.no_grad()
@@ -396,7 +406,10 @@ class PhrasePool:
     def load_state_dict(self, sd: dict):
         """Load pages; if this pool has fewer pages, the most recently used ones are kept. A
         state saved with another phrases_per_key (window size) is re-cut to this pool's: each
-        key keeps its newest phrases, as many as a page of this pool holds."""
+        key keeps its newest phrases, as many as a page of this pool holds. The phrases belong
+        to nobody (owner -1, as `release` leaves a finished request's in a shared pool): the
+        saved owners were another engine's slots, whose numbers this one's requests reuse. The
+        counters start at 0: the stats are this pool's."""
         for name, mine in (("vocab_size", self.vocab_size), ("phrase_len", self.L)):
             if sd[name] != mine:
                 raise ValueError(f"pool state has {name}={sd[name]}, this pool has {name}={mine}")
@@ -414,7 +427,8 @@ class PhrasePool:
         for name in ("page_key", "page_last_used", "tokens", "stamp", "owner"):
             getattr(self, name)[:n] = sd[name][used].to(dev)
         self.key_to_page[self.page_key[:n].long()] = torch.arange(n, device=dev, dtype=torch.int32)
-        self.counters.copy_(sd["counters"])
+        self.owner.fill_(-1)
+        self.counters.zero_()
         self.clock.fill_(int(sd["clock"]))
 
     def save(self, path):

@@ -639,6 +639,10 @@ def test_backoff_cuts_drafts_under_load(runs, scenario, tiny_models):
     print({k: (main[k], one[k]) for k in ("shortened_steps", "backoff_steps", "draft_rounds",
                                           "sentence_draft_tokens", "accepted_tokens")})
     assert main["shortened_steps"] > 0 and main["accepted_tokens"] > 0, main
+    # Every token the requests produced counts, also in steps the back-off left a request out
+    # of (counted only where the request drafted, draft_forwards_per_token read high under load).
+    # At least the outputs' tokens: a step's tokens past a stop string or max_tokens count too.
+    assert main["generated_tokens"] >= sum(len(o[0]) for o in base["main"]), main
     # The back-off's calibrations ran: chain-drafted cuts and prefills were measured against
     # their model, and the one-request run measured whole rounds (which it could not while a
     # whole round unmeasured looked dearer than measured chains: _calibrate_draft).

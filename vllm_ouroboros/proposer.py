@@ -826,6 +826,10 @@ class OuroborosProposer:
         if len(rows) == 0:
             return proposals
         slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
+        # Every decoding request's tokens of the step just verified, whether or not it drafts
+        # now (counted only where it drafted, a request the back-off left out lost its tokens,
+        # and draft_forwards_per_token read high under load).
+        self.stats.add(slots, generated_tokens=n_new[rows])
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         if self._mode_review is not None and self._mode_review.due():
             self._review_mode()  # before the plan: a switch changes what drafting costs (F, catch-up)
@@ -953,7 +957,7 @@ class OuroborosProposer:
         self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
-        self.stats.add(slots, generated_tokens=n_new[rows], draft_forwards=out.row_forwards,
+        self.stats.add(slots, draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
                        guess_lookups=out.row_forwards if self.runtime.G else np.zeros_like(slots),
                        guess_hits=out.guess_hit_forwards, draft_rounds=np.ones_like(slots),

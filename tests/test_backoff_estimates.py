@@ -62,3 +62,23 @@ def test_gains_in_place_of_accepted_lengths():
     w = 1 - (1 - PRIOR_RATE) ** 2
     assert est.prior[:4] == pytest.approx(prior[:4] + w * (gains.mean(0)[:4] - prior[:4]))
     assert (est.prior[4:] == prior[4:]).all()
+
+
+def test_a_probing_step_takes_the_probes_plan_whole():
+    """The probe's cut is chosen for the probe's rows: a decision that sends long drafts for a
+    request alone and short ones for two. Slot 1 drafts alone (its own plan: 6 tokens); slot 0,
+    due for a probe at the prior, displaces it in the probe's plan (3 tokens for the better
+    alone). The step is the probe's plan, not slot 1 at the probe's cut beside slot 0."""
+    prior = cost_model.geometric_survival(5.0, S)[0]
+    est = BackoffEstimates(2, prior)
+    est.accepted[:] = cost_model.geometric_survival(np.array([1.2, 3.0]), S)
+    est.probe_wait[0] = 0
+
+    def decide(A, T):  # the best row alone, 6 tokens if it is slot 1's estimates, else 3
+        best = int(np.argmax(A.sum(1)))
+        rows = np.arange(len(A)) == best
+        return SpeculationPlan(rows, 6 if A[best].sum() < prior.sum() else 3)
+
+    plan = est.plan(np.array([0, 1]), decide)
+    assert plan.rows.tolist() == [True, False] and plan.max_tokens == 3
+    assert est.probe_gap[0] == 2 * PROBE_GAP and est.probe_wait[1] == PROBE_GAP - 1

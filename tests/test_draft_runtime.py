@@ -530,3 +530,20 @@ def test_prefill_grouped_by_cost_drafts_the_same(draft_path, greedy, device):
     rt, _ = make_runtime(draft_path, device, num_slots=1)
     out, _ = draft_round(rt, [0], [contexts[1][:10]], np.random.default_rng(0))
     assert out.prefill_forwards == 0 and out.prefill_sizes == () and out.prefill_seconds == 0.0
+
+
+def test_a_prefill_beside_a_long_prompt_stays_inside_a_full_rows_pages(draft_path, greedy, device):
+    """One eager prefill forward pads its rows to the longest (a new prompt's 500 tokens); a
+    request near max_model_len catching up in the same pass would have been padded past its
+    block table (the forward failed: "The size of tensor a ... must match"). It takes its own
+    forward; the caches and drafts are the draft model's, as ever."""
+    rng = np.random.default_rng(5)
+    rt, _ = make_runtime(draft_path, device, num_slots=2)
+    V = rt.model.vocab_size
+    near_end = rng.integers(2, V, MAX_LEN - 10).tolist()
+    draft_round(rt, [0], [near_end[:150]], rng)  # cached up to ~150 tokens
+    contexts = [near_end, rng.integers(2, V, 500).tolist()]
+    assert int(rt.kv_len[0]) + 499 > rt.kv.max_seq_len  # one padded forward would overrun row 0
+    out, drafts = draft_round(rt, [0, 1], contexts, rng)
+    check_round(out, drafts, contexts, greedy, rt, [0, 1])
+    assert out.prefill_forwards == 2 and out.row_prefills.tolist() == [1, 1]

@@ -457,7 +457,7 @@ class DraftRuntime:
             graphs = self.prefill_graphs if self.prefill_graphs is not None and self.prefill_graphs.enabled else None
             chunk = self.s.prefill_chunk if graphs is None else graphs.chunk
             count = np.minimum(lens[todo] - 1 - self.kv_len[slots[todo]], chunk)
-            for group in self._prefill_passes(count, graphs):
+            for group in self._prefill_passes(count, graphs, self.kv_len[slots[todo]]):
                 if graphs is None or not self._graph_prefill(graphs, slots[todo[group]], token_ids,
                                                              rows[todo[group]], lens[todo[group]], count[group]):
                     self._prefill_forward(slots[todo[group]], token_ids, rows[todo[group]],
@@ -467,11 +467,22 @@ class DraftRuntime:
                 row_prefills[todo[group]] += 1
                 forwards += 1
 
-    def _prefill_passes(self, count: np.ndarray, graphs) -> list[np.ndarray]:
-        """The forwards of one prefill pass (row indices into count): eagerly, grouped by cost
-        (cost_model.prefill_groups); from graphs, as many rows per forward as a graph takes."""
+    def _prefill_passes(self, count: np.ndarray, graphs, kv: np.ndarray) -> list[np.ndarray]:
+        """The forwards of one prefill pass (row indices into count; kv: the rows' cached
+        tokens): eagerly, grouped by cost (cost_model.prefill_groups); from graphs, as many
+        rows per forward as a graph takes.
+
+        An eager forward pads every row to its group's longest count, and a row's padding
+        must stay inside its block table (kv.max_seq_len tokens): near max_model_len a row
+        padded to another's 512-token chunk would read a mask wider than its pages (the
+        forward failed) and write past its last page. Such rows go in forwards of their own
+        (a row's own count always fits: its context does)."""
         if graphs is None:
-            return prefill_groups(count, self.prefill_cost)
+            groups = []
+            for g in prefill_groups(count, self.prefill_cost):
+                over = kv[g] + int(count[g].max()) > self.kv.max_seq_len
+                groups += [g[~over]] * bool((~over).any()) + [g[i:i + 1] for i in np.nonzero(over)[0]]
+            return groups
         starts = np.cumsum([0] + graphs.rows_per_forward(len(count)))
         return [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
 

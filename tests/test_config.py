@@ -72,6 +72,7 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"target_cost_ms": {"1": 0}}, "'target_cost_ms' must map tokens per row"),
     ({"target_cost_ms": {"one": 4.0}}, "'target_cost_ms' must map tokens per row"),
     ({"draft_cost_ms": [1, 2]}, "'draft_cost_ms' must map tokens per row"),
+    ({"draft_cost_ms": {"1": 2.0, "01": 2.1}}, "'draft_cost_ms' gives a token count twice"),
     ({"num_suffixes": 4, "gamma": 30, "beta": 8, "window_size": 8},
      "a tree of 66 tokens .root \\+ num_speculative_tokens=65. exceeds 64"),
 ])

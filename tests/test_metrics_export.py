@@ -138,3 +138,21 @@ def test_exported_totals_are_the_snapshots_counters():
     got = stats.exported_totals(**elsewhere)
     assert dict(zip(COUNTERS, got.tolist())) == {k: snap[k] for k in COUNTERS}
     assert got[list(COUNTERS).index("draft_forwards")] > 0
+
+
+def test_a_request_brought_back_keeps_both_stretches():
+    """vLLM may evict a request and bring it back in another slot: its per-request counters are
+    the sum of both stretches, while live and once finished; the totals count each once."""
+    from vllm_ouroboros.metrics import OuroborosStats
+
+    stats = OuroborosStats(2)
+    stats.start(0, "a")
+    stats.add(np.array([0]), accepted_tokens=np.array([3]), target_forwards=np.array([1]))
+    stats.finish(0)
+    stats.start(1, "a")
+    stats.add(np.array([1]), accepted_tokens=np.array([4]), target_forwards=np.array([2]))
+    live = stats.snapshot()["per_request"]["a"]
+    assert (live["accepted_tokens"], live["target_forwards"]) == (7, 3)
+    stats.finish(1)
+    snap = stats.snapshot()
+    assert snap["per_request"]["a"] == live and snap["accepted_tokens"] == 7

@@ -348,6 +348,9 @@ def _validate_cost_ms(key: str, value) -> None:
             raise OuroborosConfigError(how)
     if 1 not in {int(n) for n in value}:
         raise OuroborosConfigError(how)
+    if len({int(n) for n in value}) < len(value):  # "1" and "01": one point twice
+        raise OuroborosConfigError(f"ouroboros: '{key}' gives a token count twice ({sorted(value)}); "
+                                   "give each once")
 
 
 def resolved_draft_round(cfg: OuroborosConfig, device_type: str) -> str:

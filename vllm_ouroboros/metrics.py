@@ -110,10 +110,20 @@ class OuroborosStats:
         if req_id is None:
             return
         self.done_total += self.live[slot]
-        self.finished[req_id] = dict(zip(PER_REQUEST, self.live[slot].tolist()))
+        # A request evicted and brought back by vLLM finishes a slot twice: both stretches count.
+        self.finished[req_id] = self._with_earlier(req_id, self.live[slot], self.finished.pop(req_id, None))
         self.live[slot] = 0
         while len(self.finished) > self.keep_finished:
             self.finished.popitem(last=False)
+
+    @staticmethod
+    def _with_earlier(req_id: str, live: np.ndarray, earlier: dict | None) -> dict:
+        """A request's per-request counters: its slot's (live [len(PER_REQUEST)]) plus those
+        of an earlier stretch in another slot (a request evicted and brought back)."""
+        now = live.tolist()
+        if earlier is not None:
+            now = [a + b for a, b in zip(earlier.values(), now)]
+        return dict(zip(PER_REQUEST, now))
 
     def round_done(self, forward_calls: int, prefill_calls: int, batch: int) -> None:
         self.rounds += 1
@@ -153,7 +163,7 @@ class OuroborosStats:
             "mean_draft_length": t["sentence_draft_tokens"] / max(t["draft_rounds"], 1),
         }
         if per_request:
-            live = {r: dict(zip(PER_REQUEST, self.live[s].tolist()))
+            live = {r: self._with_earlier(r, self.live[s], self.finished.get(r))
                     for s, r in self.req_of_slot.items()}
             out["per_request"] = {**self.finished, **live}
         if pool_stats:

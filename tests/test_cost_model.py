@@ -294,8 +294,10 @@ def test_speculation_plan_maximises_the_modeled_rate():
             continue
         gain = A.cumsum(1)
         for s in range(1, S + 1):
+            sh = share if catch_up.share.ndim == 1 else by_s[:, s - 1]
             for order in (np.argsort(-gain[:, s - 1], kind="stable"),
-                          np.lexsort((-gain[:, s - 1], u > 0))):
+                          np.lexsort((-gain[:, s - 1], u > 0)),
+                          np.lexsort((-gain[:, s - 1], sh * u, u > 0))):
                 for m in range(B + 1):
                     mask = np.zeros(B, bool)
                     mask[order[:m]] = True
@@ -317,6 +319,20 @@ def test_requests_ready_to_draft_are_not_held_back_by_new_ones():
                                         np.full(1, 4.3), 2, 0.03, 4,
                                         catch_up=cost_model.CatchUp(np.array([600]), np.array([0.5])))
     assert not alone.rows.any()
+
+
+def test_a_long_catch_up_does_not_hold_back_a_short_one():
+    """Two new requests at the same prior, both to be prefilled: the first with a long prompt
+    and few tokens left (its prefill charged to few steps), the second short with many left.
+    The second drafts alone, which pays; in index order the plan offered it only behind the
+    first, and neither drafted."""
+    S = 12
+    A = cost_model.geometric_survival(np.array([5.0, 5.0]), S)
+    catch_up = cost_model.CatchUp(np.array([3000, 40]), np.array([1 / 5, 1 / 1000]))
+    prefill = CostCurve((1, 64, 4096), (0.1, 0.2, 6.0))  # a CPU's: linear in the tokens
+    plan = cost_model.speculation_plan(BENCH_TARGET, BENCH_DRAFT, A, np.ones((2, S)), np.full(2, 4.3),
+                                       2, 0.03, 4, catch_up=catch_up, prefill=prefill)
+    assert list(plan.rows) == [False, True], plan
 
 
 def test_measured_curve_is_monotone_and_bounded(tiny_models, one_thread, device):

@@ -613,6 +613,13 @@ def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, 
         # cached request only behind the prefills.
         late = (np.asarray(catch_up.tokens) > 0)[:, None]
         orders.append(np.lexsort((-gain, np.broadcast_to(late, (B, S))), axis=0))
+        # Then the cheapest catch-up first among those rows: at a burst's start every new
+        # request ranks at the prior, and in index order one long prompt near its end (its
+        # prefill charged to the few steps it has left) kept a short one behind it from
+        # drafting (6.06 tokens/s against 9.67 for the short one alone, in a review's case).
+        share = np.asarray(catch_up.share, float)
+        cost = (share[:, None] if share.ndim == 1 else share) * np.asarray(catch_up.tokens, float)[:, None]
+        orders.append(np.lexsort((-gain, np.broadcast_to(cost, (B, S)), np.broadcast_to(late, (B, S))), axis=0))
     best = None
     for order in orders:
         def sort(x):  # a per-row quantity ([B], or [B, S] by draft length) in each s's row order

@@ -1345,3 +1345,23 @@ def test_the_mode_review_measures_pool_rows_whose_branches_were_cut():
     # The branches (no sentence draft) leave the suffix decision's estimates as they were:
     # they are of a draft and the suffixes after it, which the same slot's model rows read.
     assert (p._base_tokens == 7.0).all() and (p._suffix_yield == 2.0).all() and p._suffix_yield_all == 1.0
+
+
+def test_unreadable_rows_weigh_in_the_back_offs_plan(monkeypatch):
+    """Requests whose prompt came as embeddings get no draft from the model, but share the
+    step's target forward: the plan over the others carries them as load (a token each)."""
+    p = _proposer()
+    p._told_unreadable, p._cache_retry_wait = True, 0
+    seen = []
+    plan = cost_model.speculation_plan
+
+    def spy(*a, **k):
+        seen.append(k["load"])
+        return plan(*a, **k)
+
+    monkeypatch.setattr(cost_model, "speculation_plan", spy)
+    readable = np.array([False, True, False, True])
+    by_model, _ = p._model_rows(list("abcd"), np.arange(4), np.full(4, 100), readable)
+    assert not by_model[~readable].any()
+    assert seen and all(load == cost_model.StepLoad(2.0, 2.0) for load in seen)
+    assert p.stats.snapshot()["unreadable_prompt_steps"] == 2

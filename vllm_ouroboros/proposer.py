@@ -997,7 +997,9 @@ class OuroborosProposer:
         if blind.all():
             return by_model, self.num_spec_tokens
         ok = np.nonzero(readable)[0]
-        plan = self._speculate(slots[ok], lens[ok])
+        # The unreadable rows share the step's target forward (a token each at least).
+        n_blind = float(blind.sum())
+        plan = self._speculate(slots[ok], lens[ok], cost_model.StepLoad(n_blind, n_blind))
         self._no_draft(slots[ok[~plan.rows]], "backoff_steps")
         by_model[ok[plan.rows]] = True
         if self._cache_retry_wait > 0 and by_model.any():  # the draft cache is full for now
@@ -1149,28 +1151,30 @@ class OuroborosProposer:
         self._source[slots] = NO_DRAFT
         self.stats.add(slots, **{counter: np.ones_like(slots)})
 
-    def _speculate(self, slots: np.ndarray, lens: np.ndarray) -> cost_model.SpeculationPlan:
+    def _speculate(self, slots: np.ndarray, lens: np.ndarray,
+                   load: cost_model.StepLoad = cost_model.StepLoad()) -> cost_model.SpeculationPlan:
         """Which of this step's decoding requests (by slot, [B]) get a draft in the mode in
         force (plan.rows, a bool mask [B]) and the most tokens each may send (plan.max_tokens):
         all of them, whole, up to max_speculative_batch when it is set, else those for which the
         cost model says speculation pays at this batch size, with a shorter draft where load
         makes the target's tokens dear (cost_model.speculation_plan), from their own estimates
         (with probes: backoff_estimates.py); lens [B]: context lengths (tokens), for the draft
-        cache's catch-up (_catch_up). The pool mode: _pool_plan."""
+        cache's catch-up (_catch_up); load: the step's rows outside the plan (StepLoad). The
+        pool mode: _pool_plan."""
         B, S = len(slots), self.num_spec_tokens
         if self.cfg.max_speculative_batch is not None:
             return cost_model.SpeculationPlan(np.full(B, B <= self.cfg.max_speculative_batch), S)
         if self.cost is None or self.target_cost is None:
             return cost_model.SpeculationPlan(np.ones(B, bool), S)
         if self.pool_only:
-            return self._pool_plan(slots)
+            return self._pool_plan(slots, load)
         rt = self.runtime
         F = self._draft_forwards[slots]
         n_d = cost_model.draft_row_tokens(rt.W, rt.G, rt.L)
         decide = lambda A, T: cost_model.speculation_plan(  # noqa: E731
             self.target_cost, self.cost, A, T, F, n_d, self._overhead.value, rt.chain_below,
             cost_model.draft_row_tokens(0, 0, rt.L), self._catch_up(slots, lens, A), self.prefill_cost,
-            tuple(self._draft_scale), stop_below=rt.stop_below)
+            tuple(self._draft_scale), load=load, stop_below=rt.stop_below)
         return self._model_est.plan(slots, decide)
 
     def _pool_plan(self, slots: np.ndarray, load: cost_model.StepLoad = cost_model.StepLoad()

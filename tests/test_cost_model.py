@@ -495,7 +495,7 @@ def _proposer(cap=None, slots=16):
     p._draft_scale = np.ones(2)
     p._draft_scale_rounds = np.zeros(2, np.int64)
     # Every slot's draft cache holds 100 tokens (contexts of 100: nothing to catch up).
-    p.runtime = _Runtime(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4), device_round=None,
+    p.runtime = _Runtime(W=0, G=0, L=4, s=SimpleNamespace(draft_room=4, max_draft_forwards=16), device_round=None,
                          kv_len=np.full(slots, 100), prefill_threshold=16, prefill_graphs=None)
     p.max_model_len = 1024
     p._len_limit = np.full(slots, 1024)

@@ -236,6 +236,24 @@ def test_a_cut_at_the_round_length_or_above_is_the_host_loops(tiny_models, devic
     assert binding > 0, "no cut bound a draft"
 
 
+def test_a_chain_is_drafted_only_within_the_forward_bound(tiny_models, device):
+    """max_draft_forwards below the round's room: a cut the forward bound lets a chain reach is
+    drafted as a chain (one token a forward, exactly the cut); a longer one as the round drafts,
+    as the device round does (a chain stopped at the bound, short of the cut)."""
+    path = str(tiny_models["draft"])
+    host = make(path, device, "host", max_draft_forwards=2)
+    dev = make(path, device, "device", round_forwards=99, max_draft_forwards=2)
+    assert host.chain_below == 3 and host.drafts_chain(2) and not host.drafts_chain(3)
+    V = host.model.vocab_size
+    three = lambda r: 3  # noqa: E731
+    for (a, b), _ in drive([host, dev], 6, np.random.default_rng(13), V, cuts=[three, three]):
+        compare(a, b, "cut 3")
+    chain = make(path, device, "host", max_draft_forwards=2)
+    two = lambda r: 2  # noqa: E731
+    for (a,), _ in drive([chain], 4, np.random.default_rng(14), V, cuts=[two]):
+        assert (a.draft_lens == 2).all() and (a.row_forwards == 2).all() and (a.guess_tokens == 0).all()
+
+
 @pytest.mark.parametrize("config", ["phrases", "adaptive"])
 def test_a_cut_below_the_round_length_ends_the_draft_there(config, tiny_models, device):
     """A cut below gamma (below max_draft_length in adaptive mode): the host loop drafts a chain

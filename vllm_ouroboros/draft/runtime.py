@@ -219,8 +219,12 @@ class DraftRuntime:
     def chain_below(self) -> int | None:
         """Drafts cut below this many tokens (the back-off's shorter draft) run as a chain,
         one token per forward without window or guesses; None where no cut changes the round's
-        shape (fixed-shape device and graph rounds draft as usual)."""
-        return self.s.draft_room if self.device_round is None else None
+        shape (fixed-shape device and graph rounds draft as usual). At most max_draft_forwards
+        + 1: a chain of s tokens takes s forwards, so a longer cut drafts as the round does
+        (a chain stopped at the forward bound, short of the cut the plan priced)."""
+        if self.device_round is not None:
+            return None
+        return min(self.s.draft_room, self.s.max_draft_forwards + 1)
 
     @property
     def stop_below(self) -> int | None:

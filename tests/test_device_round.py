@@ -96,7 +96,6 @@ def compare(a, b, what):
 def drive(runtimes, rounds, rng, V, forwards_check=None, cuts=None):
     """Run `runtimes` (host first) through the same rounds; yields (outputs, live contexts).
     cuts: per runtime, a function of the round index giving its max_tokens (None: no cut)."""
-    host = runtimes[0]
     slots = [4, 0, 7, 2, 5, 1]
     contexts = [rng.integers(2, V, n).tolist() for n in CONTEXT_LENS]
     for r in range(rounds):

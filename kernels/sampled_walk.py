@@ -100,6 +100,7 @@ if triton is not None:
             acc_tok = n * 0
             acc_node = n * 0
             zeroed = offs_c * 0 - 1  # tokens of the children rejected at this step
+            last_rejected = n * 0 - 1
             for c in tl.static_range(C):
                 pick = offs_c == c
                 ok_c = tl.sum(tl.where(pick, cand_ok, False).to(tl.int32), axis=0) > 0
@@ -117,6 +118,7 @@ if triton is not None:
                 acc_node = tl.where(ok, node, acc_node)
                 rejected = try_ & (ok == 0)
                 zeroed = tl.where(pick & rejected, tok, zeroed)
+                last_rejected = tl.where(rejected, tok, last_rejected)
                 mass = tl.where(rejected, mass - rx, mass)
 
             # All children rejected (or a leaf): a token from the residual by inverse CDF, the
@@ -138,7 +140,11 @@ if triton is not None:
                 first = tl.minimum(first, tl.min(tl.where(cdf > target, offs, V), axis=0))
                 last_pos = tl.maximum(last_pos, tl.max(tl.where(p > 0, offs, -1), axis=0))
                 run += tl.sum(p, axis=0)
-            drawn = tl.where(is_greedy, tn, tl.minimum(first, last_pos))
+            # The residual's mass is a running difference (the torch walk sums it again): where
+            # the children held all of it (top-k / top-p leaving only them), rounding can leave
+            # the last child a few ulps below the mass, a uniform near 1 reject it, and no token
+            # be left to draw. That child held the whole residual: it is the draw.
+            drawn = tl.where(is_greedy, tn, tl.where(last_pos >= 0, tl.minimum(first, last_pos), last_rejected))
             last_tok = tl.where(stop, drawn, last_tok)
             num_acc += acc
             # Past the draft the walk goes on along every live branch carrying the accepted

@@ -512,6 +512,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_q_blocks: int, num_sms:
         return 1
     tiles = -(-max_prefix_len // block_n)
     most = min(max_splits, num_sms, max_prefix_len // max(1, min_chunk))
+    if most < 2:  # no two chunks of min_chunk tokens fit (split tuning asks for such floors)
+        return 1
 
     def wave_efficiency(s: int) -> float:
         waves = programs * s / num_sms

@@ -72,6 +72,29 @@ def test_kernel_walks_as_the_torch_walk(seed, B, D, K, L, V, block_v):
     print(f"equal walks: {accepted} tokens accepted, {6 * B} stops")
 
 
+def test_children_holding_the_whole_residual_leave_no_empty_draw():
+    """Top-k leaves two tokens, both the root's children (single-token branches). The first is
+    rejected (u near 1); the second then holds all the mass, but the kernel's running mass is
+    a few ulps above its probability, so u = 1 - 2^-24 rejected it too and the residual had
+    nothing left: the kernel drew token -1 where the torch walk accepts the child. It now
+    draws that child's token (the whole residual), never -1."""
+    tree = build_tree(torch.zeros(1, 1, dtype=torch.long, device=DEVICE), torch.tensor([0], device=DEVICE),
+                      torch.tensor([[[0], [1]]], device=DEVICE), torch.tensor([[1, 1]], device=DEVICE))
+    V, u2 = 8, float(np.float32(1) - np.float32(2.0 ** -24))
+    xb = next(xb for xb in np.linspace(-3, -0.1, 2000).astype(np.float32)
+              if u2 * (np.float32(1) + np.exp(xb) - np.float32(1)) >= np.exp(xb))
+    x = torch.full((tree.N + 1, V), float("-inf"), device=DEVICE)
+    x[:, 0], x[:, 1] = 0.0, float(xb)
+    u = torch.tensor([[[0.9999, u2, 0.5]] * walk_steps(tree)], device=DEVICE)
+    greedy = torch.tensor([False], device=DEVICE)
+    got = kernel_walk(tree, x, greedy, u).view(-1).tolist()
+    want = torch_walk(tree, x, greedy, u).view(-1).tolist()
+    assert want == [0, 1, 1, 0]  # the torch walk takes the second child, then draws token 0
+    # The kernel takes the child as the torch walk does (where its rounding allows, as a GPU's
+    # exp may), or draws that child's token at the root (the interpreter's rounding here).
+    assert got in (want, [0, 0, 0, 1]), got
+
+
 def test_kernel_handles_a_tree_without_nodes():
     empty = torch.zeros(3, 0, dtype=torch.long, device=DEVICE)
     tree = build_tree(empty, torch.zeros(3, dtype=torch.long, device=DEVICE),

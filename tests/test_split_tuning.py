@@ -256,6 +256,19 @@ def test_tune_splits_measures_registers_and_logs(many_sms, monkeypatch, caplog):
     assert again == {True: graph[True], False: eager[False]} and launched == []
 
 
+def test_a_chunk_floor_longer_than_the_prefix_keeps_one_pass(many_sms):
+    """The tuner's own grid asks for chunks of >= 256 tokens over a 128-token prefix: one pass,
+    not an error (it raised "max() arg is an empty sequence", and every GPU start kept the
+    shipped thresholds with a warning)."""
+    assert ta.choose_num_splits(1, 8, 1, 132, 128, 64, min_prefix=0, min_chunk=256) == 1
+    assert ta.choose_num_splits(1, 8, 1, 132, 255, 64, min_prefix=0, min_chunk=128) == 1
+    assert ta.choose_num_splits(1, 8, 1, 132, 256, 64, min_prefix=0, min_chunk=128) == 2
+    args = _one_request(prefix=256, n=4)
+    rule, data = st.measure_split_rule(args["k_cache"], args["v_cache"], 2, nodes=(1,),
+                                       timer=lambda run, label: 1e-5 * (1 + label[2] / 10))
+    assert data["splits"][1, 128, 256] == 1 and rule.min_prefix > max(st.PREFIXES)
+
+
 def test_a_failed_measurement_keeps_the_shipped_thresholds(caplog):
     logging.getLogger("vllm.ouroboros").addHandler(caplog.handler)
     args = _one_request(prefix=64, n=2)

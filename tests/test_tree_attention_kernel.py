@@ -801,21 +801,42 @@ def test_tree_refused_where_only_the_last_stage_or_other_positions_would_see_it(
         def has_full_cudagraphs(self):
             return True
 
-    def runner(stages=1, mrope=False, device="cpu", mode=None):
+    def runner(stages=1, mrope=False, device="cpu", mode=None, ubatching=False):
         ctx = {}  # no layers: a runner the refusals do not stop says so
-        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=stages),
+        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=stages,
+                                                               use_ubatching=ubatching),
                                uses_mrope=mrope, device=torch.device(device),
                                compilation_config=SimpleNamespace(cudagraph_mode=mode,
                                                                   static_forward_context=ctx))
 
     assert "pipeline parallelism (2 stages)" in pta.install(runner(stages=2))
     assert "M-RoPE" in pta.install(runner(mrope=True))
+    assert "micro-batching" in pta.install(runner(ubatching=True))
     assert "PIECEWISE" in pta.install(SimpleNamespace(**{**vars(runner(mode=Mode())),
                                                          "device": SimpleNamespace(type="cuda")}))
     assert pta.install(runner(mode=Mode())) == "no attention layers found in the model runner"
     with pytest.raises(RuntimeError, match="uses_mrope"):
         pta.install(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1),
                                     compilation_config=None))
+
+
+def test_layers_the_tree_cannot_serve_are_refused():
+    """A layer whose head size passes the kernel's bound (256: the tree's plan refuses it on the
+    torch path too), or whose cache decode context parallelism splits across ranks (the tree
+    rows would read this rank's part): the tree is refused with the reason; a plain layer is not."""
+    from types import SimpleNamespace
+
+    from vllm_ouroboros.patches import tree_attention as pta
+
+    def layer(**impl):
+        kind = type("FlashAttentionImpl", (), {})
+        obj = kind()
+        vars(obj).update({"head_size": 128, **impl})
+        return SimpleNamespace(impl=obj, kv_cache=None)
+
+    assert pta._unsupported("l0", layer()) is None
+    assert pta._unsupported("l0", layer(head_size=512)) == "head size 512 > 256 in l0"
+    assert "decode context parallelism (2 ranks)" in pta._unsupported("l0", layer(dcp_world_size=2))
 
 
 def test_draft_model_checks_the_kernel_it_will_use(tiny_models, monkeypatch):

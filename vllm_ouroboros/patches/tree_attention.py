@@ -129,6 +129,11 @@ def _unsupported(name: str, layer) -> str | None:
         return f"attention sinks in {name}"
     if getattr(impl, "attn_type", "decoder") != "decoder":
         return f"{impl.attn_type} attention in {name}"
+    if getattr(impl, "head_size", 0) > 256:  # TreeAttentionPlan's bound, on either path
+        return f"head size {impl.head_size} > 256 in {name}"
+    if getattr(impl, "dcp_world_size", 1) > 1:
+        # The cache is split across ranks; the tree rows would read only this rank's part.
+        return f"decode context parallelism ({impl.dcp_world_size} ranks) in {name}"
     return None
 
 
@@ -179,6 +184,9 @@ def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
         # would attend the tree rows causally at chain positions and keep their KV where the
         # chain left it.
         return f"pipeline parallelism ({stages} stages): the tree runs on a single stage"
+    if getattr(runner.parallel_config, "use_ubatching", False):
+        # Each micro-batch's attention sees a slice of the batch; the tree rows index all of it.
+        return "micro-batching (enable_dbo / ubatch_size > 1)"
     if runner.uses_mrope:
         # The model reads runner.mrope_positions, not the positions the tree rows are moved in.
         return "M-RoPE positions (multimodal rotary embedding)"

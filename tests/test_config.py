@@ -65,6 +65,9 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"draft_cpu_gemm": "mkl"}, "'draft_cpu_gemm'='mkl'"),
     ({"draft_round": "cuda"}, "'draft_round'='cuda'; use auto, host, device or graph"),
     ({"pool_load_path": "/nonexistent/pool.pt"}, "'pool_load_path' '/nonexistent/pool.pt' does not exist"),
+    ({"pool_save_path": "/nonexistent/dir/pool.pt"},
+     "'pool_save_path' '/nonexistent/dir/pool.pt': its directory '/nonexistent/dir' does not exist"),
+    ({"pool_save_path": "/"}, "'pool_save_path' '/' is a directory"),
     ({"pool_load_path": "/nonexistent/pool.pt", "warm_start": False},
      "'pool_load_path' '/nonexistent/pool.pt' with 'warm_start': false: a private pool shows each request "
      "its own phrases only"),
@@ -187,6 +190,8 @@ def test_draft_round_resolves_per_device(tiny_models):
 
     cfg = OuroborosConfig(draft_model=str(tiny_models["draft"]))
     assert resolved_draft_round(cfg, "cuda") == "graph"
+    assert resolved_draft_round(cfg, "cuda", enforce_eager=True) == "device"  # no CUDA graphs
+    assert resolved_draft_round(cfg, "cpu", enforce_eager=True) == "host"
     assert resolved_draft_round(cfg, "cpu") == "host"
     for mode in ("host", "device"):
         assert resolved_draft_round(OuroborosConfig(draft_model="d", draft_round=mode), "cpu") == mode

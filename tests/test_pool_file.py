@@ -102,3 +102,43 @@ def test_engine_configuration_refuses_a_truncated_pool(tiny_models, tmp_path):
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]), "pool_load_path": str(path)}
     with pytest.raises(OuroborosConfigError, match="'pool_load_path' .* cannot be read as a saved phrase pool"):
         engine_config(tiny_models["target"], spec)
+
+
+def test_a_save_that_fails_while_serving_does_not_fail_the_step(tmp_path, caplog):
+    """The disk fills or the directory goes away after start-up: the periodic save logs once
+    and serving goes on (it raised out of the step, failing every request in it); a later save
+    that works says so."""
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    p = object.__new__(OuroborosProposer)
+    folder = tmp_path / "pools"
+    folder.mkdir()
+    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(folder / "pool.pt"))
+    p.pool, p._writer = PhrasePool(16, 2, 2, PhrasePool.budget_for(16, 2, 2, 4), device=DEVICE), None
+    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    folder.rmdir()
+    logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
+    try:
+        caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+        for _ in range(3):
+            p._maybe_save_pool(now=True)
+        folder.mkdir()
+        p._maybe_save_pool(now=True)
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
+    # (a record may come twice: through our handler and through the root logger's)
+    failed = {id(r) for r in caplog.records if "could not be saved" in r.getMessage()}
+    assert len(failed) == 1 and (folder / "pool.pt").exists()
+    assert any("saved to" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
+
+
+def test_config_refuses_a_pool_save_path_it_could_not_write(tmp_path):
+    from vllm_ouroboros.config import _validate_pool_save_path
+
+    for path, message in ((tmp_path / "missing" / "pool.pt", "does not exist"), (tmp_path, "is a directory")):
+        with pytest.raises(OuroborosConfigError, match=message):
+            _validate_pool_save_path(str(path))
+    _validate_pool_save_path(str(tmp_path / "pool.pt"))  # a new file in a writable directory

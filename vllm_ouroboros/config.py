@@ -297,6 +297,8 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
         _validate_cost_ms(key, getattr(cfg, key))
     if cfg.pool_load_path is not None:
         _validate_pool_file(cfg, target_vocab_size)
+    if cfg.pool_save_path is not None:
+        _validate_pool_save_path(cfg.pool_save_path)
     _validate_draft(cfg.draft_model, target_vocab_size)
     _validate_draft_length(cfg)
     return cfg
@@ -353,11 +355,12 @@ def _validate_cost_ms(key: str, value) -> None:
                                    "give each once")
 
 
-def resolved_draft_round(cfg: OuroborosConfig, device_type: str) -> str:
-    """The drafting loop for this device: "auto" is "graph" on CUDA, "host" elsewhere; "graph"
+def resolved_draft_round(cfg: OuroborosConfig, device_type: str, enforce_eager: bool = False) -> str:
+    """The drafting loop for this device: "auto" is "graph" on CUDA ("device", the same round
+    without CUDA graphs, where the engine runs with enforce_eager), "host" elsewhere; "graph"
     anywhere but CUDA is refused naming the key."""
     if cfg.draft_round == "auto":
-        return "graph" if device_type == "cuda" else "host"
+        return ("device" if enforce_eager else "graph") if device_type == "cuda" else "host"
     if cfg.draft_round == "graph" and device_type != "cuda":
         raise OuroborosConfigError(
             f"ouroboros: 'draft_round'='graph' replays CUDA graphs; the draft runs on {device_type}: "
@@ -368,6 +371,18 @@ def resolved_draft_round(cfg: OuroborosConfig, device_type: str) -> str:
 def resolved_threshold(cfg: OuroborosConfig, head_threshold: float) -> float:
     """h for the stopping rule: the configured one, else the one saved with the head."""
     return float(cfg.acceptance_threshold if cfg.acceptance_threshold is not None else head_threshold)
+
+
+def _validate_pool_save_path(path: str) -> None:
+    """Refuse a pool_save_path the engine could not write, at start-up rather than at the first
+    drafting step's save."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OuroborosConfigError(f"ouroboros: 'pool_save_path' {path!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise OuroborosConfigError(f"ouroboros: 'pool_save_path' {path!r}: its directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OuroborosConfigError(f"ouroboros: 'pool_save_path' {path!r}: its directory {folder!r} is not writable")
 
 
 def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> None:

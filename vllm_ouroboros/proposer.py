@@ -137,6 +137,7 @@ class OuroborosProposer:
         self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
+        self._pool_save_error: str | None = None  # the last failed save's, logged once
         # What each slot was proposed last step, to read its verification (host arrays):
         # sentence-draft length, the suffixes sent after it (in flat order) and the token they
         # hang off.
@@ -254,7 +255,8 @@ class OuroborosProposer:
             logger.info("ouroboros: TP rank %d of %d takes the first rank's drafts (no draft "
                         "model loaded here)", self._tp.rank, self._tp.size)
             return
-        draft_round = resolved_draft_round(cfg, self.device.type)
+        draft_round = resolved_draft_round(cfg, self.device.type,
+                                           bool(getattr(self.vllm_config.model_config, "enforce_eager", False)))
         # With graphs, slots for every batch captured below: a block table or page store that
         # grows drops the graphs (they hold its address), so the 17th request, or the pages of
         # 16 requests of draft_initial_len tokens, would otherwise cost a recapture.
@@ -278,7 +280,7 @@ class OuroborosProposer:
             if warning:
                 logger.warning("ouroboros: %s", warning)
         if cfg.pool_save_path:
-            atexit.register(self.save_pool)
+            atexit.register(self._maybe_save_pool, True)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
                     "(%d pages of %d tokens shared by the requests; grows on demand%s)",
                     cfg.draft_model, model.dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
@@ -523,11 +525,28 @@ class OuroborosProposer:
         if self._writer is not None:
             self._writer.flush()
 
-    def _maybe_save_pool(self) -> None:
+    def _maybe_save_pool(self, now: bool = False) -> None:
         # atexit alone is not enough: vLLM may kill the engine process at shutdown before exit
         # handlers run, so the pool is also written every POOL_SAVE_INTERVAL seconds.
-        if self.cfg.pool_save_path and time.monotonic() - self._last_pool_save >= POOL_SAVE_INTERVAL:
+        if not self.cfg.pool_save_path or (
+                not now and time.monotonic() - self._last_pool_save < POOL_SAVE_INTERVAL):
+            return
+        try:
             self.save_pool()
+        except OSError as e:
+            # A full or read-only disk must not fail the step (every request in it): the pool
+            # is kept in memory and saved again at the next interval.
+            self._last_pool_save = time.monotonic()
+            why = f"{type(e).__name__} {e.errno}"  # the message names a fresh temporary file each time
+            if why != self._pool_save_error:
+                logger.warning("ouroboros: the phrase pool could not be saved to %s (%s); serving "
+                               "goes on, the save is tried again every %d s",
+                               self.cfg.pool_save_path, e, POOL_SAVE_INTERVAL)
+            self._pool_save_error = why
+        else:
+            if self._pool_save_error is not None:
+                logger.info("ouroboros: the phrase pool is saved to %s again", self.cfg.pool_save_path)
+            self._pool_save_error = None
 
     # ---- request lifetime -------------------------------------------------------------------
     def note_finished(self, req_ids) -> None:

@@ -37,6 +37,11 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
 
 @pytest.mark.parametrize("spec_extra, message", [
     ({"gamma_typo": 3}, "unknown speculative_config key 'gamma_typo'"),
+    # vLLM fields that would do something else, or nothing, under ouroboros are refused by name
+    ({"rejection_sample_method": "synthetic"}, "key 'rejection_sample_method' is not used by the ouroboros method"),
+    ({"parallel_drafting": True}, "key 'parallel_drafting' is not used by the ouroboros method"),
+    ({"enforce_eager": True}, "key 'enforce_eager' is not used by the ouroboros method .the draft's CUDA graphs"),
+    ({"quantization": "fp8"}, "key 'quantization' is not used by the ouroboros method"),
     ({"gamma": 0}, "'gamma'=0 is out of range"),
     ({"beta": 1}, "'beta'=1 is out of range"),
     ({"num_guesses": 9, "window_size": 4}, "num_guesses=9 exceeds window_size=4"),

@@ -439,28 +439,30 @@ def split_speculative_config(spec: dict[str, Any], vllm_keys: set[str]) -> tuple
     """Split a user speculative config into (OuroborosConfig, the keys vLLM keeps).
 
     `spec` has method == "ouroboros". `vllm_keys` are the field names of vLLM's SpeculativeConfig.
-    Unknown keys raise, listing ours; vLLM keys that make no sense here are rejected too.
+    Unknown keys raise, listing ours. Of vLLM's fields only num_speculative_tokens (and the target
+    configs vLLM adds itself) pass: the others describe a draft vLLM would manage, another
+    method, or change vLLM's verification (rejection_sample_method "synthetic" would accept
+    drafts without the target's say) or its KV reservations (parallel_drafting), so they are
+    refused by name rather than passed on to do something else or nothing.
     """
     spec = dict(spec)
     spec.pop("method", None)
     draft = spec.pop("model", None)
     ours = {k: spec.pop(k) for k in list(spec) if k in OUROBOROS_KEYS}
-    # These vLLM keys describe a vLLM-managed draft model or a different method.
-    rejected = {"method", "model", "quantization", "draft_tensor_parallel_size", "revision",
-                "code_revision", "speculative_token_tree", "prompt_lookup_min",
-                "prompt_lookup_max"}
+    passed = {"num_speculative_tokens", "target_model_config", "target_parallel_config"}
+    hints = {"enforce_eager": " (the draft's CUDA graphs follow 'draft_round', and the engine's "
+                              "--enforce-eager)"}
     for key in list(spec):
-        if key in ("target_model_config", "target_parallel_config"):
+        if key in passed:
             continue
         if key not in vllm_keys:
             raise OuroborosConfigError(
                 f"ouroboros: unknown speculative_config key '{key}'. Ouroboros keys: "
                 f"{', '.join(sorted(OUROBOROS_KEYS))}; or a vLLM SpeculativeConfig field"
             )
-        if key in rejected:
-            raise OuroborosConfigError(
-                f"ouroboros: speculative_config key '{key}' is not used by the ouroboros method"
-            )
+        raise OuroborosConfigError(
+            f"ouroboros: speculative_config key '{key}' is not used by the ouroboros method"
+            f"{hints.get(key, '')}")
     # num_speculative_tokens is both vLLM's (scheduler budget) and ours (cap): keep them equal.
     if "num_speculative_tokens" in spec:
         ours["num_speculative_tokens"] = spec.pop("num_speculative_tokens")

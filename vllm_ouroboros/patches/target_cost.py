@@ -41,6 +41,7 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
     layout is not the usual `model.layers[i]` with vLLM linear modules. Under tensor parallelism
     every rank must call this (the row-parallel layers all-reduce) with `agree` taking the first
     rank's decision to go on (patches/distributed.TensorParallel.agree)."""
+    measuring = False
     try:
         from vllm.model_executor.layers.linear import LinearBase
 
@@ -80,8 +81,15 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
                 return layer() * len(layers) + head_t()
             return run
 
+        measuring = True
         return measure_curve(timer_at, max_tokens, reps, agree)
     except Exception as e:  # any unexpected layout: the back-off falls back to the draft's curve
+        if measuring and not _single_rank():
+            # Under tensor parallelism the ranks time collectives together (the row-parallel
+            # all-reduce, `agree`): one rank leaving the loop alone (an out-of-memory error on
+            # the first rank, which alone holds the draft) would leave the others waiting in
+            # it for good. A loud start-up failure instead.
+            raise
         logger.info("ouroboros: target cost curve not measured (%s); back-off uses the draft's "
                     "curve scaled by the parameter ratio", e)
         return None

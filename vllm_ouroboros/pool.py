@@ -406,10 +406,8 @@ class PhrasePool:
     def load_state_dict(self, sd: dict):
         """Load pages; if this pool has fewer pages, the most recently used ones are kept. A
         state saved with another phrases_per_key (window size) is re-cut to this pool's: each
-        key keeps its newest phrases, as many as a page of this pool holds. The phrases belong
-        to nobody (owner -1, as `release` leaves a finished request's in a shared pool): the
-        saved owners were another engine's slots, whose numbers this one's requests reuse. The
-        counters start at 0: the stats are this pool's."""
+        key keeps its newest phrases, as many as a page of this pool holds. Owners and counters
+        as saved (an exact copy; `load`, for another engine, clears them)."""
         for name, mine in (("vocab_size", self.vocab_size), ("phrase_len", self.L)):
             if sd[name] != mine:
                 raise ValueError(f"pool state has {name}={sd[name]}, this pool has {name}={mine}")
@@ -427,8 +425,7 @@ class PhrasePool:
         for name in ("page_key", "page_last_used", "tokens", "stamp", "owner"):
             getattr(self, name)[:n] = sd[name][used].to(dev)
         self.key_to_page[self.page_key[:n].long()] = torch.arange(n, device=dev, dtype=torch.int32)
-        self.owner.fill_(-1)
-        self.counters.zero_()
+        self.counters.copy_(sd["counters"])
         self.clock.fill_(int(sd["clock"]))
 
     def save(self, path):
@@ -491,4 +488,9 @@ class PhrasePool:
                    sd["budget_bytes"] if budget_bytes is None else budget_bytes, device=device,
                    shared=sd["shared"] if shared is None else shared, kernels=kernels)
         pool.load_state_dict(sd)
+        # The phrases belong to nobody (owner -1, as `release` leaves a finished request's in a
+        # shared pool): the saved owners were the saving engine's slots, whose numbers this
+        # engine's requests reuse. The counters start at 0: the stats are this pool's.
+        pool.owner.fill_(-1)
+        pool.counters.zero_()
         return pool

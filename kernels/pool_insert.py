@@ -288,24 +288,27 @@ def _differs(device: torch.device) -> str | None:
 
     V, L, W, pages = 40, 3, 4, 6
     budget = PhrasePool.budget_for(V, L, W, pages)
-    ref, got = (PhrasePool(V, L, W, budget, device=device, kernels=b) for b in ("torch", "triton"))
-    g = torch.Generator(device).manual_seed(0)
-    for n in (5, 37, 70, 12):
-        keys = torch.randint(-2, V + 2, (n,), generator=g, device=device)
-        keys[n // 2:] = keys[:n - n // 2] % 7  # repeated keys: groups larger than W
-        phrases = torch.randint(0, 3, (n, L), generator=g, device=device)
-        owners = torch.randint(-1, 3, (n,), generator=g, device=device)
-        valid = torch.rand(n, generator=g, device=device) < 0.85
-        for p in (ref, got):
-            p.insert(keys, phrases, owners, valid)
-    for b in _BUFFERS + ("clock",):
-        if not torch.equal(getattr(ref, b), getattr(got, b)):
-            return f"the kernels' insert left the pool's {b} unlike the torch insert's"
+    for shared in (True, False):  # private pools compile and run the OWNED variant
+        ref, got = (PhrasePool(V, L, W, budget, device=device, shared=shared, kernels=b) for b in ("torch", "triton"))
+        g = torch.Generator(device).manual_seed(0)
+        for n in (5, 37, 70, 12):
+            keys = torch.randint(-2, V + 2, (n,), generator=g, device=device)
+            keys[n // 2:] = keys[:n - n // 2] % 7  # repeated keys: groups larger than W
+            phrases = torch.randint(0, 3, (n, L), generator=g, device=device)
+            owners = torch.randint(-1, 3, (n,), generator=g, device=device)
+            valid = torch.rand(n, generator=g, device=device) < 0.85
+            for p in (ref, got):
+                p.insert(keys, phrases, owners, valid)
+        for b in _BUFFERS + ("clock",):
+            if not torch.equal(getattr(ref, b), getattr(got, b)):
+                return (f"the kernels' insert left the {'shared' if shared else 'private'} pool's {b} "
+                        "unlike the torch insert's")
     return None
 
 
 def check_kernel(device: torch.device) -> str | None:
     """None if the kernels may insert into pools on `device` (compiled and compared with the
-    torch insert on a small pool: repeats, masked rows, more rows per key than slots, evictions),
-    else why not (the pool then inserts in torch). Checked once per device and process."""
+    torch insert on small pools, shared and private: repeats, masked rows, more rows per key
+    than slots, evictions), else why not (the pool then inserts in torch). Checked once per
+    device and process."""
     return check_once(_CHECKED, place_kernel, device, _TRITON_IMPORT_ERROR, _differs)

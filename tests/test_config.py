@@ -103,6 +103,28 @@ def test_vocabulary_mismatch(tiny_models, tmp_path):
         engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(other)})
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"model_type": "gpt2"}, "draft model_type 'gpt2' is not supported"),
+    ({"hidden_act": "gelu"}, "only 'silu' is supported"),
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "draft rope type 'yarn' is not supported"),
+    ({"num_hidden_layers": None}, "cannot be run"),
+])
+def test_a_draft_the_worker_cannot_run_is_refused_at_configuration(tiny_models, tmp_path, edit, message):
+    """The architecture checks the worker makes when it loads the draft run at configuration,
+    before the engine starts (they failed only in the worker's start-up traceback)."""
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_models["draft"], draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg.update(edit)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (draft / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(OuroborosConfigError, match=message):
+        engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(draft)})
+
+
 def test_other_methods_untouched(tiny_models):
     cfg = engine_config(tiny_models["target"], {"method": "ngram", "num_speculative_tokens": 3})
     assert cfg.speculative_config.method == "ngram"

@@ -28,3 +28,15 @@ def test_prefix_attention_accepts_token_major_sdpa_output(monkeypatch, device):
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", token_major)
     got = attention.prefix_and_masked_attention(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_writes_past_the_block_table_go_to_the_null_page(device):
+    """A row whose new tokens run past its block table (padding of a fixed-width forward) writes
+    them to the null page, not over the row's last page (the clamp's old target)."""
+    table = torch.tensor([[5, 6, 7], [1, 2, 3]], dtype=torch.int32, device=device)  # 3 pages of 4
+    meta = attention.build_attention_metadata(
+        torch.tensor([0, 1], device=device), torch.tensor([9, 0], device=device),
+        torch.ones(2, 6, 6, device=device).tril().bool(), table, 4, backend="torch")
+    # row 0: positions 9..14; 9, 10, 11 on page 7, 12..14 past the table -> page 0
+    assert meta.write_index[0].tolist() == [7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 0, 1, 2]
+    assert meta.write_index[1].tolist() == [4, 5, 6, 7, 8, 9]

@@ -31,7 +31,7 @@ import_kernel_module("vllm_ouroboros.kernels.round_steps")
 MAX_LEN = 1024
 
 
-def make(path, device, draft_round="host", graphs=False, slots=4, **kw):
+def make(path, device, draft_round="host", graphs=False, slots=4, max_len=MAX_LEN, **kw):
     """A runtime with its own draft (float32) and pool; graphs: the prefill through
     PrefillGraphs (recorded stand-ins on a CPU); the eager one otherwise, at the graphs' chunk
     width so that both run the same chunks."""
@@ -40,7 +40,7 @@ def make(path, device, draft_round="host", graphs=False, slots=4, **kw):
                                        draft_round=draft_round, prefill_chunk=pg.CHUNK,
                                        round_kernels="torch"), **kw})
     pool = PhrasePool(model.vocab_size, 4, 4, 8 << 20, device=device)
-    rt = DraftRuntime(model, pool, settings, slots, MAX_LEN, device)
+    rt = DraftRuntime(model, pool, settings, slots, max_len, device)
     if draft_round == "graph-emulated":
         raise AssertionError("use emulate_round")
     rt.prefill_graphs = pg.PrefillGraphs(rt, emulate_graphs=device != "cuda") if graphs else None
@@ -142,6 +142,28 @@ def test_more_rows_than_a_graph_takes(tiny_models, device):
     assert {2, 16} <= set(graph.prefill_graphs._graphs) <= set(pg.BATCH_BUCKETS[:5])
     assert graph.prefill_graphs.rows_per_forward(n) == [16, 2] and graph.prefill_graphs.rows_per_forward(16) == [16]
     assert_same_caches(eager, graph, range(n))
+
+
+def test_a_chunk_near_max_model_len_in_a_small_round_room(tiny_models, device):
+    """A round room under a chunk (no lookahead, a 2-token draft: 24 columns past max_len): a
+    catch-up chunk at ~170 cached tokens of a 200-token max_len pads 64 tokens, past
+    max_len + round_room. The block table covers the chunk (its padding wrote past the table,
+    clamped onto the row's last page, and the kernel's padding queries read the next row's
+    table entries), and graph and eager prefill leave the same caches and drafts."""
+    path = str(tiny_models["draft"])
+    kw = dict(gamma=2, beta=2, use_lookahead=False, use_guesses=False, max_len=200)
+    eager, graph = make(path, device, **kw), make(path, device, graphs=True, **kw)
+    assert graph._round_room < pg.CHUNK and graph.kv.max_seq_len >= 200 + pg.CHUNK
+    rng = np.random.default_rng(11)
+    V = eager.model.vocab_size
+    contexts = [rng.integers(3, V, 170).tolist(), rng.integers(3, V, 40).tolist()]
+    for out_e, out_g in rounds([eager, graph], contexts, rng, 4, extend=(1, 16)):
+        assert np.array_equal(out_e.draft_lens, out_g.draft_lens)
+        assert np.array_equal(out_e.drafts, out_g.drafts)
+        if len(contexts[0]) > 190:
+            break
+    assert int(graph.kv_len[0]) > 200 - 40  # the catch-up chunk ran past the old bound
+    assert_same_caches(eager, graph, range(2))
 
 
 def test_graphs_are_captured_again_when_the_cache_moves_or_reads_further(tiny_models, device, monkeypatch):

@@ -427,6 +427,15 @@ def _validate_draft(path: str | None, target_vocab_size: int | None) -> None:
         )
     with open(config_path) as f:
         draft_cfg = json.load(f)
+    # The worker would refuse an architecture it cannot run only once the engine starts, behind
+    # the engine's start-up traceback; read it here, as the worker will.
+    from vllm_ouroboros.draft.model import DraftConfig
+
+    try:
+        DraftConfig.from_hf(draft_cfg)
+    except (ValueError, NotImplementedError, KeyError, TypeError) as e:
+        what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
+        raise OuroborosConfigError(f"ouroboros: draft model {path!r} cannot be run: {what}") from e
     vocab = draft_cfg.get("vocab_size") or draft_cfg.get("text_config", {}).get("vocab_size")
     if target_vocab_size is not None and vocab != target_vocab_size:
         raise OuroborosConfigError(

@@ -126,8 +126,11 @@ def build_attention_metadata(
     use_kernel = kernel_chosen(backend, new_mask.device, Q)
     block_rows = block_table[slots]  # [B, max_pages]
     write_pos = cache_lens[:, None] + torch.arange(Q, device=cache_lens.device)  # [B, Q]
-    # A position past the table (a caller bug) lands on the last entry instead of faulting.
-    page = block_rows.gather(1, (write_pos // page_size).clamp(max=block_rows.shape[1] - 1))
+    # A position past the table (a caller bug) writes to the null page (0), where padding
+    # writes go, rather than faulting or landing on the row's last page.
+    col = write_pos // page_size
+    inside = col < block_rows.shape[1]
+    page = block_rows.gather(1, col.clamp(max=block_rows.shape[1] - 1)) * inside
     write_index = page.long() * page_size + write_pos % page_size
     return DraftAttentionMetadata(cache_lens, new_mask.to(torch.bool), block_rows, page_size,
                                   write_index, max_cache_len + Q, use_kernel)

@@ -32,7 +32,7 @@ from vllm_ouroboros.cost_model import CostCurve, prefill_groups
 from vllm_ouroboros.device_clock import DeviceClock
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
-from vllm_ouroboros.draft.prefill_graph import PrefillGraphs, prefill_mask
+from vllm_ouroboros.draft.prefill_graph import CHUNK as PREFILL_CHUNK, PrefillGraphs, prefill_mask
 from vllm_ouroboros.draft.kv_cache import DraftCacheFull
 from vllm_ouroboros.draft.lookahead import (
     build_layout,
@@ -169,6 +169,11 @@ class DraftRuntime:
         # draft and one forward's scratch. The longest a slot can get: max_len plus that.
         self._round_room = 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
         self._max_cap = max_len + self._round_room
+        # Block-table columns: the longest slot, and at least a graph prefill chunk past max_len,
+        # whose padding tokens write CHUNK columns from a row's committed length. Past a row's
+        # reserved pages the table points at the null page; past the table a write would land
+        # on the row's own last page (build_attention_metadata's clamp) over its real K/V.
+        self._table_len = max(self._max_cap, max_len + PREFILL_CHUNK)
         self._slots = 0
         self._cap = 0
         self.cached = np.zeros((0, 0), np.int64)  # tokens whose KV the slot holds
@@ -177,7 +182,7 @@ class DraftRuntime:
         self.window = torch.zeros(0, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
         self.window_ready = np.zeros(0, bool)
         if model.kv is None:
-            model.allocate_cache(num_slots + 1, self._max_cap,
+            model.allocate_cache(num_slots + 1, self._table_len,
                                  num_tokens=(num_slots + 1) * min(max_len, 256))
         self._grow(num_slots)
         self.device_round = (DeviceRound(self, graphs=settings.draft_round == "graph")
@@ -265,7 +270,7 @@ class DraftRuntime:
             return
         window = torch.zeros(num_slots + 1, self.L, max(self.W, 1), dtype=torch.long, device=self.device)
         window[: self._slots] = self.window[: self._slots]
-        self.kv.resize(num_slots + 1, self._max_cap)
+        self.kv.resize(num_slots + 1, self._table_len)
         self.window = window
         self._window_generation += 1
         grow = num_slots - self._slots

@@ -302,6 +302,34 @@ def test_llama3_rope_scaling_and_sharded_checkpoint(tmp_path, device):
     torch.testing.assert_close(h, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("extra", [
+    # a model card's scaling added to a config transformers 5 saved: rope_scaling wins
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling={"type": "linear", "factor": 4.0}),
+    dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}, original_max_position_embeddings=1024),
+    # original_max_position_embeddings missing: max_position_embeddings stands in
+    dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0}),
+    dict(rope_theta=2e4),
+])
+def test_rope_settings_read_as_transformers_reads_them(extra):
+    """The draft reads RoPE settings with transformers' precedence (the target is read so): the
+    inverse frequencies equal those of transformers' own parse of the same config."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from vllm_ouroboros.draft.model import DraftConfig, rope_inv_freq
+
+    raw = dict(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+               num_attention_heads=2, max_position_embeddings=4096, **extra)
+    hf = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    kind = hf.rope_parameters["rope_type"]
+    want = (ROPE_INIT_FUNCTIONS[kind](hf, "cpu")[0] if kind != "default"
+            else 1.0 / hf.rope_parameters["rope_theta"] ** (torch.arange(0, 32, 2).float() / 32))
+    got = rope_inv_freq(DraftConfig.from_hf(raw))
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+
+
 def test_unsupported_configs_raise(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="gpt2"):

@@ -86,14 +86,23 @@ class DraftConfig:
             raise NotImplementedError("draft qwen2 with use_sliding_window=True is not supported")
         # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older configs write
         # top-level `rope_theta` and an optional `rope_scaling` dict ("type" or "rope_type").
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        # Read as transformers reads them (PretrainedConfig.convert_rope_params_to_dict), since
+        # the target's are read so: `rope_scaling` wins over `rope_parameters` (a model card's
+        # scaling added to a config transformers 5 saved), and a top-level
+        # original_max_position_embeddings over the dict's.
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
         rope.pop("type", None)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise NotImplementedError(
                 f"draft rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        if rope_type == "llama3":
+            if cfg.get("original_max_position_embeddings") is not None:
+                rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+            elif cfg.get("max_position_embeddings") is not None:
+                rope.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+        if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
             raise NotImplementedError("draft partial_rotary_factor != 1 is not supported")
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads

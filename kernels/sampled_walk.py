@@ -45,7 +45,7 @@ if triton is not None:
         branch_ptr,             # [B, N] int64
         draft_len_ptr,          # [B] int64
         sstart_ptr, slen_ptr,   # [B, K] int64
-        u_ptr,                  # [B, S, C + 1] float32
+        u_ptr,                  # [B, S, C + 1] float64
         out_ptr,                # [4, B] int64
         B, N, N1, K, S, V,
         C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -82,19 +82,26 @@ if triton is not None:
             cand_ok = cand_ok & (offs_c < C) & (cand_tok >= 0) & (cand_tok < V)
             cand_tok = tl.minimum(tl.maximum(cand_tok, 0), V - 1)
 
-            # The row's maximum and normaliser (online), on rows a sampled walk stands on.
+            # The row's maximum, then its normaliser, on rows a sampled walk stands on. Two
+            # passes, not an online one, so that the normaliser is the float64 sum of the very
+            # float32 terms exp(x - m) that the tries and the draw below read: the residual's
+            # mass is then z less the rejected children's terms, without the cancellation an
+            # online sum's rescaling rounding leaves where a rejected child held nearly all of
+            # it (float32 there: 36% off the residual at p = 1 - 1e-5, 152k tokens), and the
+            # draw resolves probabilities far below float32's 2^-24 steps.
             n_blocks = tl.where((active != 0) & sampled, tl.cdiv(V, BLOCK_V), 0)
             m = -float("inf")
-            z = 0.0
             for i in range(0, n_blocks):
                 offs = i * BLOCK_V + offs_v
                 xv = tl.load(row + offs, mask=offs < V, other=-float("inf"))
-                m_new = tl.maximum(m, tl.max(xv, axis=0))
-                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-                z = z * tl.exp(m - m_safe) + tl.sum(tl.exp(xv - m_safe), axis=0)
-                m = m_new
+                m = tl.maximum(m, tl.max(xv, axis=0))
             m = tl.where(m == -float("inf"), 0.0, m)
-            mass = tl.where(is_greedy, 1.0, z)  # the residual's mass, unnormalised
+            z = (n * 0).to(tl.float64)
+            for i in range(0, n_blocks):
+                offs = i * BLOCK_V + offs_v
+                xv = tl.load(row + offs, mask=offs < V, other=-float("inf"))
+                z += tl.sum(tl.exp(xv - m).to(tl.float64), axis=0)
+            mass = tl.where(is_greedy, 1.0, z)  # the residual's mass, unnormalised (float64)
 
             acc = n * 0
             acc_tok = n * 0
@@ -110,7 +117,7 @@ if triton is not None:
                 seen = tl.sum((zeroed == tok).to(tl.int32), axis=0) > 0
                 xt = tl.load(row + tok, mask=try_ & sampled, other=-float("inf"))
                 px = tl.where(is_greedy, tl.where(tok == tn, 1.0, 0.0), tl.exp(xt - m))
-                rx = tl.where(seen, 0.0, px)
+                rx = tl.where(seen, 0.0, px).to(tl.float64)
                 u = tl.load(u_ptr + (b * S + t) * (C + 1) + c)
                 ok = try_ & (rx > 0) & ((u * mass < rx) | (rx >= mass))
                 acc = tl.where(ok, 1, acc)
@@ -127,7 +134,7 @@ if triton is not None:
             stop = (active != 0) & (acc == 0)
             target = tl.load(u_ptr + (b * S + t) * (C + 1) + C) * mass
             s_blocks = tl.where(stop & sampled, tl.cdiv(V, BLOCK_V), 0)
-            run = 0.0
+            run = (n * 0).to(tl.float64)
             first = V
             last_pos = -1
             for i in range(0, s_blocks):
@@ -136,20 +143,23 @@ if triton is not None:
                 p = tl.exp(xv - m)
                 hit = tl.sum((offs[:, None] == zeroed[None, :]).to(tl.int32), axis=1) > 0
                 p = tl.where(hit | (offs >= V), 0.0, p)
-                cdf = tl.cumsum(p, axis=0) + run
+                p64 = p.to(tl.float64)
+                cdf = tl.cumsum(p64, axis=0) + run
                 first = tl.minimum(first, tl.min(tl.where(cdf > target, offs, V), axis=0))
                 last_pos = tl.maximum(last_pos, tl.max(tl.where(p > 0, offs, -1), axis=0))
-                run += tl.sum(p, axis=0)
+                run += tl.sum(p64, axis=0)
             # The residual's mass is a running difference (the torch walk sums it again): where
             # the children held all of it (top-k / top-p leaving only them), rounding can leave
-            # the last child a few ulps below the mass, a uniform near 1 reject it, and no token
-            # be left to draw. That child held the whole residual: it is the draw.
+            # the last child an ulp below the mass, a uniform that near 1 reject it, and no
+            # token be left to draw. That child held the whole residual: it is the draw.
             drawn = tl.where(is_greedy, tn, tl.where(last_pos >= 0, tl.minimum(first, last_pos), last_rejected))
             last_tok = tl.where(stop, drawn, last_tok)
             num_acc += acc
             # Past the draft the walk goes on along every live branch carrying the accepted
             # token; cur is the first of them.
-            live = tl.where((acc != 0) & (t >= n), s_ok & (cand_tok == acc_tok), live)
+            # cand_ok, not s_ok: a branch whose token lies outside the vocabulary (clamped to
+            # the accepted id above) is not the accepted path.
+            live = tl.where((acc != 0) & (t >= n), cand_ok & (cand_tok == acc_tok), live)
             cur = tl.where(acc != 0, acc_node, cur)
             active = acc
 
@@ -179,7 +189,9 @@ def sampled_walk_triton(x: torch.Tensor, target_next: torch.Tensor, greedy: torc
       greedy:      [B] bool.
       tokens, branch_of: [B, N] int64; draft_len [B]; suffix_start, suffix_len [B, K] int64 (the
                    TokenTree's).
-      uniforms:    [B, S, max(K, 1) + 1] float32, S = walk_steps(tree).
+      uniforms:    [B, S, max(K, 1) + 1] float64 (float32 is taken too: widened), S =
+                   walk_steps(tree); float64 so that a token of probability under 2^-24
+                   keeps its chance (float32 uniforms step by 2^-24).
     block_v: vocabulary entries per tile (a power of two; tests make rows span several).
     No host synchronisation.
     """
@@ -193,9 +205,9 @@ def sampled_walk_triton(x: torch.Tensor, target_next: torch.Tensor, greedy: torc
     if x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[0] != B * (N + 1):
         raise ValueError(f"sampled_walk_triton: x must be [B * (N + 1), V] float32 with unit "
                          f"column stride, got {tuple(x.shape)} {x.dtype}")
-    if C1 != max(K, 1) + 1 or uniforms.dtype != torch.float32:
-        raise ValueError(f"sampled_walk_triton: uniforms must be [B, S, {max(K, 1) + 1}] float32, "
-                         f"got {tuple(uniforms.shape)} {uniforms.dtype}")
+    if C1 != max(K, 1) + 1 or uniforms.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"sampled_walk_triton: uniforms must be [B, S, {max(K, 1) + 1}] float64 "
+                         f"(or float32), got {tuple(uniforms.shape)} {uniforms.dtype}")
     out = torch.empty(4, B, dtype=torch.int64, device=x.device)
     if B == 0:
         return out
@@ -205,7 +217,7 @@ def sampled_walk_triton(x: torch.Tensor, target_next: torch.Tensor, greedy: torc
         kernel[(B,)](
             x, x.stride(0), target_next.contiguous(), greedy.to(torch.int8), tokens.contiguous(),
             branch_of.contiguous(), draft_len.contiguous(), suffix_start.contiguous(),
-            suffix_len.contiguous(), uniforms.contiguous(), out,
+            suffix_len.contiguous(), uniforms.to(torch.float64).contiguous(), out,
             B, N, N + 1, K, S, V,
             C=C, BLOCK_C=triton.next_power_of_2(C), BLOCK_V=bv, num_warps=8 if bv >= 1024 else 4,
         )
@@ -230,7 +242,7 @@ def check_kernel(device: torch.device, num_suffixes: int, vocab_size: int) -> st
         x = torch.randn(B * (tree.N + 1), V, generator=g, device=device)
         x[:, :2] += 8.0  # deep walks
         greedy = torch.arange(B, device=device) % 3 == 0
-        u = torch.rand(walk_uniforms_shape(tree), generator=g, device=device)
+        u = torch.rand(walk_uniforms_shape(tree), generator=g, device=device, dtype=torch.float64)
         tn = x.view(B, tree.N + 1, V).argmax(-1)
         got = sampled_walk_triton(x, tn, greedy, tree.tokens, tree.branch_of, tree.draft_len,
                                   tree.suffix_start, tree.suffix_len, u)

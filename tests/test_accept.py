@@ -523,7 +523,8 @@ def test_sampled_accepted_tokens_lie_on_reported_nodes():
 def test_uniforms_argument_reproduces_generator_draws():
     tree = one_tree(**TREE_A)
     probs = torch.rand(1, tree.N + 1, V, device=DEVICE)
-    u = torch.rand(1, walk_steps(tree), tree.K + 1, generator=gen(3), device=DEVICE)
+    u = torch.rand(1, walk_steps(tree), tree.K + 1, generator=gen(3), device=DEVICE,
+                   dtype=torch.float64)  # as the walk draws them
     a = accept_sampled(tree, probs, gen(3))
     b = accept_sampled(tree, probs, uniforms=u)
     assert np.array_equal(a.emitted, b.emitted)

@@ -163,3 +163,66 @@ def test_verify_walks_with_the_kernel_as_with_torch(seed):
             assert np.array_equal(runs[0].kv_keep_src, runs[1].kv_keep_src)
     with pytest.raises(ValueError, match="walk must be"):
         verify(tree, x, row_start, greedy, process, walk="cuda")
+
+
+def _two_children_at_the_root(V, delta):
+    """One request, no draft, two single-token branches: token 0 holds 1 - delta of the root's
+    distribution, token 1 delta / 2, the other V - 2 tokens the rest, spread (log-noise)."""
+    g = torch.Generator(DEVICE).manual_seed(5)
+    tree = build_tree(torch.zeros(1, 0, dtype=torch.long, device=DEVICE), torch.tensor([0], device=DEVICE),
+                      torch.tensor([[[0], [1]]], device=DEVICE), torch.tensor([[1, 1]], device=DEVICE))
+    rest = torch.rand(V - 2, generator=g, dtype=torch.float64, device=DEVICE) + 0.5
+    p = torch.cat([torch.tensor([1 - delta, delta / 2], dtype=torch.float64, device=DEVICE),
+                   rest / rest.sum() * delta / 2])
+    x = p.log().float()[None].expand(tree.N + 1, V).contiguous()
+    return tree, x, p
+
+
+@pytest.mark.parametrize("walk", ["kernel", "torch"])
+def test_a_sibling_after_a_child_holding_nearly_all_the_mass(walk):
+    """Token 0 holds 1 - 1e-6 of the root (152k tokens) and is rejected; token 1 then holds
+    half the residual, so u < 0.5 accepts it and u > 0.5 does not. The kernel's residual was
+    the online float32 normaliser less token 0's term, off by a large part of the 1e-6 left
+    (up to 36% at 1e-5): the decision followed the rounding, not u."""
+    V = 152064
+    tree, x, p = _two_children_at_the_root(V, 1e-6)
+    greedy = torch.tensor([False], device=DEVICE)
+    for u1, accepted in ((0.40, True), (0.47, True), (0.53, False), (0.60, False)):
+        u = torch.tensor([[[1 - 1e-9, u1, 0.5]] * walk_steps(tree)], dtype=torch.float64, device=DEVICE)
+        out = (kernel_walk(tree, x, greedy, u) if walk == "kernel" else torch_walk(tree, x, greedy, u)).view(-1)
+        assert (int(out[2]) == 1) == accepted, (u1, out.tolist())
+        if accepted:
+            assert int(out[1]) == 1  # along the second branch
+
+
+@pytest.mark.parametrize("walk", ["kernel", "torch"])
+def test_the_draw_resolves_probabilities_below_float32_steps(walk):
+    """Both children (tokens 0, 1) rejected; the residual is tokens 2 and 4 of equal weight and
+    token 3 between them at e^-25 of theirs (1.4e-11), the rest cut (-inf). A uniform of 1/2
+    falls in the middle of token 3's interval of the CDF: token 3 comes out. In float32 the
+    CDF steps by 2^-24 there, token 3's interval vanished, and the draw gave token 4."""
+    tree = build_tree(torch.zeros(1, 0, dtype=torch.long, device=DEVICE), torch.tensor([0], device=DEVICE),
+                      torch.tensor([[[0], [1]]], device=DEVICE), torch.tensor([[1, 1]], device=DEVICE))
+    x = torch.full((tree.N + 1, 8), float("-inf"), device=DEVICE)
+    x[:, :5] = torch.tensor([4.0, 4.0, 0.0, -25.0, 0.0])
+    greedy = torch.tensor([False], device=DEVICE)
+    u = torch.tensor([[[1 - 1e-12, 1 - 1e-12, 0.5]] * walk_steps(tree)], dtype=torch.float64, device=DEVICE)
+    out = (kernel_walk(tree, x, greedy, u) if walk == "kernel" else torch_walk(tree, x, greedy, u)).view(-1)
+    assert out.tolist() == [0, 0, 0, 3]
+
+
+@pytest.mark.parametrize("walk", ["kernel", "torch"])
+def test_a_branch_with_an_out_of_vocabulary_head_never_joins_the_path(walk):
+    """Branches [0, 5] and [-1, 7] (a placeholder head): token 0 is accepted at the root. The
+    second branch's head was clamped to 0 before the comparison, so it stayed live and its 7
+    was accepted next, reported along branch 1, whose emitted tokens start with -1. It is not
+    live: 5 is rejected and 7 drawn from the residual, along branch 0."""
+    tree = build_tree(torch.zeros(1, 0, dtype=torch.long, device=DEVICE), torch.tensor([0], device=DEVICE),
+                      torch.tensor([[[0, 5], [-1, 7]]], device=DEVICE), torch.tensor([[2, 2]], device=DEVICE))
+    x = torch.full((tree.N + 1, 8), float("-inf"), device=DEVICE)
+    x[0, 0] = 0.0  # the root: token 0 surely
+    x[1:, 7] = 0.0  # after any node: token 7 surely
+    greedy = torch.tensor([False], device=DEVICE)
+    u = torch.full((1, walk_steps(tree), 3), 0.5, dtype=torch.float64, device=DEVICE)
+    out = (kernel_walk(tree, x, greedy, u) if walk == "kernel" else torch_walk(tree, x, greedy, u)).view(-1)
+    assert out.tolist() == [0, 0, 1, 7]

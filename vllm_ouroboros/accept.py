@@ -168,9 +168,9 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
                 depth step: so probs may instead be a function of col [B] int64 (0 = root,
                 1 + i = node i) returning those rows [B, V] as a new tensor (the walk writes to
                 it), which spares a caller materialising the distribution at every node.
-      uniforms: [B, walk_steps(tree), max(K, 1) + 1] in [0, 1): per depth step one number per
-                child try and one for the final sample; drawn from `generator` if None (pass
-                them to use per-request generators).
+      uniforms: [B, walk_steps(tree), max(K, 1) + 1] in [0, 1), float64 (float32 is widened):
+                per depth step one number per child try and one for the final sample; drawn
+                from `generator` if None (pass them to use per-request generators).
     """
     B, N, K = tree.B, tree.N, tree.K
     dev = tree.tokens.device
@@ -183,7 +183,8 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
     C = max(K, 1)  # children per step: the draft child alone, or up to K suffix nodes
     S = walk_steps(tree)
     if uniforms is None:
-        uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=dev)
+        uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=dev, dtype=torch.float64)
+    uniforms = uniforms.to(torch.float64)
     n = tree.draft_len
     if K:
         sstart, slen = tree.suffix_start, tree.suffix_len
@@ -197,9 +198,10 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
     num_acc = torch.zeros(B, dtype=torch.long, device=dev)
     last_tok = torch.zeros(B, dtype=torch.long, device=dev)
     for t in range(S):
-        r = row_probs(cur + 1)  # the residual [B, V], written below
-        if r.dtype in (torch.float16, torch.bfloat16):
-            r = r.float()  # half-precision sums drift
+        # The residual [B, V], written below, in float64: its CDF must resolve probabilities
+        # below float32's 2^-24 steps (a float32 cumsum over 152k tokens drew a token of
+        # 2.2e-8 at 6e-8, and never 26k others holding 4.3e-4), and so must the uniforms.
+        r = row_probs(cur + 1).to(torch.float64)
         V = r.shape[1]
         # Children of the current node, at depth t + 1.
         in_draft = t < n
@@ -211,7 +213,7 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
         cand_tok = tree.tokens.gather(1, cand_node.clamp(max=max(N - 1, 0))) if N else cand_node
         # A token id outside the vocabulary (vLLM's -1 placeholder drafts) can never be accepted.
         cand_ok = cand_ok & (cand_tok >= 0) & (cand_tok < V)
-        cand_tok = cand_tok.clamp(0, V - 1)
+        cand_tok = cand_tok.clamp(0, V - 1)  # read only where cand_ok
 
         acc = torch.zeros(B, dtype=torch.bool, device=dev)
         acc_tok = torch.zeros(B, dtype=torch.long, device=dev)
@@ -239,7 +241,9 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
         num_acc += acc.long()
         # In the suffix part the walk continues on every live branch carrying the accepted
         # token; cur is the first of them (same tokens, same context, same distribution).
-        live = torch.where((acc & ~in_draft)[:, None], s_ok & (cand_tok == acc_tok[:, None]), live)
+        # cand_ok, not s_ok: a branch whose token lies outside the vocabulary (clamped to
+        # the accepted id above) is not the accepted path.
+        live = torch.where((acc & ~in_draft)[:, None], cand_ok & (cand_tok == acc_tok[:, None]), live)
         cur = torch.where(acc, acc_node, cur)
         active = acc
 

@@ -94,7 +94,8 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
         out = None
         if walk == "triton":
             if uniforms is None:  # as sampled_walk draws them
-                uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=logits.device)
+                uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=logits.device,
+                                      dtype=torch.float64)
             out = _kernel_walk(tree, logits, rows, target_next, greedy, process, uniforms, max_table_rows)
         if out is None:
             out = sampled_walk(tree, _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows),
@@ -156,11 +157,12 @@ def draw_uniforms(tree: TokenTree, generators: dict[int, torch.Generator],
                   device: torch.device) -> torch.Tensor:
     """Uniforms for accept_sampled: from each seeded request's own generator, else the global one.
 
-    Shape: -> [B, walk_steps(tree), max(K, 1) + 1].
+    Shape: -> [B, walk_steps(tree), max(K, 1) + 1] float64 (finer than float32's 2^-24 steps:
+    accept.sampled_walk).
     """
-    u = torch.rand(walk_uniforms_shape(tree), device=device)
+    u = torch.rand(walk_uniforms_shape(tree), device=device, dtype=torch.float64)
     shape = u.shape[1:]
     for i, gen in generators.items():  # seeded requests only, as vLLM's own samplers do
         if i < tree.B:
-            u[i] = torch.rand(*shape, device=device, generator=gen)
+            u[i] = torch.rand(*shape, device=device, generator=gen, dtype=torch.float64)
     return u

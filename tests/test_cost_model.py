@@ -166,8 +166,8 @@ def test_a_shorter_chain_draft_pays_under_load():
 def test_step_overhead_makes_a_marginal_request_pay():
     # The engine's own time per step is paid by plain and speculative steps alike: a request
     # just below break-even on forward times alone pays once it is counted.
-    assert not _plan(2.4).rows.any()
-    assert _plan(2.4, step_overhead=0.1).rows.all()
+    assert not _plan(1.5).rows.any()
+    assert _plan(1.5, step_overhead=0.1).rows.all()
     # Under load it does not change the answer.
     assert not _plan([3.75] * 16, step_overhead=0.1).rows.any()
 
@@ -1133,11 +1133,14 @@ def test_pool_fill_plans_from_the_pools_own_estimates():
 def test_an_early_exit_round_cut_short_costs_its_share_of_forwards():
     """A device round with early exit stops at the cut (tests/test_device_round.py::
     test_early_exit_stops_at_the_cut): a draft cut to s < stop_below tokens runs F s /
-    stop_below forwards, at least one, where a fixed-F round pays all F. On GPU-like curves
-    (2 ms target, 0.6 ms draft forward, F = 4) a request of E 2.5 then drafts one token per
-    step instead of a whole round; the host loop's chains keep F(s) = s."""
+    stop_below forwards, at least one; a fixed-F round min(F, s) (every forward gives each
+    row a token at least: DeviceRound.run stops there), where it paid all F. On GPU-like
+    curves (2 ms target, 0.6 ms draft forward, F = 4) a request of E 2.5 then drafts one
+    token per step instead of a whole round, either way; the host loop's chains keep F(s) = s."""
     F = np.array([4.0, 2.0])
     assert cost_model.round_forwards(F, 12).tolist() == [4.0, 2.0]
+    assert cost_model.round_forwards(F, 3).tolist() == [3.0, 2.0]  # fixed F: min(F, s)
+    assert cost_model.round_forwards(F, 0).tolist() == [1.0, 1.0]
     assert cost_model.round_forwards(F, 2, stop_below=4).tolist() == [2.0, 1.0]
     assert cost_model.round_forwards(F, 1, stop_below=4).tolist() == [1.0, 1.0]  # at least one
     assert cost_model.round_forwards(F, 4, stop_below=4).tolist() == [4.0, 2.0]
@@ -1149,8 +1152,17 @@ def test_an_early_exit_round_cut_short_costs_its_share_of_forwards():
     A = cost_model.geometric_survival(np.array([2.5]), 12)
     plan = lambda **kw: cost_model.speculation_plan(target, draft, A, np.ones((1, 12)),  # noqa: E731
                                                     np.array([4.0]), 34, **kw)
-    assert plan().rows.all() and plan().max_tokens == 12
+    assert plan().rows.all() and plan().max_tokens == 1
     assert plan(stop_below=4).rows.all() and plan(stop_below=4).max_tokens == 1
+    # priced as a whole round at any cut (before), the request drafted whole rounds
+    whole = lambda f, s, *a, **k: np.broadcast_to(np.asarray(f, float), np.broadcast_shapes(  # noqa: E731
+        np.shape(f), np.shape(s)))
+    real = cost_model.round_forwards
+    cost_model.round_forwards = whole
+    try:
+        assert plan().rows.all() and plan().max_tokens == 12
+    finally:
+        cost_model.round_forwards = real
     p = _proposer()
     assert p.runtime.stop_below is None  # the host loop: no early exit
     p.runtime.device_round = SimpleNamespace(early_exit=False)

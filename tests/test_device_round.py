@@ -657,7 +657,7 @@ def test_early_exit_stops_where_rows_are_done(graphs, tiny_models, device):
 def test_early_exit_stops_at_the_cut(graphs, tiny_models, device):
     """A round cut to c tokens (the back-off's shorter draft) with early exit runs at most c
     forwards (each drafts >= 1 token per row) and drafts the host loop's first c tokens; a
-    fixed-F round runs its F whatever the cut. "cuda": real conditional nodes."""
+    fixed-F round runs min(F, the cut). "cuda": real conditional nodes."""
     from vllm_ouroboros.draft.device_round import DeviceRound, conditional_nodes_supported
 
     if graphs == "cuda" and device != "cuda":
@@ -685,7 +685,8 @@ def test_early_exit_stops_at_the_cut(graphs, tiny_models, device):
         assert (e.draft_lens == want).all() and (b.draft_lens == want).all(), (c, e.draft_lens, b.draft_lens)
         for i in range(len(slots)):
             assert e.drafts[i, :want].tolist() == a.drafts[i, :want].tolist() == b.drafts[i, :want].tolist()
-        assert e.forwards == want and b.forwards == fixed.device_round.max_forwards == GAMMA, (c, e.forwards)
+        # the fixed-F round stops after the cut's forwards too: the rest would run with no row active
+        assert e.forwards == want == b.forwards and fixed.device_round.max_forwards == GAMMA, (c, e.forwards)
         contexts = [ctx + a.drafts[i, :2].tolist() for i, ctx in enumerate(contexts)]
     assert early.device_round.early_exit
 

@@ -554,14 +554,16 @@ def round_forwards(whole, s, chain_below: int | None = None, stop_below: int | N
     """Draft forwards of a round cut to s draft tokens, for rows whose whole rounds run `whole`
     forwards (arrays, broadcast together): a chain's one per token below chain_below (the host
     loop), an early-exit device round's share F s / stop_below (at least one) below stop_below,
-    else a whole round's (speculation_plan)."""
+    else a whole round's (speculation_plan); never more than s: every forward gives each
+    drafting row a token at least, and a fixed-F device round cut to s runs min(F, s)
+    (DeviceRound.run)."""
     whole, s = np.asarray(whole, float), np.asarray(s, float)
     f = np.broadcast_to(whole, np.broadcast_shapes(whole.shape, s.shape))
     if stop_below is not None:
         f = np.where(s < stop_below, np.maximum(whole * s / stop_below, 1.0), f)
     if chain_below is not None:
         f = np.where(s < chain_below, np.maximum(s, 1.0), f)
-    return f
+    return np.minimum(f, np.maximum(s, 1.0))
 
 
 def speculation_plan(target: CostCurve, draft: CostCurve, accepted: np.ndarray, sent: np.ndarray,

@@ -287,11 +287,16 @@ class DeviceRound:
         (first u0[b] real); u0 [B] int64 >= 1; kv0 [B] int64, committed cache lengths.
         forwards: F (default `forwards_for_next_round()`), at most `max_forwards`.
         max_tokens: the most draft tokens each row takes (an int, or [B] int64; None: no cut):
-        a cut row stops there, its last forward taking no token past it, as the host loop's.
+        a cut row stops there, its last forward taking no token past it, as the host loop's;
+        the round runs at most max(max_tokens) forwards.
         """
         rt = self.rt
         B = len(slots)
         F = self.forwards_for_next_round() if forwards is None else min(forwards, self.max_forwards)
+        if max_tokens is not None:
+            # Every forward gives each drafting row a token at least: rows cut to c tokens are
+            # done after c forwards, and the rest of a fixed-F round would run with none active.
+            F = min(F, int(np.max(np.clip(max_tokens, 1, self.max_draft))))
         A = bucket(B, BATCH_BUCKETS)
         U = self.width_bucket(int(u0.max()))
         st = self._state(A)

@@ -547,3 +547,20 @@ def test_a_prefill_beside_a_long_prompt_stays_inside_a_full_rows_pages(draft_pat
     out, drafts = draft_round(rt, [0, 1], contexts, rng)
     check_round(out, drafts, contexts, greedy, rt, [0, 1])
     assert out.prefill_forwards == 2 and out.row_prefills.tolist() == [1, 1]
+
+
+def test_slots_grow_geometrically(draft_path, greedy, device):
+    """A slot above the runtime's rows grows them to twice as many (at least the slot): each
+    growth reallocates the window and block table and drops every captured graph, so growing
+    by one per new concurrency peak would recapture them all at every new request."""
+    rng = np.random.default_rng(3)
+    rt, _ = make_runtime(draft_path, device, num_slots=2)
+    V = rt.model.vocab_size
+    contexts = {s: rng.integers(2, V, 20).tolist() for s in range(9)}
+    gens = []
+    for top in range(2, 9):
+        out, drafts = draft_round(rt, list(range(top + 1)), [contexts[s] for s in range(top + 1)], rng)
+        check_round(out, drafts, [contexts[s] for s in range(top + 1)], greedy, rt, list(range(top + 1)))
+        gens.append(rt.generation)
+    assert rt._slots == 16 and rt.pad_slot == 16 and rt.kv.num_seqs >= 17
+    assert len(set(gens)) == 3  # 2 -> 4 -> 8 -> 16 slots: three growths for slots 2..8

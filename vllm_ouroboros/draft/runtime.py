@@ -423,7 +423,11 @@ class DraftRuntime:
         """Cache pages and slot room for the round (may raise DraftCacheFull: first, so that
         nothing changed), then each slot's cache cut back to what still matches its context."""
         self._reserve(slots, lens)
-        self._grow(int(slots.max()) + 1)
+        # Geometrically: a growth reallocates the window and the block table, which drops every
+        # captured graph (their addresses), so one per new concurrency peak would recapture them
+        # all each time a request above the peak arrived.
+        need = int(slots.max()) + 1
+        self._grow(max(need, 2 * self._slots) if need > self._slots else need)
         self._rollback(slots, token_ids, rows, lens)
 
     def _rollback(self, slots, token_ids, rows, lens) -> None:

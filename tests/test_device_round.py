@@ -800,3 +800,11 @@ def test_round_state_views_share_one_buffer_each_aligned(A, device):
     assert [int(v.min()) for v in views] == [1, 2, 3, 4, 5, 6]  # no view wrote into another
     st.per_round.zero_()
     assert not any(bool(v.any()) for v in views)
+
+
+def test_batch_buckets_past_the_largest_step_by_its_last_gap():
+    from vllm_ouroboros.draft.device_round import BATCH_BUCKETS, bucket
+
+    assert [bucket(n, BATCH_BUCKETS) for n in (1, 3, 17, 500, 512)] == [1, 4, 24, 512, 512]
+    assert [bucket(n, BATCH_BUCKETS) for n in (513, 640, 641, 1024, 1025)] == [640, 640, 768, 1024, 1152]
+    assert bucket(5, (4,)) == 8

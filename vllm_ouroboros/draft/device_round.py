@@ -60,11 +60,14 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def bucket(n: int, buckets) -> int:
-    """The smallest bucket >= n (n itself past the largest)."""
+    """The smallest bucket >= n; past the largest, n rounded up to the last buckets' step (a
+    graph set per batch size past 512, kept until the cache moves, would capture and hold
+    one for every size a drifting batch takes)."""
     for b in buckets:
         if b >= n:
             return b
-    return n
+    step = buckets[-1] - buckets[-2] if len(buckets) > 1 else buckets[-1]
+    return -(-n // step) * step
 
 
 @dataclass

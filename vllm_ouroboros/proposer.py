@@ -586,6 +586,12 @@ class OuroborosProposer:
             self._suffix_yield[slot] = self._suffix_yield_all
             self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
+    def update_max_model_len(self, max_model_len: int) -> None:
+        """vLLM fitted max_model_len to the KV memory after load (the runner patch calls this):
+        proposals end by it, and every request's length limit is at most it."""
+        self.max_model_len = max_model_len
+        np.minimum(self._len_limit, max_model_len, out=self._len_limit)
+
     # ---- tree verification switches (set by the runner patches) --------------------------
     def set_tree_available(self, reason: str | None) -> None:
         """The runner's decision (tree_verify.TreeState): None where the tree path can run on

@@ -142,7 +142,7 @@ def active_processors(sm):
     for p in sm.logitsprocs.all:
         if isinstance(p, LogitBiasLogitsProcessor) and p.biases:
             bias = p
-        elif isinstance(p, MinPLogitsProcessor) and p.min_p_count:
+        elif isinstance(p, MinPLogitsProcessor) and (require(p, "min_p_count", "min_p") or p.min_p_count):
             min_p = p
     return bias, min_p
 

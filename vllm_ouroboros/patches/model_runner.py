@@ -151,6 +151,19 @@ def _input_fits_in_drafter(original):
     return input_fits_in_drafter
 
 
+def _update_max_model_len(original):
+    # vLLM fits max_model_len to the KV memory after the workers loaded (--max-model-len -1,
+    # or auto): the proposer's room and length limits follow, or its proposals near the end
+    # would read as the scheduler's cuts.
+    def update_max_model_len(self, max_model_len: int) -> None:
+        original(self, max_model_len)
+        drafter = _drafter(self)
+        if drafter is not None:
+            drafter.update_max_model_len(max_model_len)
+
+    return update_max_model_len
+
+
 def apply() -> None:
     """Patch the V1 GPU model runner (imported already: called from the proposer's __init__)."""
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -178,10 +191,16 @@ def apply() -> None:
     if not set(state_fields) <= fields:
         require(CachedRequestState, *state_fields)
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
+    _check_sampling_metadata()
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    require(topk_topp_sampler, "apply_top_k_top_p")
     patch_method(GPUModelRunner, "_update_states", _update_states)
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)
     patch_method(GPUModelRunner, "_input_fits_in_drafter", _input_fits_in_drafter)
+    require_params(GPUModelRunner.update_max_model_len, "max_model_len")
+    patch_method(GPUModelRunner, "update_max_model_len", _update_max_model_len)
     require_params(GPUModelRunner.initialize_kv_cache, "kv_cache_config", "is_profiling")
     patch_method(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     require_params(GPUModelRunner._model_forward, "input_ids", "positions", "inputs_embeds")
@@ -198,6 +217,35 @@ def apply() -> None:
 
 
 SNAPSHOT_METHOD = "ouroboros_snapshot"
+
+# SamplingMetadata's fields in the vLLM versions supported, each read by the tree walk or
+# refused by tree_verify.unsupported_sampling (which then leaves the batch to vLLM's sampler).
+SAMPLING_FIELDS = frozenset({
+    "temperature", "all_greedy", "all_random", "top_p", "top_k", "generators", "max_num_logprobs",
+    "no_penalties", "prompt_token_ids", "frequency_penalties", "presence_penalties",
+    "repetition_penalties", "output_token_ids", "allowed_token_ids_mask", "bad_words_token_ids",
+    "logitsprocs", "logprob_token_ids", "spec_token_ids", "thinking_budget_state_holder"})
+
+
+def _check_sampling_metadata() -> None:
+    """Refuse a vLLM whose SamplingMetadata has fields other than the known ones: the walk
+    samples the tree itself, so a sampling setting it does not know (a new field) would be
+    dropped without a word and the output would no longer be vLLM's; a missing one would fail
+    the first sampled step."""
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    fields = set(getattr(SamplingMetadata, "__dataclass_fields__", ()))
+    if missing := SAMPLING_FIELDS - fields:
+        require(SamplingMetadata, *sorted(missing))
+    if unknown := fields - SAMPLING_FIELDS:
+        from vllm import __version__ as version
+
+        from vllm_ouroboros.plugin import supported_vllm_range
+
+        raise RuntimeError(
+            f"vllm-ouroboros does not know SamplingMetadata.{', '.join(sorted(unknown))} of vLLM "
+            f"{version}: the tree walk would not apply those settings. Supported vLLM versions: "
+            f"{supported_vllm_range()}.")
 
 
 def worker_snapshot(worker) -> dict | None:

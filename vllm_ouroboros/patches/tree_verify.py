@@ -25,6 +25,7 @@ import torch
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.host_copy import to_device, to_host
 from vllm_ouroboros.patches import bias_min_p, tree_attention
+from vllm_ouroboros.patches._util import require
 from vllm_ouroboros.step_plan import ragged_arange
 from vllm_ouroboros.target_step import StepOutcome, TargetStep, plan_target_step
 
@@ -162,6 +163,7 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
         if isinstance(p, (MinPLogitsProcessor, LogitBiasLogitsProcessor)):
             continue  # applied to every verified row: bias_min_p.py
         if isinstance(p, MinTokensLogitsProcessor):
+            require(p, "min_toks")
             if p.min_toks:
                 return "min_tokens"
         else:
@@ -178,7 +180,8 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
 
     tree_attention.set_active(None)
     sm = runner.input_batch.sampling_metadata
-    mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
+    require(runner.sampler, "logprobs_mode")  # a default would report raw ones for processed
+    mode = runner.sampler.logprobs_mode
     reason = unsupported_sampling(sm, mode)
     runner.drafter.set_tree_allowed_for_sampling(reason is None)
     bias, min_p = bias_min_p.active_processors(sm)

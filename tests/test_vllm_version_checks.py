@@ -1,0 +1,78 @@
+"""The patches refuse a vLLM whose internals they read differently, at engine start and naming
+the supported versions, rather than failing mid-serving or, worse, sampling without a setting
+they do not know (tree_verify samples the tree itself)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("vllm", reason="checks the installed vLLM's classes; vLLM is not installed here")
+
+from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
+
+from vllm_ouroboros.patches import model_runner  # noqa: E402
+
+
+def test_the_installed_vllms_sampling_metadata_is_the_known_one():
+    model_runner._check_sampling_metadata()
+    assert set(SamplingMetadata.__dataclass_fields__) == model_runner.SAMPLING_FIELDS
+
+
+def test_a_new_sampling_field_is_refused(monkeypatch):
+    """A field the walk does not know (a new per-request sampling setting) would be dropped."""
+    fields = dict(SamplingMetadata.__dataclass_fields__)
+    fields["typical_p"] = dataclasses.field(default=None)
+    monkeypatch.setattr(SamplingMetadata, "__dataclass_fields__", fields)
+    with pytest.raises(RuntimeError, match=r"SamplingMetadata.typical_p .*would not apply.*Supported vLLM versions"):
+        model_runner._check_sampling_metadata()
+
+
+def test_a_missing_sampling_field_is_refused(monkeypatch):
+    fields = {k: v for k, v in SamplingMetadata.__dataclass_fields__.items() if k != "no_penalties"}
+    monkeypatch.setattr(SamplingMetadata, "__dataclass_fields__", fields)
+    monkeypatch.delattr(SamplingMetadata, "no_penalties", raising=False)
+    with pytest.raises(RuntimeError, match=r"cannot hook .*no_penalties.*Supported vLLM versions"):
+        model_runner._check_sampling_metadata()
+
+
+def test_a_processor_without_the_state_read_is_refused():
+    """The built-in processors' per-request state is read by name each step: a renamed one is
+    refused naming the versions (an AttributeError mid-step before)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    from vllm_ouroboros.patches.tree_verify import unsupported_sampling
+
+    proc = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)  # no min_toks set
+    sm = SimpleNamespace(logprob_token_ids=None, max_num_logprobs=None, no_penalties=True,
+                         bad_words_token_ids={}, allowed_token_ids_mask=None,
+                         thinking_budget_state_holder=None, logitsprocs=SimpleNamespace(all=[proc]))
+    with pytest.raises(RuntimeError, match=r"min_toks.*Supported vLLM versions"):
+        unsupported_sampling(sm)
+    proc.min_toks = {}
+    assert unsupported_sampling(sm) is None
+    proc.min_toks = {0: (3, [], set(), False)}
+    assert unsupported_sampling(sm) == "min_tokens"
+
+
+def test_a_max_model_len_fitted_after_load_reaches_the_proposer():
+    """vLLM fits max_model_len to KV memory after the workers loaded and tells the runner
+    (update_max_model_len): the proposer's room and length limits follow it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    calls = []
+    drafter = SimpleNamespace(is_ouroboros=True, max_model_len=4096, _len_limit=np.array([4096, 900]))
+    drafter.update_max_model_len = lambda n: OuroborosProposer.update_max_model_len(drafter, n)
+    runner = SimpleNamespace(drafter=drafter)
+    update = model_runner._update_max_model_len(lambda self, n: calls.append(n))
+    update(runner, 1000)
+    assert calls == [1000] and drafter.max_model_len == 1000 and drafter._len_limit.tolist() == [1000, 900]
+    update(SimpleNamespace(drafter=None), 500)  # another drafter, or none: vLLM's alone
+    assert calls == [1000, 500]

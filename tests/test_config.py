@@ -76,6 +76,9 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"pool_load_path": "/nonexistent/pool.pt", "warm_start": False},
      "'pool_load_path' '/nonexistent/pool.pt' with 'warm_start': false: a private pool shows each request "
      "its own phrases only"),
+    ({"pool_save_path": "/tmp/pool.pt", "warm_start": False},
+     "'pool_save_path' '/tmp/pool.pt' with 'warm_start': false: a private pool keeps each request's "
+     "phrases to that request"),
     ({"draft_cost_ms": {"2": 3.0}}, "'draft_cost_ms' must map tokens per row .integers >= 1, 1 among them."),
     ({"target_cost_ms": {"1": 0}}, "'target_cost_ms' must map tokens per row"),
     ({"target_cost_ms": {"one": 4.0}}, "'target_cost_ms' must map tokens per row"),

@@ -152,6 +152,25 @@ def test_release_not_shared_deletes_and_frees_pages():
     assert pool.stats()["page_evictions"] == 0
 
 
+def test_a_saved_state_holds_no_phrase_the_pool_no_longer_has():
+    """A released request's private phrases (and a removed one) leave the slots empty: the
+    state a file gets has their tokens zeroed and their owner cleared, the live ones as they
+    are (the buffers kept the old tokens, unread, and a saved file held them)."""
+    pool = make(W=4, pages=2, shared=False)
+    ins(pool, 8, [A], owner=0)
+    ins(pool, 8, [B], owner=1)
+    ins(pool, 9, [C], owner=1)
+    pool.release(T([0]))
+    pool.remove(T([9]), T([C]), owners=T([1]))
+    sd = pool.state_dict()
+    empty = sd["stamp"] == 0
+    assert (sd["tokens"][empty] == 0).all() and (sd["owner"][empty] == -1).all()
+    assert [tuple(p) for p in sd["tokens"][~empty].tolist()] == [B] and sd["owner"][~empty].tolist() == [1]
+    again = make(W=4, pages=2, shared=False)
+    again.load_state_dict(sd)
+    assert get(again, 8, slot=1) == [B] and get(again, 8, slot=0) == [] and get(again, 9, slot=1) == []
+
+
 def test_page_eviction_lru_and_current_keys_survive():
     pool = make(vocab=10, W=2, pages=3)
     assert pool.num_pages == 3

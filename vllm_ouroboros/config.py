@@ -298,6 +298,12 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
     if cfg.pool_load_path is not None:
         _validate_pool_file(cfg, target_vocab_size)
     if cfg.pool_save_path is not None:
+        if not cfg.warm_start:
+            raise OuroborosConfigError(
+                f"ouroboros: 'pool_save_path' {cfg.pool_save_path!r} with 'warm_start': false: a "
+                "private pool keeps each request's phrases to that request, and a saved pool can "
+                "only be loaded as a shared one (its phrases then shown to every request); drop "
+                "one of the two")
         _validate_pool_save_path(cfg.pool_save_path)
     _validate_draft(cfg.draft_model, target_vocab_size)
     _validate_draft_length(cfg)

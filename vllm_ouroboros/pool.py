@@ -397,7 +397,14 @@ class PhrasePool:
     # ---- persistence ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """The pool's buffers (on the CPU) and sizes. A slot emptied (stamp 0: a finished
+        request's private phrases released, a refined phrase removed, an evicted page) keeps
+        its old tokens in the buffers, unread; here they are zeroed with its owner, so a saved
+        file holds no phrase the pool no longer has (a finished request's prompt)."""
         sd = {n: getattr(self, n).detach().cpu().clone() for n in _BUFFERS}
+        empty = sd["stamp"] == 0
+        sd["tokens"][empty] = 0
+        sd["owner"][empty] = -1
         sd.update(vocab_size=self.vocab_size, phrase_len=self.L, phrases_per_key=self.W,
                   budget_bytes=self.budget_bytes, shared=self.shared, clock=int(self.clock))
         return sd

@@ -40,3 +40,22 @@ def test_writes_past_the_block_table_go_to_the_null_page(device):
     # row 0: positions 9..14; 9, 10, 11 on page 7, 12..14 past the table -> page 0
     assert meta.write_index[0].tolist() == [7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 0, 1, 2]
     assert meta.write_index[1].tolist() == [4, 5, 6, 7, 8, 9]
+
+
+def test_a_loose_cache_bound_past_the_table_is_correct(device):
+    """max_cache_len is any upper bound: one whose columns run past the block table reads no
+    more than the table (the torch path's mask was wider than its gathered pages and raised)."""
+    torch.manual_seed(1)
+    B, Hq, Hkv, Q, D = 1, 4, 2, 4, 8
+    table = torch.tensor([[3, 1]], dtype=torch.int32, device=device)  # 2 pages of 4: 8 columns
+    k_cache = torch.randn(4, 4, Hkv, D, device=device)
+    v_cache = torch.randn(4, 4, Hkv, D, device=device)
+    q = torch.randn(B, Hq, Q, D, device=device)
+    mask = torch.ones(B, Q, Q, device=device).tril().bool()
+    args = (torch.tensor([0], device=device), torch.tensor([3], device=device), mask, table, 4)
+    tight = attention.build_attention_metadata(*args, max_cache_len=3, backend="torch")
+    want = attention.prefix_and_masked_attention(q, k_cache, v_cache, tight, 0.3)
+    for bound in (4, 5, 40):
+        loose = attention.build_attention_metadata(*args, max_cache_len=bound, backend="torch")
+        got = attention.prefix_and_masked_attention(q, k_cache, v_cache, loose, 0.3)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

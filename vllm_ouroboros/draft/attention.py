@@ -109,7 +109,8 @@ def build_attention_metadata(
     [num_slots, max_pages] int32 (draft/kv_cache.PagedKVCache.block_table).
 
     max_cache_len: max(cache_lens) if the caller knows it on the host; otherwise it is read from the
-    device (one synchronisation). Any value >= max(cache_lens) is correct (the extra columns are masked).
+    device (one synchronisation). Any value >= max(cache_lens) is correct (the extra columns are
+    masked; none past the block table's are read).
     backend: "auto" (the Triton kernel on CUDA when Q <= 64, else torch), "torch", or "triton"
     (the kernel wherever Triton can run it, e.g. its CPU interpreter in tests; Q <= 64).
     """
@@ -133,7 +134,8 @@ def build_attention_metadata(
     page = block_rows.gather(1, col.clamp(max=block_rows.shape[1] - 1)) * inside
     write_index = page.long() * page_size + write_pos % page_size
     return DraftAttentionMetadata(cache_lens, new_mask.to(torch.bool), block_rows, page_size,
-                                  write_index, max_cache_len + Q, use_kernel)
+                                  write_index, min(max_cache_len + Q, block_rows.shape[1] * page_size),
+                                  use_kernel)
 
 
 # The kernel's ancestor bitmask is one int64 per query (kernels/tree_attention.MAX_TREE_NODES).

@@ -57,22 +57,3 @@ def test_a_processor_without_the_state_read_is_refused():
     proc.min_toks = {0: (3, [], set(), False)}
     assert unsupported_sampling(sm) == "min_tokens"
 
-
-def test_a_max_model_len_fitted_after_load_reaches_the_proposer():
-    """vLLM fits max_model_len to KV memory after the workers loaded and tells the runner
-    (update_max_model_len): the proposer's room and length limits follow it."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from vllm_ouroboros.proposer import OuroborosProposer
-
-    calls = []
-    drafter = SimpleNamespace(is_ouroboros=True, max_model_len=4096, _len_limit=np.array([4096, 900]))
-    drafter.update_max_model_len = lambda n: OuroborosProposer.update_max_model_len(drafter, n)
-    runner = SimpleNamespace(drafter=drafter)
-    update = model_runner._update_max_model_len(lambda self, n: calls.append(n))
-    update(runner, 1000)
-    assert calls == [1000] and drafter.max_model_len == 1000 and drafter._len_limit.tolist() == [1000, 900]
-    update(SimpleNamespace(drafter=None), 500)  # another drafter, or none: vLLM's alone
-    assert calls == [1000, 500]

@@ -41,8 +41,15 @@ def _drafter(runner):
 def _update_states(original):
     def update_states(self, scheduler_output):
         drafter = _drafter(self)
-        if drafter is not None and scheduler_output.finished_req_ids:
-            drafter.note_finished(scheduler_output.finished_req_ids)
+        if drafter is not None:
+            # A new request under the id of one the runner holds is a streaming-input session's
+            # next segment (GPUModelRunner._update_streaming_request): its prompt, sampling
+            # params and max_tokens replaced, no finished notice. Its slot starts afresh, as a
+            # new request's: the draft cache and per-request limits were the old segment's.
+            held = getattr(self, "requests", {})
+            again = [r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in held]
+            if scheduler_output.finished_req_ids or again:
+                drafter.note_finished([*scheduler_output.finished_req_ids, *again])
         return original(self, scheduler_output)
 
     return update_states

@@ -171,6 +171,38 @@ def test_a_saved_state_holds_no_phrase_the_pool_no_longer_has():
     assert get(again, 8, slot=1) == [B] and get(again, 8, slot=0) == [] and get(again, 9, slot=1) == []
 
 
+def test_a_clock_near_the_scores_range_moves_back_keeping_the_order(monkeypatch):
+    """Eviction scores are recency * pages + page in int64: a pool whose clock ran up to near
+    2^63 / pages (long uptime, or a file saved after it) moves the clock, stamps and pages'
+    last use back by one offset, keeping their order: from there it evicts, ranks and looks
+    up exactly as the same pool with a small clock."""
+    def build():
+        pool = make(vocab=12, W=2, pages=3)
+        for k, ph in ((1, A), (2, B), (1, C), (3, D), (2, A)):
+            ins(pool, k, [ph])
+        get(pool, 2)
+        return pool
+
+    small, big = build(), make(vocab=12, W=2, pages=3)
+    sd = small.state_dict()
+    far = (1 << 63) // small.num_pages + 10  # the scores wrap: recency * pages > 2^63
+    sd["clock"] += far
+    sd["stamp"] = torch.where(sd["stamp"] > 0, sd["stamp"] + far, 0)
+    sd["page_last_used"] = sd["page_last_used"] + far
+    big.load_state_dict(sd)  # moved back on load
+    assert int(big.clock) <= big.clock_limit() and not big.rebase_clock()
+    for pool in (small, big):
+        ins(pool, 4, [B])  # evicts the least recently used page (key 3)
+        pool.insert(T([5, 1]), T([C, D]), T([0, 0]))
+    for k in range(12):
+        assert get(small, k) == get(big, k), k
+    assert sorted(small.page_key.tolist()) == sorted(big.page_key.tolist())  # the same keys evicted
+    # in serving: the proposer checks every POOL_SAVE_INTERVAL seconds
+    monkeypatch.setattr(PhrasePool, "clock_limit", lambda self: 4)
+    assert small.rebase_clock() and int(small.clock) == 2
+    assert (small.stamp[small.stamp > 0] >= 1).all()
+
+
 def test_page_eviction_lru_and_current_keys_survive():
     pool = make(vocab=10, W=2, pages=3)
     assert pool.num_pages == 3

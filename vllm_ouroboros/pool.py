@@ -434,6 +434,30 @@ class PhrasePool:
         self.key_to_page[self.page_key[:n].long()] = torch.arange(n, device=dev, dtype=torch.int32)
         self.counters.copy_(sd["counters"])
         self.clock.fill_(int(sd["clock"]))
+        self.rebase_clock()
+
+    def clock_limit(self) -> int:
+        """The recency clock past which `rebase_clock` moves it back: eviction scores are
+        recency * num_pages + page (int64), so a clock near 2^63 / num_pages wraps them. An
+        insert advances the clock by its rows, masked ones too: a 512-row drafting round of 20
+        window rows at 400 forwards a second reaches 2^63 / 600k pages in some 40 days."""
+        return (1 << 61) // max(self.num_pages, 1)
+
+    @torch.no_grad()
+    def rebase_clock(self) -> bool:
+        """Move the recency clock, the stamps and the pages' last use back by one offset where
+        the clock passed clock_limit(): the order of everything within the last
+        clock_limit() / 2 ticks is kept, older stamps all become the oldest (1). Reads the
+        clock to the host (one synchronisation): call it now and then, not per step. Returns
+        whether it moved."""
+        clock, limit = int(self.clock), self.clock_limit()
+        if clock <= limit:
+            return False
+        off = clock - limit // 2
+        self.stamp.copy_(torch.where(self.stamp > 0, (self.stamp - off).clamp(min=1), 0))
+        self.page_last_used.sub_(off).clamp_(min=0)
+        self.clock.sub_(off)
+        return True
 
     def save(self, path):
         """Write the pool to `path` atomically: a reader (or a crash mid-write) never sees half

@@ -137,6 +137,7 @@ class OuroborosProposer:
         self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
+        self._last_clock_check = time.monotonic()
         self._pool_save_error: str | None = None  # the last failed save's, logged once
         # What each slot was proposed last step, to read its verification (host arrays):
         # sentence-draft length, the suffixes sent after it (in flat order) and the token they
@@ -994,7 +995,16 @@ class OuroborosProposer:
                                 out.row_forwards, out.stopped_by_rule, cut, from_pool)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
         self._maybe_save_pool()
+        self._maybe_rebase_pool_clock()
         return proposals
+
+    def _maybe_rebase_pool_clock(self) -> None:
+        # Every POOL_SAVE_INTERVAL seconds, not per step: the check reads the pool's clock.
+        now = time.monotonic()
+        if self.pool is not None and now - self._last_clock_check >= POOL_SAVE_INTERVAL:
+            self._last_clock_check = now
+            if self.pool.rebase_clock():
+                logger.info("ouroboros: the phrase pool's recency clock was moved back")
 
     def _time_pool(self, seconds: float) -> None:
         """What one step paid for the pool's lookups: `seconds` of wall time queuing them, and

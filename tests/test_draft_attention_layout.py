@@ -59,3 +59,25 @@ def test_a_loose_cache_bound_past_the_table_is_correct(device):
         loose = attention.build_attention_metadata(*args, max_cache_len=bound, backend="torch")
         got = attention.prefix_and_masked_attention(q, k_cache, v_cache, loose, 0.3)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_in_groups_under_the_mask_budget(monkeypatch, device):
+    """A forward whose folded mask would pass MASK_BUDGET elements runs its rows in groups:
+    the same output as in one call."""
+    torch.manual_seed(2)
+    B, Hq, Hkv, Q, D = 5, 6, 2, 3, 8
+    k_cache = torch.randn(12, 4, Hkv, D, device=device)
+    v_cache = torch.randn(12, 4, Hkv, D, device=device)
+    table = torch.randperm(11, device=device)[:10].add(1).view(5, 2).int()
+    q = torch.randn(B, Hq, Q, D, device=device)
+    meta = attention.build_attention_metadata(
+        torch.arange(B, device=device), torch.tensor([1, 4, 0, 5, 2], device=device),
+        torch.ones(B, Q, Q, device=device).tril().bool(), table, 4, backend="torch")
+    want = attention.prefix_and_masked_attention(q, k_cache, v_cache, meta, 0.3)
+    calls = []
+    real = attention._folded_attention
+    monkeypatch.setattr(attention, "_folded_attention", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(attention, "MASK_BUDGET", 2 * 3 * Q * meta.kv_len)  # two rows a group
+    got = attention.prefix_and_masked_attention(q, k_cache, v_cache, meta, 0.3)
+    assert calls == [2, 2, 1]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # SDPA's own batch-size rounding

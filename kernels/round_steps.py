@@ -89,10 +89,11 @@ if triton is not None:
         pad_bits = tl.zeros([BLOCK_Q], tl.int64) + tl.sum(tl.where(pad & in_q, bit, 0), axis=0)
         static = tl.load(static_bits_ptr + j, mask=in_q, other=0)
         tl.store(tree_mask_ptr + b * Q + j, tl.where(pad, bit, static & ~pad_bits), mask=in_q)
-        # New token j is cache token kv + j of the slot (a position past the table lands on its
-        # last entry, as build_attention_metadata clamps).
+        # New token j is cache token kv + j of the slot (a position past the table writes to
+        # the null page, 0, as build_attention_metadata has it).
         at = kv + j
-        page = tl.load(block_table_ptr + slot * MP + tl.minimum(at // page_size, MP - 1), mask=in_q, other=0)
+        col = at // page_size
+        page = tl.load(block_table_ptr + slot * MP + tl.minimum(col, MP - 1), mask=in_q & (col < MP), other=0)
         tl.store(write_index_ptr + b * Q + j, page.to(tl.int64) * page_size + at % page_size, mask=in_q)
         # The hidden rows the LM head reads (row b's last real uncached column, then its window
         # and guess columns), as flat rows of the forward's [A * Q, H] output.

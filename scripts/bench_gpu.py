@@ -674,8 +674,9 @@ def cut_round_section(model: DraftModel, plan: Plan, modes: list[str], budget: B
     """The back-off's shorter drafts timed against what its plans charge for them. A plan prices
     a round cut to s draft tokens as cost_model.round_forwards(F, s, chain_below, stop_below)
     forwards at a whole round's price per forward (speculation_plan; the pool fill's modeled
-    load): a fixed-shape round runs its F whatever the cut, one that exits early (the graph
-    round with conditional nodes) F s / gamma, the host loop a chain of s below gamma (narrower
+    load): a fixed-shape round min(F, s) (every forward gives a row a token at least), one that
+    exits early (the graph round with conditional nodes) F s / gamma, the host loop a chain of
+    s below gamma (narrower
     forwards: its measured share is below its forwards' share). Per mode, one request at
     W = G = 4: whole rounds and rounds cut to s = 1 .. gamma - 1 in turn; per s, ms per round
     and forwards (medians), the measured share of a whole round's ms and the modeled share

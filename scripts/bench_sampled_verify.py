@@ -138,7 +138,7 @@ def compile_only(archs: list[int]) -> int:
         print(why)
         return 1
     types = dict(x_ptr="*fp32", tn_ptr="*i64", greedy_ptr="*i8", tokens_ptr="*i64", branch_ptr="*i64",
-                 draft_len_ptr="*i64", sstart_ptr="*i64", slen_ptr="*i64", u_ptr="*fp32", out_ptr="*i64")
+                 draft_len_ptr="*i64", sstart_ptr="*i64", slen_ptr="*i64", u_ptr="*fp64", out_ptr="*i64")
     sig = signature_of(kernel, types)
     rc = 0
     print(f"triton {triton.__version__}")

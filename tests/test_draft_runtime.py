@@ -564,3 +564,8 @@ def test_slots_grow_geometrically(draft_path, greedy, device):
         gens.append(rt.generation)
     assert rt._slots == 16 and rt.pad_slot == 16 and rt.kv.num_seqs >= 17
     assert len(set(gens)) == 3  # 2 -> 4 -> 8 -> 16 slots: three growths for slots 2..8
+    capped, _ = make_runtime(draft_path, device, num_slots=2)
+    capped.max_slots = 6  # max_num_seqs: the doubling stops there
+    for top in (2, 4, 5):
+        draft_round(capped, list(range(top + 1)), [contexts[s] for s in range(top + 1)], rng)
+    assert capped._slots == 6

@@ -156,3 +156,26 @@ def test_a_request_brought_back_keeps_both_stretches():
     stats.finish(1)
     snap = stats.snapshot()
     assert snap["per_request"]["a"] == live and snap["accepted_tokens"] == 7
+
+
+def test_the_registry_served_with_several_api_servers_has_the_collector(tmp_path, monkeypatch):
+    """With several API servers (data parallelism's default) vLLM serves a fresh multiprocess
+    registry, not the default one: the plugin's wrapper adds the collector to it, so /metrics
+    has the ouroboros series there too (it had none)."""
+    pytest.importorskip("vllm", reason="wraps vLLM's get_prometheus_registry; vLLM is not installed here")
+    import vllm_ouroboros.plugin  # noqa: F401 - registered at import by vLLM's plugin loader below
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.metrics import prometheus
+
+    load_general_plugins()
+    from vllm.entrypoints.serve.instrumentator import metrics as served
+
+    (tmp_path / f"snapshot-{os.getpid()}.json").write_text(json.dumps({"draft_forwards": 4}))
+    monkeypatch.setenv("VLLM_OUROBOROS_METRICS_DIR", str(tmp_path))
+    procs = tmp_path / "prom"
+    procs.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(procs))
+    for get in (prometheus.get_prometheus_registry, served.get_prometheus_registry):
+        text = generate_latest(get()).decode()
+        assert "vllm:ouroboros_draft_forwards_total 4.0" in text
+    assert prometheus.get_prometheus_registry.__ouroboros_original__ is not None

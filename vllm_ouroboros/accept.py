@@ -198,10 +198,13 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
     num_acc = torch.zeros(B, dtype=torch.long, device=dev)
     last_tok = torch.zeros(B, dtype=torch.long, device=dev)
     for t in range(S):
-        # The residual [B, V], written below, in float64: its CDF must resolve probabilities
-        # below float32's 2^-24 steps (a float32 cumsum over 152k tokens drew a token of
-        # 2.2e-8 at 6e-8, and never 26k others holding 4.3e-4), and so must the uniforms.
-        r = row_probs(cur + 1).to(torch.float64)
+        # The residual [B, V], written below: float32 terms (half precision's sums drift),
+        # summed in float64. Its CDF must resolve probabilities below float32's 2^-24 steps (a
+        # float32 cumsum over 152k tokens drew a token of 2.2e-8 at 6e-8, and never 26k others
+        # holding 4.3e-4), and so must the uniforms.
+        r = row_probs(cur + 1)
+        if r.dtype in (torch.float16, torch.bfloat16):
+            r = r.float()
         V = r.shape[1]
         # Children of the current node, at depth t + 1.
         in_draft = t < n
@@ -221,19 +224,19 @@ def sampled_walk(tree: TokenTree, probs: torch.Tensor | Callable[[torch.Tensor],
         for c in range(C):
             try_ = active & cand_ok[:, c] & ~acc
             x = cand_tok[:, c:c + 1]
-            rx, mass = r.gather(1, x)[:, 0], r.sum(1)
+            rx, mass = r.gather(1, x)[:, 0].double(), r.sum(1, dtype=torch.float64)
             # u < r(x) / sum(r) without a division; a child holding all the remaining mass is
             # accepted even if u * mass rounds up to mass.
             ok = try_ & (rx > 0) & ((uniforms[:, t, c] * mass < rx) | (rx >= mass))
             acc |= ok
             acc_tok = torch.where(ok, x[:, 0], acc_tok)
             acc_node = torch.where(ok, cand_node[:, c], acc_node)
-            r.scatter_(1, x, torch.where(try_ & ~ok, 0.0, rx)[:, None])
+            r.scatter_(1, x, torch.where(try_ & ~ok, 0.0, rx).to(r.dtype)[:, None])
         # Rows whose children were all rejected (or that stand on a leaf) stop here with a
         # token sampled from the residual by inverse CDF: the first token whose CDF exceeds
         # u * mass has r > 0, so a rejected child never comes out; the clamp to the last
         # positive token covers u * mass rounding up to the mass.
-        cdf = r.cumsum(1)
+        cdf = r.cumsum(1, dtype=torch.float64)
         y = torch.searchsorted(cdf, (uniforms[:, t, C] * cdf[:, -1])[:, None], right=True)[:, 0]
         last_pos = V - 1 - (r > 0).flip(1).int().argmax(1)
         stop = active & ~acc

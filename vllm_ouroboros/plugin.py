@@ -71,4 +71,7 @@ def register() -> None:
     apply_all()
     # Before engine processes are spawned, so they inherit the metrics directory.
     metrics_export.register_collector()
+    from vllm_ouroboros.patches import metrics_registry
+
+    metrics_registry.apply(lambda: metrics_export.OuroborosCollector(metrics_export.ensure_dir()))
     _registered = True

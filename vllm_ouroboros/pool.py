@@ -462,12 +462,17 @@ class PhrasePool:
     def save(self, path):
         """Write the pool to `path` atomically: a reader (or a crash mid-write) never sees half
         a file; the previous file stays until the new one is complete."""
+        self.write_state(self.state_dict(), path)
+
+    @staticmethod
+    def write_state(sd: dict, path) -> None:
+        """Write a state_dict() to `path` atomically (`save`; any thread: touches no device)."""
         path = os.fspath(path)
         fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
                                    dir=os.path.dirname(os.path.abspath(path)))
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(self.state_dict(), f)
+                torch.save(sd, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

@@ -141,11 +141,14 @@ class DraftRuntime:
     """Draft model + per-slot KV bookkeeping + the phrase-by-phrase drafting loop."""
 
     def __init__(self, model, pool: PhrasePool, settings: DraftSettings, num_slots: int,
-                 max_len: int, device: torch.device | str, head=None):
+                 max_len: int, device: torch.device | str, head=None, max_slots: int | None = None):
         """head: an AcceptanceHead (draft/acceptance_head.py), required when
         settings.draft_length == "adaptive". A model without a KV cache gets one here, with
         pages for num_slots requests of min(max_len, 256) tokens and no byte limit; a model
-        that has one (the proposer sizes it at load, with draft_cache_max_mb) keeps it."""
+        that has one (the proposer sizes it at load, with draft_cache_max_mb) keeps it.
+        max_slots: the most slots requests will use (max_num_seqs; None: unbounded), which
+        the geometric growth of the slots' rows stops at."""
+        self.max_slots = max_slots
         if settings.draft_length == "adaptive" and head is None:
             raise ValueError("adaptive draft length needs an acceptance head")
         if settings.draft_round not in ("host", "device", "graph"):
@@ -235,7 +238,7 @@ class DraftRuntime:
     def stop_below(self) -> int | None:
         """Drafts cut below this many tokens end the round early: a device round with early
         exit (its rows stop at the cut, and the round once they have); None elsewhere (the
-        host loop drafts a cut as a chain, a fixed-F device round runs its F whatever the cut)."""
+        host loop drafts a cut as a chain, a fixed-F device round runs min(F, the cut))."""
         dr = self.device_round
         return self.s.draft_room if dr is not None and dr.early_exit else None
 
@@ -427,7 +430,9 @@ class DraftRuntime:
         # captured graph (their addresses), so one per new concurrency peak would recapture them
         # all each time a request above the peak arrived.
         need = int(slots.max()) + 1
-        self._grow(max(need, 2 * self._slots) if need > self._slots else need)
+        if need > self._slots:
+            need = max(need, min(2 * self._slots, self.max_slots or 2 * self._slots))
+        self._grow(need)
         self._rollback(slots, token_ids, rows, lens)
 
     def _rollback(self, slots, token_ids, rows, lens) -> None:

@@ -142,3 +142,49 @@ def test_config_refuses_a_pool_save_path_it_could_not_write(tmp_path):
         with pytest.raises(OuroborosConfigError, match=message):
             _validate_pool_save_path(str(path))
     _validate_pool_save_path(str(tmp_path / "pool.pt"))  # a new file in a writable directory
+
+
+def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, caplog, monkeypatch):
+    """A disk that fills part way through the file makes torch.save raise RuntimeError ("unexpected
+    pos"), not OSError: it escaped the step and stopped the engine. It is logged once, like a
+    missing directory. The periodic save writes on a thread (the step only copies the pool to the
+    host) and one at a time; a save at exit waits for it and writes in the caller."""
+    import logging
+    import threading
+
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    p = object.__new__(OuroborosProposer)
+    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"))
+    p.pool, p._writer = PhrasePool(16, 2, 2, PhrasePool.budget_for(16, 2, 2, 4), device=DEVICE), None
+    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    real = PhrasePool.write_state
+    gate = threading.Event()
+    writers = []
+
+    def full_disk(sd, path):
+        writers.append(threading.current_thread().name)
+        gate.wait(10)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 178624 vs 178576")
+
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(full_disk))
+    logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
+    try:
+        p._maybe_save_pool()  # the periodic save: queued on a thread, the step goes on
+        assert writers == ["ouroboros-pool-save"] and p._save_thread.is_alive()
+        p._last_pool_save = -float("inf")
+        p._maybe_save_pool()  # the next interval's, while one is under way: skipped
+        assert len(writers) == 1
+        gate.set()
+        p._save_thread.join(10)
+        p._last_pool_save = -float("inf")
+        p._maybe_save_pool()
+        p._save_thread.join(10)
+        monkeypatch.setattr(PhrasePool, "write_state", staticmethod(real))
+        p._maybe_save_pool(now=True)  # at exit: in the caller
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
+    failed = {id(r) for r in caplog.records if "could not be saved" in r.getMessage()}
+    assert len(failed) == 1 and "RuntimeError" in caplog.text and (tmp_path / "pool.pt").exists()
+    assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 2

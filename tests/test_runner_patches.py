@@ -43,3 +43,60 @@ def test_a_streaming_sessions_next_segment_starts_its_slot_afresh():
     assert noted == [["b"], ["a"]]
     update(runner, out(["c"]))  # nothing finished or resumed under a held id: no call
     assert len(noted) == 2
+
+
+def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
+    """Drafting that raises (device memory for a graph capture, a driver error) made propose
+    raise, and vLLM's engine died with every request in it. The step decodes plainly instead:
+    no drafts, the slots' layouts empty (the next step's verification reads them), their draft
+    caches reset, logged once per kind with its traceback; three failing steps in a row turn
+    drafting off for the engine, which serves on without it."""
+    import logging
+
+    import torch
+
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros.cost_model import StepOverhead
+    from vllm_ouroboros.proposer import MAX_FAILURES_IN_A_ROW, NO_DRAFT
+    from vllm_ouroboros.request_slots import RequestSlots
+
+    p = object.__new__(OuroborosProposer)
+    p._req_ids = ["a", "b"]
+    p._tp = SimpleNamespace(leads=True, size=1)
+    p._overhead = StepOverhead(None)
+    p.target_clock, p._counters = None, SimpleNamespace(active=False)
+    p.draft_failures, p._failures_in_a_row, p._failure_kinds, p._drafting_off = 0, 0, set(), None
+    p._slot_of = RequestSlots(4)
+    p._last_main, p._last_suffix_len = np.full(4, 5), np.full((4, 2), 3)
+    p._source = np.ones(4, np.int8)
+    reset = []
+    p.runtime = SimpleNamespace(reset_slot=reset.append, device_round=None, prefill_graphs=None)
+    p.device = torch.device("cpu")
+    calls = []
+
+    def failing(req_ids, *a):
+        calls.append(req_ids)
+        p._sync_requests = OuroborosProposer._sync_requests.__get__(p)
+        p._slot_of.sync(req_ids)
+        if len(calls) == 2:
+            return [[7], [8, 9]]
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    p._propose = failing
+    args = ([[1], [2]], np.array([3, 3]), np.zeros((2, 4), np.int64))
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(caplog.handler)
+    try:
+        assert p.propose(*args) == [[], []]
+        assert p.layouts(["a", "b"])[0].tolist() == [0, 0] and (p._source[:2] == NO_DRAFT).all()
+        assert sorted(reset) == [0, 1] and p.draft_failures == 1
+        assert p.propose(*args) == [[7], [8, 9]] and p._failures_in_a_row == 0  # a step that works
+        for _ in range(MAX_FAILURES_IN_A_ROW):
+            assert p.propose(*args) == [[], []]
+        assert p._drafting_off.startswith("OutOfMemoryError")
+        before = len(calls)
+        assert p.propose(*args) == [[], []] and len(calls) == before  # off: not tried again
+    finally:
+        log.removeHandler(caplog.handler)
+    logged = {id(r) for r in caplog.records if "drafting failed (OutOfMemoryError" in r.getMessage()}
+    assert len(logged) == 1 and "speculation is off for this engine" in caplog.text

@@ -46,6 +46,8 @@ from vllm_ouroboros.round_length import RoundLength
 logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
+# Steps whose drafting raised, in a row, after which drafting is off for the engine's life.
+MAX_FAILURES_IN_A_ROW = 3
 POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the running mean
 # A round's or a catch-up prefill's measured / modeled ratio counts at most this many times the
 # running ratio. One stalled round (its ratio clamped at 4) moved a whole round's price from 0.8
@@ -139,6 +141,12 @@ class OuroborosProposer:
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
         self._last_clock_check = time.monotonic()
+        # Drafting that raised (_draft_failed): steps in all, in a row, the kinds logged, and
+        # why drafting is off (None: on).
+        self.draft_failures = 0
+        self._failures_in_a_row = 0
+        self._failure_kinds: set[str] = set()
+        self._drafting_off: str | None = None
         self._pool_save_error: str | None = None  # the last failed save's, logged once
         # What each slot was proposed last step, to read its verification (host arrays):
         # sentence-draft length, the suffixes sent after it (in flat order) and the token they
@@ -854,7 +862,15 @@ class OuroborosProposer:
         forward = self.target_clock.take() if self.target_clock is not None else None
         if forward is not None:
             self._target_calibration.observe(*forward)
-        proposals = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        if self._drafting_off is not None:
+            self._sync_requests(req_ids)
+            proposals = [[] for _ in range(B)]
+        else:
+            try:
+                proposals = self._propose(req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+                self._failures_in_a_row = 0
+            except Exception as e:  # noqa: BLE001 - the step decodes plainly (_draft_failed)
+                proposals = self._draft_failed(req_ids, e)
         if self._counters.active:
             self._counters.publish(self.stats.exported_totals(
                 requests_returned=self._slot_of.returned, slots_evicted=self._slot_of.evicted,
@@ -864,6 +880,43 @@ class OuroborosProposer:
         if self._tp.size > 1:
             self._tp.share((proposals, *self.layouts(req_ids)))
         return proposals
+
+    def _draft_failed(self, req_ids: tuple[str, ...], error: Exception) -> list[list[int]]:
+        """A step whose drafting raised (device memory for a graph capture or the draft's
+        activations outside what vLLM profiled, a driver error) decodes plainly, as a step of
+        backed-off requests: it failed the engine, every request in it. The step's slots start
+        afresh (their draft caches may hold half a round) and the graphs are dropped (captured
+        again on use); logged with its traceback once per kind. MAX_FAILURES_IN_A_ROW steps in
+        a row that fail turn drafting off for the engine's life, logged: the engine serves on
+        without speculation."""
+        self.draft_failures += 1
+        self._failures_in_a_row += 1
+        kind = type(error).__name__
+        if kind not in self._failure_kinds:
+            self._failure_kinds.add(kind)
+            logger.error("ouroboros: drafting failed (%s: %s); this step decodes without drafts, "
+                         "its requests' draft caches start afresh", kind, error, exc_info=error)
+        slots = np.array([s for s in (self._slot_of.get(r, -1) for r in req_ids) if s >= 0], np.int64)
+        self._last_main[slots] = 0
+        self._last_suffix_len[slots] = 0
+        self._source[slots] = NO_DRAFT
+        with contextlib.suppress(Exception):  # best effort: the step goes on whatever fails here
+            rt = self.runtime
+            for s in slots.tolist():
+                rt.reset_slot(s)
+            if rt.device_round is not None:
+                rt.device_round._states.clear()
+            if rt.prefill_graphs is not None:
+                rt.prefill_graphs._graphs.clear()
+                rt.prefill_graphs._inbox.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+            self._drafting_off = f"{kind}: {error}"
+            logger.error("ouroboros: drafting failed in %d steps in a row (last: %s); speculation "
+                         "is off for this engine, which serves on without it",
+                         self._failures_in_a_row, self._drafting_off)
+        return [[] for _ in req_ids]
 
     def _follow(self, req_ids: tuple[str, ...]) -> list[list[int]]:
         """A TP rank other than the first: the first rank's proposals, and what it records of
@@ -1408,6 +1461,8 @@ class OuroborosProposer:
         out["slots_evicted"] = self._slot_of.evicted
         out["absent_caches_dropped"] = self._caches_dropped
         out["mode_switches"] = 0 if self._mode_review is None else self._mode_review.switches
+        out["draft_failures"] = self.draft_failures
+        out["drafting_off"] = self._drafting_off
         if self.runtime is not None:
             out["draft_cache"] = self.runtime.kv.stats()
         if self.runtime is not None:  # what "auto" resolved to on this device

@@ -163,7 +163,6 @@ def test_the_registry_served_with_several_api_servers_has_the_collector(tmp_path
     registry, not the default one: the plugin's wrapper adds the collector to it, so /metrics
     has the ouroboros series there too (it had none)."""
     pytest.importorskip("vllm", reason="wraps vLLM's get_prometheus_registry; vLLM is not installed here")
-    import vllm_ouroboros.plugin  # noqa: F401 - registered at import by vLLM's plugin loader below
     from vllm.plugins import load_general_plugins
     from vllm.v1.metrics import prometheus
 

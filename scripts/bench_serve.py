@@ -109,6 +109,12 @@ def main() -> int:
         finally:
             stop_server(proc)
         results[name] = json.loads((args.out / f"{name}.json").read_text())
+        done, failed = results[name].get("completed"), results[name].get("failed", 0)
+        if failed or done != args.num_prompts:
+            # The throughput of a run that lost requests is not the config's.
+            print(f"bench_serve: {name}: {done} of {args.num_prompts} requests completed, "
+                  f"{failed} failed", file=sys.stderr)
+            return 1
     base_tps = results["no-spec"]["output_throughput"]
     print(f"\n{args.num_prompts} HumanEval prompts x {args.max_tokens} tokens, concurrency "
           f"{args.concurrency}, greedy, float32 (vllm bench serve):")

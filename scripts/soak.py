@@ -498,6 +498,16 @@ def print_report(s: dict, args) -> list[str]:
             failed.append(f"{n}: {r['not_sent']} requests not sent within --time-limit")
         if not r["serving_after"]:
             failed.append(f"{n}: not serving after the mix")
+        if r["completed"] == 0:
+            failed.append(f"{n}: no request completed")
+    # A traceback in the ouroboros server's log that the no-speculation one has not (a failed
+    # save or metrics write, a drafting step that fell back) fails the run, though the
+    # requests were answered.
+    extra = s["rows"]["ouroboros"]["log_tracebacks"] - s["rows"]["no-spec"]["log_tracebacks"]
+    if extra > 0:
+        failed.append(f"ouroboros: {extra} more tracebacks in the server log than without speculation")
+    if not s["ouroboros_counters"].get("drafted_tokens_total"):
+        failed.append("ouroboros: nothing drafted over the mix (speculation never ran)")
     # Memory: ours must stay flat; the no-speculation server's RSS is printed for reference
     # (vLLM's own growth, which the plugin does not change).
     r = s["rows"]["ouroboros"]

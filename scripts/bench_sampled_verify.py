@@ -55,7 +55,7 @@ def case(args, dev):
     row_start = np.arange(B) * (tree.N + 1)
     logits = torch.randn(B * (tree.N + 1), V, generator=g, device=dev)
     logits[:, :2] += 14.0  # the tree's tokens are likely: walks go deep, as on a real pair
-    u = torch.rand(B, walk_steps(tree), K + 1, generator=g, device=dev)
+    u = torch.rand(B, walk_steps(tree), K + 1, generator=g, device=dev, dtype=torch.float64)  # as served
     return tree, row_start, logits, u
 
 

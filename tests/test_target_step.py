@@ -92,3 +92,19 @@ def test_target_step_synchronises_once():
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert src.numel() == 2 * 2 and len(syncs) <= 1, syncs
+
+
+def test_a_request_scheduled_more_than_its_drafts_plus_one_is_refused(device):
+    """The tree's root is a request's first scheduled row, which holds while vLLM schedules a
+    request with drafts its drafts plus one token (0.32): a vLLM that scheduled more (prompt
+    tokens beside drafts) would put masks, positions and KV moves on the wrong rows, silently.
+    It is refused naming the supported versions; a request without drafts may take any number."""
+    inputs, _, _ = planted_step(device)
+    c, qs = inputs[0].copy(), inputs[3].copy()
+    plan_target_step(*inputs)
+    qs[2:] += 1  # request 1: one token more than its drafts plus one
+    with pytest.raises(RuntimeError, match=r"request 1 of the batch was scheduled 11 tokens with 9 draft "
+                                           r"tokens.*Supported vLLM versions"):
+        plan_target_step(c, *inputs[1:3], qs, *inputs[4:])
+    c[1] = 0  # no drafts: a prefill chunk of any length
+    plan_target_step(c, *inputs[1:3], qs, *inputs[4:])

@@ -53,6 +53,18 @@ def plan_target_step(num_drafts: np.ndarray, draft_len: np.ndarray, suffix_len: 
     c = np.asarray(num_drafts, np.int64)
     B = len(c)
     qs = np.asarray(query_start[:B + 1], np.int64)
+    # The root is taken as a request's first scheduled row: vLLM 0.32 schedules a request with
+    # drafts its drafts plus one token, no more (prefill chunks get no drafts). A vLLM that
+    # scheduled more would put the tree's masks, positions and KV moves on the wrong rows.
+    odd = np.nonzero((c > 0) & (qs[1:] - qs[:-1] != c + 1))[0]
+    if len(odd):
+        from vllm_ouroboros.plugin import supported_vllm_range
+
+        i = int(odd[0])
+        raise RuntimeError(
+            f"ouroboros: request {i} of the batch was scheduled {int(qs[i + 1] - qs[i])} tokens with "
+            f"{int(c[i])} draft tokens; the token tree needs drafts plus one. Supported vLLM "
+            f"versions: {supported_vllm_range()}.")
     plan = build_plan(c, draft_len, suffix_len, qs, num_computed, L=phrase_len)
     tree = plan.layout.tree(draft_token_ids.device, flat=draft_token_ids)
     return TargetStep(plan=plan, tree=tree, row_start=np.cumsum(c + 1) - (c + 1), root_rows=qs[:B])

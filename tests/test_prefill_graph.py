@@ -233,3 +233,21 @@ def test_bad_inputs_are_refused(tiny_models, device):
     if device != "cuda":
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
             pg.PrefillGraphs(rt)
+
+
+def test_dropped_graphs_are_captured_again_on_use(tiny_models, device):
+    """DraftRuntime.drop_graphs (after a drafting step that raised, whose captures may be half
+    made) forgets the round's and the prefill's graphs; the next round captures them again and
+    drafts as the eager runtime does."""
+    path = str(tiny_models["draft"])
+    eager, graph = emulate_round(make(path, device, "device")), emulate_round(make(path, device, "device", graphs=True))
+    rng = np.random.default_rng(4)
+    contexts = [rng.integers(3, eager.model.vocab_size, n).tolist() for n in (120, 30)]
+    runs = rounds([eager, graph], contexts, rng, 3)
+    out_e, out_g = next(runs)
+    assert graph.prefill_graphs._graphs and graph.device_round._states
+    graph.drop_graphs()
+    assert not graph.prefill_graphs._graphs and not graph.device_round._states
+    for out_e, out_g in runs:
+        assert np.array_equal(out_e.drafts, out_g.drafts)
+    assert graph.device_round._states

@@ -70,7 +70,8 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
     p._last_main, p._last_suffix_len = np.full(4, 5), np.full((4, 2), 3)
     p._source = np.ones(4, np.int8)
     reset = []
-    p.runtime = SimpleNamespace(reset_slot=reset.append, device_round=None, prefill_graphs=None)
+    dropped = []
+    p.runtime = SimpleNamespace(reset_slot=reset.append, drop_graphs=lambda: dropped.append(1))
     p.device = torch.device("cpu")
     calls = []
 
@@ -89,7 +90,7 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
     try:
         assert p.propose(*args) == [[], []]
         assert p.layouts(["a", "b"])[0].tolist() == [0, 0] and (p._source[:2] == NO_DRAFT).all()
-        assert sorted(reset) == [0, 1] and p.draft_failures == 1
+        assert sorted(reset) == [0, 1] and p.draft_failures == 1 and dropped == [1]
         assert p.propose(*args) == [[7], [8, 9]] and p._failures_in_a_row == 0  # a step that works
         for _ in range(MAX_FAILURES_IN_A_ROW):
             assert p.propose(*args) == [[], []]

@@ -140,6 +140,7 @@ class OuroborosProposer:
         self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
+        self._save_thread: threading.Thread | None = None  # the periodic save's write under way
         self._last_clock_check = time.monotonic()
         # Drafting that raised (_draft_failed): steps in all, in a row, the kinds logged, and
         # why drafting is off (None: on).
@@ -901,14 +902,9 @@ class OuroborosProposer:
         self._last_suffix_len[slots] = 0
         self._source[slots] = NO_DRAFT
         with contextlib.suppress(Exception):  # best effort: the step goes on whatever fails here
-            rt = self.runtime
             for s in slots.tolist():
-                rt.reset_slot(s)
-            if rt.device_round is not None:
-                rt.device_round._states.clear()
-            if rt.prefill_graphs is not None:
-                rt.prefill_graphs._graphs.clear()
-                rt.prefill_graphs._inbox.clear()
+                self.runtime.reset_slot(s)
+            self.runtime.drop_graphs()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:

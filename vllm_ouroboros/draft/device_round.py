@@ -209,6 +209,10 @@ class DeviceRound:
         self.bounds = GraphBounds(runtime)
         self._recent: list[int] = []  # forwards the last rounds needed
 
+    def drop_graphs(self) -> None:
+        """Forget every batch bucket's state and graphs (built and captured again on use)."""
+        self._states.clear()
+
     @property
     def kernels(self) -> str:
         """How the work around each forward runs: "triton" (kernels/round_steps.py) or "torch"."""
@@ -264,7 +268,7 @@ class DeviceRound:
     def _state(self, A: int) -> RoundState:
         rt = self.rt
         if self.bounds.stale():  # the cache or the window was reallocated: states hold addresses
-            self._states.clear()
+            self.drop_graphs()
         st = self._states.get(A)
         if st is None:
             L, K = rt.L, self.K
@@ -307,7 +311,7 @@ class DeviceRound:
         if self.graphs:  # before the inputs go in: a capture runs on a neutral inbox
             need = int(kv0.max()) + U + (self.max_forwards - 1) * self.step_width
             if self.bounds.stale(need):  # longer contexts than the graphs read: capture again
-                self._states.clear()
+                self.drop_graphs()
                 st = self._state(A)
             self._ensure_captured(st, U)
         # One host->device copy, from a pinned buffer on CUDA (asynchronous: no wait on queued

@@ -90,8 +90,12 @@ class PrefillGraphs:
         """Drop every graph where the cache or window moved or a chunk reads `need` cache
         tokens per row, past graph_len (GraphBounds.stale)."""
         if self.bounds.stale(need):
-            self._graphs.clear()
-            self._inbox.clear()
+            self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Forget every captured chunk forward (captured again on use)."""
+        self._graphs.clear()
+        self._inbox.clear()
 
     def forward(self, slots: np.ndarray, tokens: np.ndarray, count: np.ndarray) -> None:
         """One chunk for R <= MAX_ROWS rows: tokens [R, Q <= chunk] int64, the next uncached

@@ -173,9 +173,9 @@ class DraftRuntime:
         self._round_room = 2 * (settings.draft_room + 2 * settings.beta + 2) + (self.W + self.G) * self.L + 8
         self._max_cap = max_len + self._round_room
         # Block-table columns: the longest slot, and at least a graph prefill chunk past max_len,
-        # whose padding tokens write CHUNK columns from a row's committed length. Past a row's
-        # reserved pages the table points at the null page; past the table a write would land
-        # on the row's own last page (build_attention_metadata's clamp) over its real K/V.
+        # whose padding tokens write and read CHUNK columns from a row's committed length. Past a
+        # row's reserved pages the table points at the null page; past the table the attention
+        # kernel would read the next row's entries for a padding token's own key.
         self._table_len = max(self._max_cap, max_len + PREFILL_CHUNK)
         self._slots = 0
         self._cap = 0
@@ -294,6 +294,14 @@ class DraftRuntime:
             cached = np.zeros((self._slots, cap), np.int64)
             cached[:, : self._cap] = self.cached
             self.cached, self._cap = cached, cap
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs of the drafting round and the prefill (captured again on
+        use): after a failed step, whose captures may be half made."""
+        if self.device_round is not None:
+            self.device_round.drop_graphs()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.drop_graphs()
 
     def reset_slot(self, slot: int) -> None:
         """Forget a finished request's slot; its cache pages go back to the free pages."""

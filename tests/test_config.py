@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_models import build_model
+from tiny_models import build_model, padded_vocab_copy
 
 from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
 
@@ -101,9 +101,31 @@ def test_missing_draft_path(tiny_models, tmp_path):
 
 
 def test_vocabulary_mismatch(tiny_models, tmp_path):
+    """Another vocabulary size is refused where the tokenizers differ (this one trained to 320
+    tokens) or cannot be compared (no tokenizer in the draft's directory)."""
     other = build_model(tmp_path / "other_vocab", vocab_size=320, seed=5)
-    with pytest.raises(OuroborosConfigError, match=r"draft vocabulary \(320 tokens.*differs from the target's \(384\)"):
+    with pytest.raises(OuroborosConfigError, match=r"draft's vocabulary \(320 ids.*the target's \(384\), "
+                                                   r"and the tokenizers differ \(.*320 tokens in the draft's, "
+                                                   r"384 in the target's\)"):
         engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(other)})
+    bare = padded_vocab_copy(tiny_models["close_draft"], tmp_path / "bare", 400)
+    for f in bare.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            f.unlink()
+    with pytest.raises(OuroborosConfigError, match="the draft directory has no tokenizer to compare"):
+        engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(bare)})
+    with pytest.raises(OuroborosConfigError, match="the target's tokenizer was not given"):
+        validate(OuroborosConfig(draft_model=str(bare)), target_vocab_size=384)
+
+
+def test_one_tokenizer_with_embeddings_padded_to_other_sizes(tiny_models, tmp_path):
+    """Qwen2.5-0.5B (151,936 rows) drafting for Qwen2.5-7B (152,064): one tokenizer, so either
+    way round is accepted (DraftModel.fit_vocab and the pool's keys serve it)."""
+    wide = padded_vocab_copy(tiny_models["close_draft"], tmp_path / "wide", 512)
+    cfg = engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(wide)})
+    assert cfg.speculative_config.method == "custom_class"
+    cfg = engine_config(wide, {"method": "ouroboros", "model": str(tiny_models["close_draft"])})
+    assert cfg.speculative_config.method == "custom_class"
 
 
 @pytest.mark.parametrize("edit, message", [

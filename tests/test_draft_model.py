@@ -274,6 +274,42 @@ def test_greedy_tokens_chunked(pair, device):
     assert torch.equal(m.greedy_tokens(hidden), m.logits(hidden).argmax(-1))
 
 
+def test_fit_vocab_to_a_target_with_more_or_fewer_ids(pair, device):
+    """One tokenizer, embeddings padded to other sizes (DraftModel.fit_vocab): for a target
+    with fewer ids the head chooses among the target's only (a drafted id past them would fault
+    the target's embedding); for one with more, its ids past the draft's rows read as the last
+    row (a gather past the table would fault a GPU), everything else unchanged."""
+    _, path = pair
+    ids = torch.tensor([[5, VOCAB - 1, 9, 2]])
+    args = (torch.arange(4)[None], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            _causal(1, 4))
+    ref = _load(path, device)
+    h_ref = _fwd(ref, ids, *args)
+    hidden = torch.randn(3, 5, ref.hidden_size)
+    hidden[0, 0] = ref.lm_head_weight[VOCAB - 1].cpu() * 50  # a row whose argmax is the last id
+    logits = ref.logits(hidden.to(device)).cpu()
+    assert logits[0, 0].argmax() == VOCAB - 1
+
+    fewer = _load(path, device)
+    fewer.fit_vocab(VOCAB - 7)
+    assert fewer.vocab_size == VOCAB - 7 and fewer.lm_head_weight.shape[0] == VOCAB - 7
+    assert torch.equal(_greedy(fewer, hidden), logits[..., :VOCAB - 7].argmax(-1))
+    torch.testing.assert_close(_fwd(fewer, ids, *args), h_ref, atol=0, rtol=0)
+
+    more = _load(path, device)
+    more.fit_vocab(VOCAB + 100)
+    assert more.vocab_size == VOCAB and torch.equal(_greedy(more, hidden), logits.argmax(-1))
+    past = torch.tensor([[5, VOCAB + 99, 9, 2]])  # an id the target has, past the draft's rows
+    torch.testing.assert_close(_fwd(more, past, *args), h_ref, atol=0, rtol=0)
+    with pytest.raises(IndexError):  # unfitted, the same ids read past the embedding
+        _fwd(_load(path, "cpu"), past, *args)
+
+    m = _load(path, device)
+    m.use_gemm(lambda w: lambda x, b: torch.nn.functional.linear(x, w, b))
+    with pytest.raises(RuntimeError, match="after use_gemm"):
+        m.fit_vocab(VOCAB - 7)
+
+
 def test_dense_mask_layout(device):
     """Prefix columns visible, new tokens at cache_lens[b] + j' per new_mask, nothing past them."""
     new_mask = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool, device=device)

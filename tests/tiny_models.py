@@ -121,6 +121,35 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
     return dst
 
 
+def padded_vocab_copy(src: Path, dst: Path, vocab_size: int, scale: float = 1.0, seed: int = 0) -> Path:
+    """Copy a model with its embedding (and LM head) grown to `vocab_size` rows, the tokenizer
+    kept: one tokenizer with embeddings padded to other sizes, as Qwen2.5-0.5B (151,936 rows) and
+    Qwen2.5-7B (152,064). The new rows are Gaussian with `scale` times the old rows' std, so the
+    model emits ids past the tokenizer's now and then (scale ~1) or often (scale ~2+), which is
+    what exercises the clamps of DraftModel.fit_vocab."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    old = model.get_input_embeddings().weight.shape[0]
+    if vocab_size <= old:
+        raise ValueError(f"padded_vocab_copy grows the vocabulary: {vocab_size} <= {old}")
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        heads = {id(w): w for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}
+        for w in heads.values():
+            w[old:] = torch.randn(w[old:].shape, generator=gen) * w[:old].std() * scale
+    dst = Path(dst)
+    model.save_pretrained(dst, safe_serialization=True)
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            (dst / name).write_bytes((Path(src) / name).read_bytes())
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["vocab_size"] == vocab_size, cfg["vocab_size"]
+    return dst
+
+
 def model_pair(root: Path) -> dict[str, Path]:
     """Tiny models under `root`: the target, a perturbed-copy draft, a closer copy
     ("close_draft", for tests that need full drafts accepted often) and a Llama model.

@@ -221,8 +221,14 @@ _BOOL_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)
 OUROBOROS_KEYS = {f.name for f in dataclasses.fields(OuroborosConfig)} - {"draft_model"}
 
 
-def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> OuroborosConfig:
-    """Check every field; raise OuroborosConfigError naming the key and the allowed values."""
+def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None,
+             target_tokenizer: TokenizerSource | None = None) -> OuroborosConfig:
+    """Check every field; raise OuroborosConfigError naming the key and the allowed values.
+
+    target_vocab_size: the target's embedding rows. A draft with another number of rows is
+    accepted only where its tokenizer is the target's (`target_tokenizer`), as Qwen2.5-0.5B
+    (151,936 rows) with Qwen2.5-7B+ (152,064): one tokenizer, embeddings padded differently.
+    """
     for key, (lo, hi) in _INT_RANGES.items():
         value = getattr(cfg, key)
         if value is None and key in _OPTIONAL_INTS:
@@ -305,7 +311,7 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None) -> Ouro
                 "only be loaded as a shared one (its phrases then shown to every request); drop "
                 "one of the two")
         _validate_pool_save_path(cfg.pool_save_path)
-    _validate_draft(cfg.draft_model, target_vocab_size)
+    _validate_draft(cfg.draft_model, target_vocab_size, target_tokenizer)
     _validate_draft_length(cfg)
     return cfg
 
@@ -420,7 +426,48 @@ def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> 
             f"{sd['vocab_size']} tokens; the target has {target_vocab_size}")
 
 
-def _validate_draft(path: str | None, target_vocab_size: int | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class TokenizerSource:
+    """Where the target's tokenizer loads from (vLLM's ModelConfig.tokenizer and its options)."""
+
+    path: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+
+def _tokenizer_vocab(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    return tok.get_vocab()
+
+
+def _tokenizer_mismatch(draft_path: str, target: TokenizerSource | None) -> str | None:
+    """None where the draft directory's tokenizer maps every token to the id the target's does;
+    else why not (or why it cannot be told), as a clause."""
+    if target is None:
+        return "the target's tokenizer was not given to compare with the draft's"
+    # transformers makes a tokenizer of the special tokens alone from a bare config.json.
+    files = {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"}
+    if not files & set(os.listdir(draft_path)):
+        return f"the draft directory has no tokenizer to compare with the target's (none of {sorted(files)})"
+    try:
+        mine = _tokenizer_vocab(draft_path)
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a missing tokenizer
+        return f"the draft directory has no tokenizer to compare with the target's ({type(e).__name__}: {e})"
+    try:
+        theirs = _tokenizer_vocab(target.path, target.revision, target.trust_remote_code)
+    except Exception as e:
+        return f"the target's tokenizer {target.path!r} could not be read ({type(e).__name__}: {e})"
+    if mine == theirs:
+        return None
+    differ = sum(theirs.get(t) != i for t, i in mine.items()) + len(theirs.keys() - mine.keys())
+    return (f"the tokenizers differ ({differ} tokens have another id or are missing in one; "
+            f"{len(mine)} tokens in the draft's, {len(theirs)} in the target's)")
+
+
+def _validate_draft(path: str | None, target_vocab_size: int | None,
+                    target_tokenizer: TokenizerSource | None = None) -> None:
     if not path:
         raise OuroborosConfigError(
             "ouroboros: the draft model is missing; pass it as speculative_config 'model' "
@@ -443,11 +490,17 @@ def _validate_draft(path: str | None, target_vocab_size: int | None) -> None:
         what = f"lacks {e}" if isinstance(e, KeyError) else str(e)
         raise OuroborosConfigError(f"ouroboros: draft model {path!r} cannot be run: {what}") from e
     vocab = draft_cfg.get("vocab_size") or draft_cfg.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise OuroborosConfigError(f"ouroboros: draft model {path!r} has no vocab_size in its config.json")
+    # Another number of embedding rows is one tokenizer padded to another size only where the
+    # tokenizers agree (DraftModel.fit_vocab serves that); else the ids mean other tokens.
     if target_vocab_size is not None and vocab != target_vocab_size:
-        raise OuroborosConfigError(
-            f"ouroboros: draft vocabulary ({vocab} tokens, {path}) differs from the target's "
-            f"({target_vocab_size}); draft and target must share one tokenizer"
-        )
+        why = _tokenizer_mismatch(path, target_tokenizer)
+        if why is not None:
+            raise OuroborosConfigError(
+                f"ouroboros: the draft's vocabulary ({vocab} ids, {path}) has another size than "
+                f"the target's ({target_vocab_size}), and {why}; draft and target must share one "
+                "tokenizer (its embeddings may be padded to other sizes)")
 
 
 def split_speculative_config(spec: dict[str, Any], vllm_keys: set[str]) -> tuple[OuroborosConfig, dict[str, Any]]:

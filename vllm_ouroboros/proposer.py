@@ -132,6 +132,7 @@ class OuroborosProposer:
         self.device = torch.device(vllm_config.device_config.device)
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.target_vocab = vllm_config.model_config.get_vocab_size()
         self.max_slots = vllm_config.scheduler_config.max_num_seqs
         self.stats = OuroborosStats(self.max_slots)
         self.runtime: DraftRuntime | None = None
@@ -277,7 +278,8 @@ class OuroborosProposer:
         model = self._load_draft(draft_round, init_slots, init_len, limit)
         self._measure_curves(model, target_model, draft_round, init_len)
         use_lookahead, use_guesses = self._choose_mode()
-        self.pool = self._make_pool(model.vocab_size)
+        # Keyed by every id the target can emit (a draft with fewer rows reads some as one).
+        self.pool = self._make_pool(self.target_vocab)
         # Compiled now, not in a serving step (and its timings): pool_warmup.py.
         warm_pool_kernels(self.pool, cfg.max_draft_len, cfg.tree_suffixes)
         self._make_runtime(model, draft_round, init_slots, init_len, use_lookahead, use_guesses)
@@ -309,6 +311,8 @@ class OuroborosProposer:
         else:
             dtype = _DTYPES[cfg.draft_dtype]
         model = DraftModel.from_pretrained(cfg.draft_model, dtype=dtype, device=self.device)
+        # One tokenizer, embeddings padded to other sizes (config._validate_draft checked it).
+        model.fit_vocab(self.target_vocab)
         model.attention_backend = cfg.draft_attention
         model.fused_ops = (self.device.type == "cuda" if cfg.draft_fused_ops is None
                            else cfg.draft_fused_ops)

@@ -269,7 +269,11 @@ class DraftModel(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.cfg = cfg
+        # The ids the LM head chooses from: the checkpoint's, or fewer where the target's
+        # vocabulary is smaller (fit_vocab). Input ids past the embedding's rows are clamped
+        # where the target's vocabulary is larger (`_embed_clamp`).
         self.vocab_size = cfg.vocab_size
+        self._embed_clamp: int | None = None
         self.num_layers = cfg.num_layers
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -319,6 +323,22 @@ class DraftModel(nn.Module):
         model.inv_freq = rope_inv_freq(cfg, device)
         return model
 
+    def fit_vocab(self, target_vocab: int) -> None:
+        """Draft for a target with `target_vocab` ids that shares this draft's tokenizer but pads
+        its embedding to another size (Qwen2.5-0.5B: 151,936 rows; Qwen2.5-7B and larger:
+        152,064; config._validate_draft checks the tokenizers). Ids the target can emit past this
+        draft's embedding are clamped to its last row before the embedding (they name no token
+        of the shared tokenizer, so the draft reads them as one unknown token), and the LM head
+        chooses among the first min(rows, target_vocab) ids only, so a drafted id is always one
+        the target can embed. Call before use_gemm (its head product takes the head's rows)."""
+        if target_vocab < 1:
+            raise ValueError(f"target_vocab must be >= 1, got {target_vocab}")
+        if self.head_gemm is not None:
+            raise RuntimeError("fit_vocab after use_gemm: the head's product holds the old rows")
+        rows = self.cfg.vocab_size
+        self.vocab_size = min(rows, target_vocab)
+        self._embed_clamp = rows - 1 if target_vocab > rows else None
+
     def use_gemm(self, factory: GemmFactory) -> None:
         """Route every projection and the LM head through `factory(weight)` (e.g. a prepacked CPU
         GEMM from the patches). The weights stay: factories may fall back to them for small inputs."""
@@ -341,7 +361,9 @@ class DraftModel(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_weight if self.lm_head is None else self.lm_head
+        """[vocab_size, H]: the head's rows (a leading view where fit_vocab dropped some)."""
+        w = self.embed_weight if self.lm_head is None else self.lm_head
+        return w if w.shape[0] == self.vocab_size else w[:self.vocab_size]
 
     # ---- KV cache ----------------------------------------------------------------------------
 
@@ -488,6 +510,8 @@ class DraftModel(nn.Module):
             meta = build_attention_metadata(slots, cache_lens, new_mask, self.kv.block_table,
                                             self.kv.page_size, max_cache_len, self.attention_backend)
         cos, sin = self.rope_rows(positions)
+        if self._embed_clamp is not None:
+            input_ids = input_ids.clamp(max=self._embed_clamp)
         h = F.embedding(input_ids, self.embed_weight)  # [B, Q, H]
         if self.fused_ops:
             from vllm_ouroboros.kernels.fused_ops import add_rms_norm

@@ -12,7 +12,8 @@ import dataclasses
 import logging
 
 from vllm_ouroboros import LOGGER_NAME
-from vllm_ouroboros.config import METHOD, OuroborosConfig, split_speculative_config, validate
+from vllm_ouroboros.config import (METHOD, OuroborosConfig, TokenizerSource, split_speculative_config,
+                                   validate)
 from vllm_ouroboros.patches._util import patch_method, require
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -46,7 +47,8 @@ def _create_speculative_config(original):
 
         vllm_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}
         cfg, vllm_spec = split_speculative_config(spec, vllm_keys)
-        validate(cfg, target_vocab_size=target_model_config.get_vocab_size())
+        validate(cfg, target_vocab_size=target_model_config.get_vocab_size(),
+                 target_tokenizer=_target_tokenizer(target_model_config))
         self.speculative_config = {
             **vllm_spec,
             "method": "custom_class",
@@ -60,6 +62,13 @@ def _create_speculative_config(original):
         return original(self, target_model_config, target_parallel_config)
 
     return create_speculative_config
+
+
+def _target_tokenizer(model_config) -> TokenizerSource:
+    """Where vLLM loads the target's tokenizer from (ModelConfig's tokenizer, else its model)."""
+    return TokenizerSource(getattr(model_config, "tokenizer", None) or model_config.model,
+                           getattr(model_config, "tokenizer_revision", None),
+                           bool(getattr(model_config, "trust_remote_code", False)))
 
 
 def _piecewise_graphs_for_the_tree(args, cfg: OuroborosConfig) -> None:

@@ -112,10 +112,14 @@ def greedy_generate(model: DraftModel, prompts: list[list[int]], n_new: int, bat
     return outs
 
 
-def load_model(path: str) -> DraftModel:
+def load_model(path: str, fit_to: int | None = None) -> DraftModel:
     """float32 on the CPU, its products through vLLM's prepacked oneDNN GEMM where this vLLM
-    build has it (as the proposer runs the draft: patches/cpu_gemm.py), else torch's F.linear."""
+    build has it (as the proposer runs the draft: patches/cpu_gemm.py), else torch's F.linear.
+    fit_to: the target's vocabulary size, for a draft whose embedding has another number of
+    rows (DraftModel.fit_vocab, as the proposer fits it: the labels then are serving's)."""
     model = DraftModel.from_pretrained(path, torch.float32, "cpu")
+    if fit_to is not None:
+        model.fit_vocab(fit_to)
     try:
         from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
     except ImportError:  # no vLLM in this environment
@@ -314,7 +318,7 @@ def main() -> int:
         print(f"features: {len(data)} prompts from the cache {args.data_cache}")
     else:
         target = load_model(args.target)
-        draft = load_model(args.draft)
+        draft = load_model(args.draft, fit_to=target.cfg.vocab_size)
         n = len(prompts)
         with tqdm(total=n * args.gen_tokens, desc="target greedy", unit="tok") as bar:
             gens = greedy_generate(target, prompts, args.gen_tokens, args.batch, eos, bar)

@@ -264,3 +264,42 @@ def test_training_script_on_tiny_models(tiny_models, tmp_path):
         assert "held-out AUC" in proc.stdout and "picked h" in proc.stdout
     with pytest.raises(AcceptanceHeadError, match="acceptance_head"):
         load_head(str(out), str(tiny_models["target"]))
+
+
+@pytest.mark.parametrize("wider", ["target", "draft"])
+def test_training_features_for_a_draft_with_another_vocabulary_size(tiny_models, tmp_path, wider):
+    """The training script's features (collect) for a pair with one tokenizer and embeddings of
+    other sizes, either way round: the draft fitted as the proposer fits it (load_model's
+    fit_to), where unfitted the target's ids past the draft's rows, or the draft's past the
+    target's, read past an embedding (IndexError)."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from tiny_models import padded_vocab_copy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train_acceptance_head as tah
+
+    wide = padded_vocab_copy(tiny_models["target" if wider == "target" else "close_draft"],
+                             tmp_path / "wide", 512, scale=3.0, seed=4)
+    t_path, d_path = (wide, tiny_models["close_draft"]) if wider == "target" else (tiny_models["target"], wide)
+    target = tah.load_model(str(t_path))
+    prompts = [[5, 17, 40, 9, 33, 2, 71], [101, 7, 250, 13]]
+    gens = [[int(t) for t in np.random.default_rng(i).integers(300, 512 if wider == "target" else 384, 6)]
+            for i in range(2)]
+    if wider == "target":  # the target's own continuation holds ids past the draft's rows
+        assert max(max(g) for g in gens) >= 384
+    unfitted = tah.load_model(str(d_path))
+    with pytest.raises(IndexError):
+        tah.collect(unfitted, target, prompts, gens, 0.5 if wider == "target" else 1.0,
+                    np.random.default_rng(0), _NoBar())
+    draft = tah.load_model(str(d_path), fit_to=target.cfg.vocab_size)
+    data = tah.collect(draft, target, prompts, gens, 1.0, np.random.default_rng(0), _NoBar())
+    assert len(data) == 2 and all(d["hA"].shape == (6, draft.hidden_size) for d in data)
+
+
+class _NoBar:
+    def update(self, n):
+        pass

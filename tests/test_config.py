@@ -15,12 +15,12 @@ from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validat
 NO_VLLM = "builds vLLM's engine config; vLLM is not installed here (e.g. the lent GPU machine)"
 
 
-def engine_config(target, spec: dict):
+def engine_config(target, spec: dict, **engine_kw):
     pytest.importorskip("vllm", reason=NO_VLLM)
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=str(target), dtype="float32", max_model_len=256,
-                      speculative_config=spec)
+                      speculative_config=spec, **engine_kw)
     return args.create_engine_config()
 
 
@@ -105,7 +105,8 @@ def test_vocabulary_mismatch(tiny_models, tmp_path):
     tokens) or cannot be compared (no tokenizer in the draft's directory)."""
     other = build_model(tmp_path / "other_vocab", vocab_size=320, seed=5)
     with pytest.raises(OuroborosConfigError, match=r"draft's vocabulary \(320 ids.*the target's \(384\), "
-                                                   r"and the tokenizers differ \(.*320 tokens in the draft's, "
+                                                   r"and the tokenizers differ \(\d+ ids name other tokens, "
+                                                   r"\d+ tokens are in one only; 320 tokens in the draft's, "
                                                    r"384 in the target's\)"):
         engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(other)})
     bare = padded_vocab_copy(tiny_models["close_draft"], tmp_path / "bare", 400)
@@ -116,6 +117,30 @@ def test_vocabulary_mismatch(tiny_models, tmp_path):
         engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(bare)})
     with pytest.raises(OuroborosConfigError, match="the target's tokenizer was not given"):
         validate(OuroborosConfig(draft_model=str(bare)), target_vocab_size=384)
+    wide = padded_vocab_copy(tiny_models["close_draft"], tmp_path / "wide", 400)
+    with pytest.raises(OuroborosConfigError, match=r"the target's tokenizer is not loaded \(skip_tokenizer_init\)"):
+        engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(wide)}, skip_tokenizer_init=True)
+
+
+def test_vocabularies_compared_id_by_id():
+    """vocab_mismatch: GGUF-converted tokenizers carry [PADn] placeholders up to their model's
+    rows (scripts/fetch_models.py's Qwen2.5-Coder-0.5B: 151,665 tokens and 271 of them); those
+    alone differing is one tokenizer. A token in one only, an id naming another token, or a draft
+    whose rows stop before the tokenizer's last real token is not."""
+    from vllm_ouroboros.config import vocab_mismatch
+
+    real = {f"t{i}": i for i in range(300)}
+    pads = lambda lo, hi: {f"[PAD{i}]": i for i in range(lo, hi)}  # noqa: E731
+    assert vocab_mismatch({**real, **pads(300, 320)}, {**real, **pads(300, 384)}, 320) is None
+    assert vocab_mismatch({**real, **pads(300, 384)}, {**real, **pads(300, 320)}, 384) is None
+    assert vocab_mismatch(real, {**real, "extra": 300}, 320) == (
+        "the tokenizers differ (0 ids name other tokens, 1 tokens are in one only; 300 tokens in "
+        "the draft's, 301 in the target's)")
+    swapped = {**real, "t1": 2, "t2": 1}
+    assert "2 ids name other tokens, 0 tokens are in one only" in vocab_mismatch(swapped, real, 320)
+    assert vocab_mismatch(real, {**real, **pads(300, 384)}, 250) == (
+        "the draft's 250 embedding rows do not reach the tokenizer's token id 299 (the draft would "
+        "read every token past its rows as one)")
 
 
 def test_one_tokenizer_with_embeddings_padded_to_other_sizes(tiny_models, tmp_path):

@@ -101,3 +101,18 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
         log.removeHandler(caplog.handler)
     logged = {id(r) for r in caplog.records if "drafting failed (OutOfMemoryError" in r.getMessage()}
     assert len(logged) == 1 and "speculation is off for this engine" in caplog.text
+
+
+def test_the_fallbacks_greedy_rows_feed_the_pool_what_was_emitted():
+    """A step vLLM's sampler verified (penalties, bad words, ...): for greedy rows the pool
+    learns the tokens emitted along the accepted chain, the correction included, not the raw
+    argmax the penalty overrode; past the emitted ones, and on sampled rows, the argmax stays."""
+    from vllm_ouroboros.patches.tree_verify import emitted_choices
+
+    raw = np.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34]])
+    sampled = np.array([[10, 99, 7, -1], [5, 6, -1, -1], [40, 41, 42, 43]])
+    got = emitted_choices(raw, sampled, np.array([True, True, False]))
+    assert got.tolist() == [[10, 99, 7, 13, 14], [5, 6, 22, 23, 24], [30, 31, 32, 33, 34]]
+    assert raw[0, 1] == 11  # a new array
+    wide = emitted_choices(raw[:, :3], sampled, np.array([True, True, True]))  # C > N + 1: cut
+    assert wide.tolist() == [[10, 99, 7], [5, 6, 22], [40, 41, 42]]

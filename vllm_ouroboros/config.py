@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 METHOD = "ouroboros"
 
@@ -428,42 +429,60 @@ def _validate_pool_file(cfg: OuroborosConfig, target_vocab_size: int | None) -> 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSource:
-    """Where the target's tokenizer loads from (vLLM's ModelConfig.tokenizer and its options)."""
+    """How the two vocabularies ({token: id}) are read for the comparison; the patches pass
+    vLLM's own tokenizer loading (patches/engine_args.py), so the target's is the tokenizer
+    vLLM serves with (its mode, revision, remote code, token), read once for both."""
 
-    path: str
-    revision: str | None = None
-    trust_remote_code: bool = False
-
-
-def _tokenizer_vocab(path: str, revision: str | None = None, trust_remote_code: bool = False) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    return tok.get_vocab()
+    target: Callable[[], "dict[str, int] | None"]  # None: the target has none (skip_tokenizer_init)
+    draft: Callable[[str], "dict[str, int]"]  # the draft directory's
 
 
-def _tokenizer_mismatch(draft_path: str, target: TokenizerSource | None) -> str | None:
-    """None where the draft directory's tokenizer maps every token to the id the target's does;
-    else why not (or why it cannot be told), as a clause."""
-    if target is None:
+# The GGUF converters (and scripts/fetch_models.py's rebuild) fill a tokenizer up to its
+# embedding's rows with tokens of this name: no text maps to them.
+_PLACEHOLDER = re.compile(r"\[PAD\d+\]")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")
+
+
+def vocab_mismatch(draft_vocab: dict[str, int], target_vocab: dict[str, int], draft_rows: int) -> str | None:
+    """None where the two tokenizers map every id they both hold to one token, each id only
+    one holds is a placeholder ([PADn]), and the draft's embedding rows cover every real token;
+    else why not, as a clause."""
+    d = {i: t for t, i in draft_vocab.items()}
+    g = {i: t for t, i in target_vocab.items()}
+    other = sum(d[i] != g[i] for i in d.keys() & g.keys())
+    alone = [t for i, t in (*((i, t) for i, t in d.items() if i not in g),
+                            *((i, t) for i, t in g.items() if i not in d))
+             if not _PLACEHOLDER.fullmatch(t)]
+    if other or alone:
+        return (f"the tokenizers differ ({other} ids name other tokens, {len(alone)} tokens are in "
+                f"one only; {len(d)} tokens in the draft's, {len(g)} in the target's)")
+    real = max((i for i, t in g.items() if not _PLACEHOLDER.fullmatch(t)), default=-1)
+    if draft_rows <= real:
+        return (f"the draft's {draft_rows} embedding rows do not reach the tokenizer's token id "
+                f"{real} (the draft would read every token past its rows as one)")
+    return None
+
+
+def _tokenizer_mismatch(draft_path: str, draft_rows: int, source: TokenizerSource | None) -> str | None:
+    """vocab_mismatch of the draft directory's tokenizer and the target's; or why it cannot be
+    told, as a clause."""
+    if source is None:
         return "the target's tokenizer was not given to compare with the draft's"
     # transformers makes a tokenizer of the special tokens alone from a bare config.json.
-    files = {"tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"}
-    if not files & set(os.listdir(draft_path)):
-        return f"the draft directory has no tokenizer to compare with the target's (none of {sorted(files)})"
+    if not set(_TOKENIZER_FILES) & set(os.listdir(draft_path)):
+        return (f"the draft directory has no tokenizer to compare with the target's (none of "
+                f"{', '.join(_TOKENIZER_FILES)})")
     try:
-        mine = _tokenizer_vocab(draft_path)
-    except Exception as e:  # transformers raises OSError, ValueError, ... for a missing tokenizer
-        return f"the draft directory has no tokenizer to compare with the target's ({type(e).__name__}: {e})"
+        theirs = source.target()
+    except Exception as e:  # the loader's own errors: OSError, ValueError, ... as it raises them
+        return f"the target's tokenizer could not be read ({type(e).__name__}: {e})"
+    if theirs is None:
+        return "the target's tokenizer is not loaded (skip_tokenizer_init)"
     try:
-        theirs = _tokenizer_vocab(target.path, target.revision, target.trust_remote_code)
+        mine = source.draft(draft_path)
     except Exception as e:
-        return f"the target's tokenizer {target.path!r} could not be read ({type(e).__name__}: {e})"
-    if mine == theirs:
-        return None
-    differ = sum(theirs.get(t) != i for t, i in mine.items()) + len(theirs.keys() - mine.keys())
-    return (f"the tokenizers differ ({differ} tokens have another id or are missing in one; "
-            f"{len(mine)} tokens in the draft's, {len(theirs)} in the target's)")
+        return f"the draft's tokenizer could not be read ({type(e).__name__}: {e})"
+    return vocab_mismatch(mine, theirs, draft_rows)
 
 
 def _validate_draft(path: str | None, target_vocab_size: int | None,
@@ -495,7 +514,7 @@ def _validate_draft(path: str | None, target_vocab_size: int | None,
     # Another number of embedding rows is one tokenizer padded to another size only where the
     # tokenizers agree (DraftModel.fit_vocab serves that); else the ids mean other tokens.
     if target_vocab_size is not None and vocab != target_vocab_size:
-        why = _tokenizer_mismatch(path, target_tokenizer)
+        why = _tokenizer_mismatch(path, vocab, target_tokenizer)
         if why is not None:
             raise OuroborosConfigError(
                 f"ouroboros: the draft's vocabulary ({vocab} ids, {path}) has another size than "

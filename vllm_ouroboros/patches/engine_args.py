@@ -65,10 +65,22 @@ def _create_speculative_config(original):
 
 
 def _target_tokenizer(model_config) -> TokenizerSource:
-    """Where vLLM loads the target's tokenizer from (ModelConfig's tokenizer, else its model)."""
-    return TokenizerSource(getattr(model_config, "tokenizer", None) or model_config.model,
-                           getattr(model_config, "tokenizer_revision", None),
-                           bool(getattr(model_config, "trust_remote_code", False)))
+    """Both vocabularies through vLLM's tokenizer loading: the target's as vLLM serves it (cached:
+    the front end reuses it), the draft directory's with the target's trust_remote_code."""
+
+    def target():
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        tok = cached_tokenizer_from_config(model_config)
+        return None if tok is None else tok.get_vocab()
+
+    def draft(path: str):
+        from vllm.tokenizers import get_tokenizer
+
+        return get_tokenizer(path, trust_remote_code=bool(getattr(model_config, "trust_remote_code", False))
+                             ).get_vocab()
+
+    return TokenizerSource(target=target, draft=draft)
 
 
 def _piecewise_graphs_for_the_tree(args, cfg: OuroborosConfig) -> None:
@@ -112,7 +124,10 @@ def _add_cli_args(original):
 def apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
+    import vllm.tokenizers
+
     require(EngineArgs, "create_speculative_config", "add_cli_args")
+    require(vllm.tokenizers, "cached_tokenizer_from_config", "get_tokenizer")  # _target_tokenizer
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     missing = {"spec_method", "spec_model", "spec_tokens", "additional_config",
                "speculative_config"} - fields

@@ -228,11 +228,32 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     else:
         out = original_sample(runner, logits, spec_meta)
     (rows,) = to_device(logits.device, node_rows(step.tree, step.row_start))
-    target_next, tokens, sampled = to_host(logits.argmax(dim=-1)[rows], step.tree.tokens,
-                                           out.sampled_token_ids.long())
+    B = step.tree.B
+    greedy = (torch.ones(B, dtype=torch.bool, device=logits.device) if sm.all_greedy
+              else sm.temperature[:B] < bias_min_p.SAMPLING_EPS)
+    target_next, tokens, sampled, greedy = to_host(logits.argmax(dim=-1)[rows], step.tree.tokens,
+                                                   out.sampled_token_ids.long(), greedy)
+    target_next = emitted_choices(target_next, sampled, greedy)
     num_acc = (sampled != -1).sum(1) - 1
     sfx = np.where(num_acc > step.tree.layout.n, 0, -1)
     return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx)
+
+
+def emitted_choices(target_next: np.ndarray, sampled: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+    """The target's choices the pool learns from on a step vLLM's sampler verified: the raw
+    argmax after the root and after each node (target_next [B, N + 1]), but for greedy rows
+    (greedy [B] bool) the tokens the sampler emitted where it emitted one (sampled [B, C], -1
+    past them; C <= N + 1, column c after the root (c = 0) or after chain node c - 1). Such a
+    step is the fallback's for penalties, bad words, allowed ids, ...: the raw argmax is not
+    what the output holds there, and a phrase at odds with accepted text would be inserted (and
+    the phrase the output confirms refined away). Sampled rows keep the argmax, as the walk's
+    steps give it. Returns a new [B, N + 1] array."""
+    out = np.array(target_next, copy=True)
+    C = min(sampled.shape[1], out.shape[1])
+    s = sampled[:, :C]
+    take = np.asarray(greedy, bool)[:, None] & (s >= 0)
+    out[:, :C] = np.where(take, s, out[:, :C])
+    return out
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):

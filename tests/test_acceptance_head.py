@@ -168,11 +168,17 @@ def test_adaptive_round_stops_where_the_rule_fires(draft_path, ref_model, phrase
         if margin_ok(probs[:CAP], h):
             contexts.append(ctx)
             refs.append((toks, probs))
-    def seed(pool):  # every row's continuation, phrase by phrase, as right guesses
+    def seed(pool):
+        # Every row's continuation, phrase by phrase, as right guesses; each key's newest phrase,
+        # the first guess, a wrong one (a right guess ranked below a wrong one: the head must read
+        # the right guess's outputs, not the first guess's).
         for b, (toks, _) in enumerate(refs):
             seq = contexts[b] + toks
             for i in range(len(contexts[b]) - 1, len(seq) - L):
-                pool.insert(torch.tensor([seq[i]]), torch.tensor([seq[i + 1:i + 1 + L]]), torch.tensor([b]))
+                right = seq[i + 1:i + 1 + L]
+                wrong = [(t - 1) % (V - 2) + 2 for t in right]  # each token another
+                for phrase in (right, wrong):
+                    pool.insert(torch.tensor([seq[i]]), torch.tensor([phrase]), torch.tensor([b]))
 
     rt, pool = make_runtime(draft_path, head, h, use_lookahead=phrases, use_guesses=phrases)
     if phrases:

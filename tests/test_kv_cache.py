@@ -125,6 +125,56 @@ def test_an_out_of_memory_doubling_falls_back_to_what_was_asked(device, monkeypa
     assert kv.num_pages == 10 and rows(kv, 1) == [8, 9]
 
 
+def test_the_cpu_allocators_refusal_falls_back_too(device, monkeypatch):
+    """The CPU allocator refuses with a RuntimeError, not OutOfMemoryError: the doubling falls
+    back to what was asked as on CUDA, and a refusal of both is DraftCacheFull (the rows that
+    do not fit decode plainly), not an error that turns drafting off. Other errors pass."""
+    kv = make(device, num_pages=8)
+    kv.reserve([0], [4 * 7])
+    real = kv._new_store
+
+    def small_only(num_pages):
+        if num_pages > 10:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2 GB")
+        return real(num_pages)
+
+    monkeypatch.setattr(kv, "_new_store", small_only)
+    kv.reserve([1], [4 * 2])
+    assert kv.num_pages == 10 and rows(kv, 1) == [8, 9]
+    with pytest.raises(DraftCacheFull, match="DefaultCPUAllocator: can't allocate memory"):
+        kv.reserve([2], [4 * 3])
+    monkeypatch.setattr(kv, "_new_store", lambda n: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        kv.reserve([2], [4 * 3])
+
+
+def test_a_failed_doubling_holds_no_memory_while_the_fallback_is_tried(monkeypatch):
+    """The doubled store's keys, allocated before its values failed, are freed before the
+    smaller store is tried (neither the store's frame nor the exception's traceback keeps
+    them): where the smaller store fits beside the old one but not beside those keys too."""
+    import weakref
+
+    kv = make("cpu", num_pages=8)
+    kv.reserve([0], [4 * 7])
+    live, real_zeros = {}, torch.zeros
+    budget = [None]
+
+    def zeros(shape, dtype=None, device=None):
+        n = int(np.prod(shape)) * dtype.itemsize
+        if budget[0] is not None and sum(live.values()) + n > budget[0]:
+            raise torch.OutOfMemoryError(f"budget: {sum(live.values())} used, {n} asked")
+        t = real_zeros(shape, dtype=dtype, device=device)
+        live[id(t)] = n
+        weakref.finalize(t, live.pop, id(t), None)
+        return t
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    page = kv.bytes_for(1) // 2  # one page of keys (or of values)
+    budget[0] = 2 * 10 * page + page // 2  # a 10-page store (the old one, made before, is not counted)
+    kv.reserve([1], [4 * 2])  # the 16-page doubling fails at its values; 10 pages fit
+    assert kv.num_pages == 10 and rows(kv, 1) == [8, 9]
+
+
 def test_resize_keeps_entries(device):
     kv = make(device, num_seqs=2, max_seq_len=8)
     kv.reserve([1], [8])

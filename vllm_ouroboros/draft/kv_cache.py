@@ -44,6 +44,15 @@ def pages_for(tokens, page_size: int = PAGE_SIZE):
     return -(-np.asarray(tokens, np.int64) // page_size) if np.ndim(tokens) else -(-int(tokens) // page_size)
 
 
+def _allocation_failed(e: RuntimeError) -> bool:
+    """An allocator's refusal: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError
+    ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
 class PagedKVCache:
     """Pages, the block table and the free page map of the draft's KV cache (module docstring).
 
@@ -200,7 +209,12 @@ class PagedKVCache:
         # Both before either is kept: an allocation that fails leaves the cache as it was.
         shape = (self.num_layers, num_pages, *self._page_shape)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return k, torch.zeros(shape, dtype=self.dtype, device=self.device)
+        try:
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except BaseException:
+            del k  # the traceback keeps this frame: the smaller store tried next needs the room
+            raise
+        return k, v
 
     @torch.inference_mode()
     def _grow(self, at_least: int) -> None:
@@ -218,12 +232,15 @@ class PagedKVCache:
             try:
                 k, v = self._new_store(size)
                 break
-            except torch.OutOfMemoryError as e:
-                error = e
+            except RuntimeError as e:  # torch.OutOfMemoryError is one
+                if not _allocation_failed(e):
+                    raise
+                # The message only: the exception's traceback would hold the failed store's
+                # frames (and what they allocated) while the smaller one is tried.
+                error = (str(e).splitlines() or [""])[0][:200]
         else:
             raise DraftCacheFull(f"{at_least} pages of {self.page_size} tokens "
-                                 f"({self.bytes_for(at_least) / 2**20:.1f} MiB): "
-                                 f"{(str(error).splitlines() or [''])[0][:200]}") from error
+                                 f"({self.bytes_for(at_least) / 2**20:.1f} MiB): {error}")
         old = self.num_pages
         k[:, :old].copy_(self.k)
         v[:, :old].copy_(self.v)

@@ -640,7 +640,9 @@ class DraftRuntime:
         G = guesses.shape[1]
         if G and L:
             need = torch.arange(L, device=dev)[None, :] < (res.num_new - 1)[:, None]  # [A, L]
-            same = ((guesses == res.new_tokens[:, None, 1:]) | ~need[:, None, :]).all(2) & gvalid
+            # A right guess's token k is the draft's prediction at its place, new token k (t1
+            # for k = 0): lookahead.read_output.
+            same = ((guesses == res.new_tokens[:, None, :L]) | ~need[:, None, :]).all(2) & gvalid
             g = same.long().argmax(1)  # [A]
             gcols = layout.guess_start + g[:, None] * L + torch.arange(L, device=dev)[None, :]
             cols = torch.cat([cols[:, :1], gcols], dim=1)

@@ -212,7 +212,7 @@ class PagedKVCache:
         try:
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         except BaseException:
-            del k  # the traceback keeps this frame: the smaller store tried next needs the room
+            k = None  # noqa: F841 (the traceback keeps this frame: the smaller store tried next needs the room)
             raise
         return k, v
 

@@ -178,3 +178,37 @@ def test_the_registry_served_with_several_api_servers_has_the_collector(tmp_path
         text = generate_latest(get()).decode()
         assert "vllm:ouroboros_draft_forwards_total 4.0" in text
     assert prometheus.get_prometheus_registry.__ouroboros_original__ is not None
+
+
+def test_a_writer_that_exits_keeps_its_counts_in_the_exported_counters(tmp_path):
+    """Two engines (data parallelism), one exits: the exported counters keep its last counts
+    (a drop would read as a counter reset to Prometheus, which would count the other engine's
+    whole total again); a count read lower than before (an older snapshot) gives the last; a
+    writer dead before it was ever read stays out (an inherited directory's)."""
+    from vllm_ouroboros.metrics_export import COUNTERS
+
+    def counts(n):
+        v = np.zeros(len(COUNTERS), np.int64)
+        v[list(COUNTERS).index("draft_forwards")] = n
+        return v.tobytes()
+
+    (tmp_path / f"counters-{dead_pid()}.bin").write_bytes(counts(1000))  # dead before any read
+    mine = tmp_path / f"counters-{os.getpid()}.bin"
+    mine.write_bytes(counts(10))
+    seen = {}
+    with subprocess.Popen(["sleep", "30"]) as other:
+        theirs = tmp_path / f"counters-{other.pid}.bin"
+        theirs.write_bytes(counts(50))
+        assert read_totals(str(tmp_path), seen)["draft_forwards"] == 60
+        theirs.write_bytes(counts(40))  # lower than read before: the last stands
+        assert read_totals(str(tmp_path), seen)["draft_forwards"] == 60
+        other.kill()
+        other.wait()
+    mine.write_bytes(counts(12))
+    assert read_totals(str(tmp_path), seen)["draft_forwards"] == 62
+    assert read_totals(str(tmp_path))["draft_forwards"] == 12  # without the memory: the live only
+
+    registry = CollectorRegistry()
+    collector = OuroborosCollector(str(tmp_path))
+    registry.register(collector)
+    assert "vllm:ouroboros_draft_forwards_total 12.0" in generate_latest(registry).decode()

@@ -183,25 +183,28 @@ def _read_counters(name: str) -> np.ndarray | None:
     return values if len(values) == len(COUNTERS) else None  # being created, or another version's
 
 
-def read_totals(path: str) -> dict[str, float] | None:
-    """Sum over the live workers with files in `path` of their counters (their counter file,
-    else their snapshot's) and gauges (snapshot), None if there are none. A dead writer's files
-    are left out: the directory is inherited by whatever a process that set it starts, so a
-    server started from a process whose offline engines had drafted summed their counts with its
-    own (a restarted engine's counters start again from 0, as Prometheus counters may)."""
+def read_totals(path: str, seen: dict[int, np.ndarray] | None = None) -> dict[str, float] | None:
+    """Sum over the workers with files in `path` of their counters (their counter file, else
+    their snapshot's) and gauges (snapshot), None if there are none.
+
+    A dead writer's files are left out unless `seen` (the caller's memory, updated here: pid ->
+    the counters last read from it) holds it: the directory is inherited by whatever a process
+    that set it starts, so a server started from a process whose offline engines had drafted
+    would otherwise sum their counts with its own. A writer read before keeps its last counts
+    in the sum once it exits (one engine of several under data parallelism: the exported
+    counters would otherwise step back, which Prometheus reads as a reset and counts every
+    other engine's whole total again), and a read that finds less than the last (an older
+    snapshot read where the counter file was being replaced) gives the last. A restarted engine
+    is a new pid: its counters start from 0 beside the old one's."""
     totals = {key: 0 for key in COUNTERS}
     totals.update({f"{section}_{key}": 0 for section, key in GAUGES})
     found = False
-    mapped = set()
+    counts: dict[int, np.ndarray] = {}
     for name in glob.glob(os.path.join(path, "counters-*.bin")):
         pid = _writer_pid(name)
         values = _read_counters(name) if _alive(pid) else None
-        if values is None:
-            continue
-        found = True
-        mapped.add(pid)
-        for key, v in zip(COUNTERS, values.tolist()):
-            totals[key] += v
+        if values is not None:
+            counts[pid] = values
     for name in glob.glob(os.path.join(path, "snapshot-*.json")):
         pid = _writer_pid(name)
         if not _alive(pid):
@@ -212,11 +215,20 @@ def read_totals(path: str) -> dict[str, float] | None:
         except (OSError, ValueError):
             continue  # being replaced or from a crashed writer
         found = True
-        if pid not in mapped:
-            for key in COUNTERS:
-                totals[key] += snap.get(key, 0)
+        if pid not in counts:
+            counts[pid] = np.array([snap.get(key, 0) for key in COUNTERS], np.int64)
         for section, key in GAUGES:
             totals[f"{section}_{key}"] += (snap.get(section) or {}).get(key, 0)
+    if seen is not None:
+        for pid, values in counts.items():
+            if pid in seen:
+                counts[pid] = np.maximum(values, seen[pid])
+        seen.update(counts)
+        counts = {**seen, **counts}
+    for values in counts.values():
+        found = True
+        for key, v in zip(COUNTERS, values.tolist()):
+            totals[key] += v
     return totals if found else None
 
 
@@ -225,11 +237,12 @@ class OuroborosCollector:
 
     def __init__(self, path: str):
         self.path = path
+        self._seen: dict[int, np.ndarray] = {}  # read_totals' memory of the writers read
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        totals = read_totals(self.path)
+        totals = read_totals(self.path, self._seen)
         if totals is None:
             return
         for key, doc in COUNTERS.items():

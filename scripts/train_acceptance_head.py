@@ -46,7 +46,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_ouroboros.draft.acceptance_head import AcceptanceHead, HeadParams, draft_identity  # noqa: E402
+from vllm_ouroboros.draft.acceptance_head import (  # noqa: E402
+    AcceptanceHead, HeadParams, draft_identity, draft_weights_fingerprint)
 from vllm_ouroboros.draft.model import DraftModel  # noqa: E402
 
 
@@ -110,6 +111,10 @@ def greedy_generate(model: DraftModel, prompts: list[list[int]], n_new: int, bat
             outs.append(gen[b][:cut])
         bar.update(B)
     return outs
+
+
+# Bumped when collect()'s features or labels change: a cache of another version is not read.
+COLLECT_VERSION = 2  # 2: the draft fitted to the target's vocabulary (load_model's fit_to)
 
 
 def load_model(path: str, fit_to: int | None = None) -> DraftModel:
@@ -309,9 +314,13 @@ def main() -> int:
     eos = {tok.eos_token_id, *(eos_ids if isinstance(eos_ids, list) else [eos_ids])}
     eos = {e for e in eos if e is not None}
 
-    data_key = json.dumps({k: getattr(args, k) for k in (
-        "draft", "target", "humaneval", "mtbench", "gen_tokens", "max_prompt_tokens", "mix", "seed")},
-        sort_keys=True)
+    # The features depend on the prompts' source and both models, not only on their paths (a
+    # draft replaced in place would otherwise reuse the old one's features under its identity).
+    data_key = json.dumps({**{k: getattr(args, k) for k in (
+        "draft", "target", "models_dir", "humaneval", "mtbench", "gen_tokens", "max_prompt_tokens",
+        "mix", "seed")}, "collect": COLLECT_VERSION,
+        "models": [(draft_identity(p), draft_weights_fingerprint(p)) for p in (args.draft, args.target)]},
+        sort_keys=True, default=str)
     data = load_cache(args.data_cache, data_key) if args.data_cache else None
     t_gen = 0.0
     if data is not None:
@@ -411,7 +420,8 @@ def main() -> int:
     print(f"picked h = {best_h} (on the calibration split)")
 
     ident = draft_identity(args.draft)
-    head.save(args.out, ident, best_h, extra={"held_out_auc": held_auc, "ece": ece, "w_rej": args.w_rej})
+    head.save(args.out, ident, best_h, extra={"held_out_auc": held_auc, "ece": ece, "w_rej": args.w_rej},
+              draft_weights=draft_weights_fingerprint(args.draft))
     metrics = {
         "command": "python " + " ".join([sys.argv[0].replace(str(REPO) + "/", "")] + sys.argv[1:]),
         "draft": args.draft, "target": args.target, "draft_identity": ident,

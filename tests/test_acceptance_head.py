@@ -74,6 +74,40 @@ def test_head_file_refusals(tiny_models, tmp_path):
         load_head(path, draft)
 
 
+def test_a_head_for_a_draft_with_the_same_config_but_other_weights_is_refused(tiny_models, tmp_path):
+    """The draft (noise 0.15) and the close draft (0.02) share a config.json, so one identity:
+    a head records the weights' fingerprint too and refuses the other; a head saved without one
+    (trained before it was recorded, results/acceptance_head.safetensors) loads on identity."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_ouroboros.draft.acceptance_head import draft_weights_fingerprint
+
+    draft, close = str(tiny_models["draft"]), str(tiny_models["close_draft"])
+    assert draft_identity(draft) == draft_identity(close)
+    assert draft_weights_fingerprint(draft) != draft_weights_fingerprint(close)
+    assert draft_weights_fingerprint(draft) == draft_weights_fingerprint(draft)
+    path = str(tmp_path / "head.safetensors")
+    acceptance_head(128).save(path, draft_identity(draft), 0.6, draft_weights=draft_weights_fingerprint(draft))
+    assert load_head(path, draft).draft_weights == draft_weights_fingerprint(draft)
+    with pytest.raises(AcceptanceHeadError, match="trained for a draft with this config but other weights"):
+        load_head(path, close)
+    older = str(tmp_path / "older.safetensors")
+    acceptance_head(128).save(older, draft_identity(draft), 0.6)
+    assert load_head(older, close).draft_weights is None
+    # A file of another version (its params another shape) or missing a tensor: refused by name.
+    from safetensors import safe_open
+
+    with safe_open(older, framework="pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(older)
+    for name, (m, t) in {"params": ({**meta, "params": '{"hidden_size": 128, "heads": 2}'}, tensors),
+                         "tensor": (meta, dict(list(tensors.items())[1:]))}.items():
+        bad = str(tmp_path / f"bad_{name}.safetensors")
+        save_file(t, bad, metadata=m)
+        with pytest.raises(AcceptanceHeadError, match="is a head file this version cannot read"):
+            load_head(bad, draft)
+
+
 # ---- the rule on hand-made probabilities ------------------------------------------------------
 
 def test_stop_rule_hand_made():

@@ -6,8 +6,9 @@ Architecture as in SpecDec++: a linear input layer, `depth` residual SiLU blocks
 to one logit. The head runs in float32 whatever the draft's dtype (it is tiny).
 
 A head is only meaningful for the draft it was trained on; its file records the draft's identity
-(a hash of the draft's config.json) and loading it for another draft raises AcceptanceHeadError,
-which names the setting `acceptance_head` and both identities.
+(a hash of the draft's config.json) and, from heads trained since 2026-12-03, a fingerprint of
+its weights (a fine-tuned draft keeps its config); loading it for another draft raises
+AcceptanceHeadError, which names the setting `acceptance_head` and both identities.
 
 No vLLM imports.
 """
@@ -41,6 +42,24 @@ def draft_identity(draft_dir: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def draft_weights_fingerprint(draft_dir: str, samples: int = 32, chunk: int = 1 << 16) -> str:
+    """A fingerprint of the draft's weights: sha256 (first 16 hex digits) over each
+    *.safetensors file's name, size and `samples` chunks of `chunk` bytes spread evenly over it
+    (the first holds the header). A few MiB read whatever the draft's size, and a fine-tune or
+    another perturbation changes every weight, so every chunk."""
+    h = hashlib.sha256()
+    names = sorted(n for n in os.listdir(draft_dir) if n.endswith(".safetensors"))
+    for name in names:
+        path = os.path.join(draft_dir, name)
+        size = os.path.getsize(path)
+        h.update(f"{name}:{size};".encode())
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(max(0, size - chunk) * i // max(samples - 1, 1))
+                h.update(f.read(chunk))
+    return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class HeadParams:
     """Hyperparameters of a head (recorded in its file)."""
@@ -71,10 +90,14 @@ class AcceptanceHead(nn.Module):
         """Shape: hidden [..., H] -> [...] float32 probabilities in (0, 1)."""
         return torch.sigmoid(self.logit(hidden))
 
-    def save(self, path: str, draft_id: str, threshold: float, extra: dict | None = None) -> None:
-        """Write weights + metadata (draft identity, hyperparameters, the tuned threshold h)."""
+    def save(self, path: str, draft_id: str, threshold: float, extra: dict | None = None,
+             draft_weights: str | None = None) -> None:
+        """Write weights + metadata (draft identity and weights fingerprint, hyperparameters,
+        the tuned threshold h)."""
         meta = {"format": FORMAT, "draft_identity": draft_id, "params": json.dumps(asdict(self.params)),
                 "threshold": repr(float(threshold)), "extra": json.dumps(extra or {})}
+        if draft_weights is not None:
+            meta["draft_weights"] = draft_weights
         tensors = {k: v.detach().float().contiguous().cpu() for k, v in self.state_dict().items()}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"
@@ -88,6 +111,7 @@ class LoadedHead:
     draft_identity: str
     threshold: float  # the h picked on held-out data at training
     extra: dict
+    draft_weights: str | None = None  # draft_weights_fingerprint at training (None: an older head)
 
 
 def read_head(path: str) -> LoadedHead:
@@ -106,11 +130,19 @@ def read_head(path: str) -> LoadedHead:
         raise AcceptanceHeadError(
             f"ouroboros: 'acceptance_head' {path!r} is not an acceptance head file (format "
             f"{meta.get('format')!r}, expected {FORMAT!r}); train one with scripts/train_acceptance_head.py")
-    params = HeadParams(**json.loads(meta["params"]))
-    head = AcceptanceHead(params)
-    head.load_state_dict(tensors, strict=True)
+    try:
+        params = HeadParams(**json.loads(meta["params"]))
+        head = AcceptanceHead(params)
+        head.load_state_dict(tensors, strict=True)
+        loaded = LoadedHead(head, meta["draft_identity"], float(meta["threshold"]),
+                            json.loads(meta.get("extra", "{}")), meta.get("draft_weights"))
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # another version's, or damaged
+        raise AcceptanceHeadError(
+            f"ouroboros: 'acceptance_head' {path!r} is a head file this version cannot read "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); train one with "
+            "scripts/train_acceptance_head.py") from e
     head.requires_grad_(False)
-    return LoadedHead(head, meta["draft_identity"], float(meta["threshold"]), json.loads(meta.get("extra", "{}")))
+    return loaded
 
 
 def load_head(path: str, draft_dir: str, device: torch.device | str = "cpu") -> LoadedHead:
@@ -121,6 +153,11 @@ def load_head(path: str, draft_dir: str, device: torch.device | str = "cpu") -> 
         raise AcceptanceHeadError(
             f"ouroboros: 'acceptance_head' {path!r} was trained for the draft with identity "
             f"{loaded.draft_identity}, but this draft ({draft_dir}) has identity {mine}; "
+            "train a head for this draft with scripts/train_acceptance_head.py")
+    if loaded.draft_weights is not None and loaded.draft_weights != (w := draft_weights_fingerprint(draft_dir)):
+        raise AcceptanceHeadError(
+            f"ouroboros: 'acceptance_head' {path!r} was trained for a draft with this config but "
+            f"other weights (fingerprint {loaded.draft_weights}; this draft's, {draft_dir}: {w}); "
             "train a head for this draft with scripts/train_acceptance_head.py")
     with open(os.path.join(draft_dir, "config.json")) as f:
         hs = json.load(f).get("hidden_size")

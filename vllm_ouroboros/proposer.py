@@ -1076,7 +1076,10 @@ class OuroborosProposer:
                        guess_hits=out.guess_hit_forwards, draft_rounds=np.ones_like(slots),
                        sentence_draft_tokens=out.draft_lens)
         if out.stopped_by_rule is not None:
-            self.stats.add(slots, stops_rule=out.stopped_by_rule, stops_cap=~out.stopped_by_rule)
+            # The cap stopped a model row the rule did not, in a round the back-off left whole
+            # (a cut row stopped at the cut; the pool's rows had no rule to run).
+            capped = ~from_pool & ~out.stopped_by_rule & (cut >= self.runtime.s.draft_room)
+            self.stats.add(slots, stops_rule=out.stopped_by_rule & ~from_pool, stops_cap=capped)
         if self._trace.on:
             self._trace.drafted(slots, [req_ids[i] for i in rows], out.draft_lens, n_main,
                                 out.row_forwards, out.stopped_by_rule, cut, from_pool)

@@ -387,6 +387,25 @@ def _onednn_factory(min_rows):
     return factory
 
 
+def test_onednn_gemm_takes_another_dtype_through_f_linear():
+    """The oneDNN primitive reads its input as the weight's dtype: a float32 input to a
+    bfloat16 product gave values off by up to 8e37, no error. Such an input takes F.linear (an
+    error there: a dtype mismatch is a caller's bug)."""
+    from vllm_ouroboros.patches.cpu_gemm import onednn_gemm_factory
+
+    pytest.importorskip("vllm", reason="vLLM's oneDNN GEMM needs vLLM installed")
+    factory = onednn_gemm_factory(dtype=torch.bfloat16, min_rows=1)
+    if factory is None:
+        pytest.skip("this vLLM build or CPU has no bfloat16 oneDNN GEMM")
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    gemm = factory(w)
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(gemm(x.to(torch.bfloat16), None).float(),
+                               torch.nn.functional.linear(x.to(torch.bfloat16), w).float(), atol=0.1, rtol=0.02)
+    with pytest.raises(RuntimeError, match="dtype"):
+        gemm(x, None)
+
+
 @pytest.mark.parametrize("min_rows", [1, 4])
 def test_onednn_gemm_matches_f_linear(pair, min_rows):
     """The draft's products through vLLM's oneDNN GEMM (every size, and from 4 rows on as the

@@ -57,3 +57,39 @@ def test_a_processor_without_the_state_read_is_refused():
     proc.min_toks = {0: (3, [], set(), False)}
     assert unsupported_sampling(sm) == "min_tokens"
 
+
+
+@pytest.mark.parametrize("version, ok", [("0.32.0+cpu", True), ("0.32.1.dev3+g1234abc", True),
+                                         ("0.33.0rc1", True), ("0.31.9", False), ("0.34.0", False),
+                                         ("dev", False)])
+def test_version_check_takes_nightlies_in_the_range(version, ok):
+    """A nightly or release candidate within the supported range passes whatever packaging's
+    default on pre-releases; a version that does not parse gets the supported-range message."""
+    from vllm_ouroboros.plugin import check_vllm_version
+
+    if ok:
+        assert check_vllm_version(version) == version
+    else:
+        with pytest.raises(RuntimeError, match="vllm-ouroboros supports vLLM"):
+            check_vllm_version(version)
+
+
+def test_patching_a_staticmethod_twice_wraps_it_once():
+    from vllm_ouroboros.patches._util import patch_method
+
+    calls = []
+
+    class C:
+        @staticmethod
+        def f(x):
+            return x
+
+    def make(original):
+        def override(x):
+            calls.append(x)
+            return original(x)
+        return override
+
+    patch_method(C, "f", make)
+    patch_method(C, "f", make)
+    assert C.f(3) == 3 and calls == [3]

@@ -39,15 +39,20 @@ def supported_vllm_range() -> str:
 def check_vllm_version(version: str | None = None) -> str:
     """Raise RuntimeError unless `version` (default: installed vLLM) is in the supported range."""
     from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
     if version is None:
         import vllm
 
         version = vllm.__version__
     spec = SpecifierSet(supported_vllm_range())
-    # Local builds such as 0.32.0+cpu count as their public version.
-    if Version(Version(version).public) not in spec:
+    # Local builds such as 0.32.0+cpu count as their public version; a nightly or release
+    # candidate in the range (0.32.1.dev3) is in it whatever packaging's default on those.
+    try:
+        ok = spec.contains(Version(Version(version).public), prereleases=True)
+    except InvalidVersion:  # a source build's "dev"
+        ok = False
+    if not ok:
         raise RuntimeError(
             f"vllm-ouroboros supports vLLM {spec} (tested: 0.32.0 CPU build); "
             f"found vLLM {version}. Install a supported vLLM or set VLLM_OUROBOROS_DISABLE=1."

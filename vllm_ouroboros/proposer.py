@@ -357,12 +357,11 @@ class OuroborosProposer:
             logger.info("ouroboros: target forward t(n) as configured (target_cost_ms): %s ms",
                         _ms(self.target_cost))
         elif target_model is not None:
-            from vllm_ouroboros.patches.target_cost import measure_target_curve
+            from vllm_ouroboros.patches.target_cost import measure_target_curve, target_parameter_count
 
             self.target_cost = measure_target_curve(target_model, 256, agree=self._tp.agree)
             if self.target_cost is None:  # same shape as the draft's, scaled by the size ratio
-                r = sum(p.numel() for p in model.parameters()) / max(
-                    sum(p.numel() for p in target_model.parameters()), 1)
+                r = sum(p.numel() for p in model.parameters()) / max(target_parameter_count(target_model), 1)
                 self.target_cost = cost_model.CostCurve(self.cost.n, tuple(t / r for t in self.cost.seconds))
             logger.info("ouroboros: target forward t(n) (linear layers + LM head): %s ms",
                         _ms(self.target_cost))

@@ -31,7 +31,8 @@ def patch_method(cls: type, name: str, make_override: Callable[[Callable], Calla
     """Replace `cls.name` by `make_override(original)`; idempotent."""
     require(cls, name)
     original = cls.__dict__.get(name, getattr(cls, name))
-    if getattr(original, "__ouroboros_original__", None) is not None:
+    # A staticmethod wraps the override that carries the mark.
+    if getattr(getattr(original, "__func__", original), "__ouroboros_original__", None) is not None:
         return
     override = make_override(original)
     override.__ouroboros_original__ = original

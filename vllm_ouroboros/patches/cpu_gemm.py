@@ -56,7 +56,8 @@ def onednn_gemm_factory(min_rows: int = MIN_ROWS,
         handle = create(weight.t(), _PRIMITIVE_CACHE)
 
         def gemm(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            if x.numel() < min_rows * x.shape[-1]:
+            # The primitive reads x as the weight's dtype: another gives garbage, not an error.
+            if x.numel() < min_rows * x.shape[-1] or x.dtype != weight.dtype:
                 return F.linear(x, weight, bias)
             return run(handle, x.contiguous(), bias)
         return gemm

@@ -46,11 +46,14 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
         from vllm.model_executor.layers.linear import LinearBase
 
         layers = target_model.model.layers
-        linears = [m for m in layers[0].modules() if isinstance(m, LinearBase)]
+        # The first layer this rank holds: under pipeline parallelism the drafter sits on the
+        # last stage, whose earlier layers are placeholders without products.
+        linears = next((found for layer in layers
+                        if (found := [m for m in layer.modules() if isinstance(m, LinearBase)])), [])
         head = getattr(target_model, "lm_head", None)
         head_w = getattr(head, "weight", None)
         if not linears:
-            raise ValueError("decoder layer 0 has no vLLM linear modules")
+            raise ValueError("no decoder layer has vLLM linear modules")
         p = next(target_model.parameters())
         dev, dtype = p.device, p.dtype if p.dtype.is_floating_point else torch.float16
         graphs = dev.type == "cuda" and _single_rank()
@@ -93,3 +96,27 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
         logger.info("ouroboros: target cost curve not measured (%s); back-off uses the draft's "
                     "curve scaled by the parameter ratio", e)
         return None
+
+
+def target_parameter_count(target_model) -> float:
+    """The parameters of the target's whole forward on this rank, for the fallback curve (the
+    draft's scaled by the size ratio): the linear modules counted from their shapes (vLLM's CPU
+    linear methods drop the weight tensors after packing them: numel() would count the
+    embeddings and norms alone, a 7B target as ~1.1B), the other parameters by numel(), and
+    under pipeline parallelism the stages this rank does not hold counted as the ones it does
+    (the step runs them all)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    total, counted = 0, set()
+    for m in target_model.modules():
+        if isinstance(m, LinearBase):
+            total += (getattr(m, "input_size_per_partition", m.input_size)
+                      * getattr(m, "output_size_per_partition", m.output_size))
+            counted.update(id(p) for p in m.parameters(recurse=False))
+    total += sum(p.numel() for p in target_model.parameters() if id(p) not in counted)
+    layers = getattr(getattr(target_model, "model", None), "layers", None)
+    if layers is not None and len(layers):
+        held = sum(any(isinstance(m, LinearBase) for m in layer.modules()) for layer in layers)
+        if 0 < held < len(layers):
+            total *= len(layers) / held
+    return float(total)

@@ -675,3 +675,39 @@ def test_backoff_cuts_the_pools_branches_under_load(runs, scenario, tiny_models)
     assert main["shortened_steps"] > 0 and main["branches_cut"] > 0, main
     gains = main["settings"]["pool_branch_gains"]
     assert len(gains) == K and gains[0] > 0 and all(g >= 0 for g in gains), gains
+
+
+def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_models, monkeypatch):
+    """Faults while serving, in the real engine: a drafting round that raises (a driver error,
+    memory outside what vLLM profiled) decodes its step plainly and the engine serves on;
+    three failing steps in a row turn drafting off for the engine's life. The outputs stay
+    the greedy ones of no speculation. The engine runs in this process (its core's and worker's
+    code patched here: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from vllm_ouroboros.draft.runtime import DraftRuntime
+
+    real, calls = DraftRuntime.run_round, []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) in (3, 9, 10, 11):  # one alone, then three in a row
+            raise RuntimeError(f"injected drafting fault at round {len(calls)}")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(DraftRuntime, "run_round", flaky)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "draft_round": "host",
+            "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
+    try:
+        ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+    finally:
+        # The in-process engine left its environment cache and process groups in this process.
+        cleanup_dist_env_and_memory()
+    base, _, _ = runs
+    for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
+        assert o == b, f"request {i}: differs after a drafting fault"
+    s = snaps["main"]
+    assert s["draft_failures"] == 4 and s["drafting_off"] and "injected drafting fault at round 11" in s["drafting_off"]
+    assert len(calls) == 11, "drafting went on after it was turned off"
+    assert s["accepted_tokens"] > 0  # it drafted between the faults

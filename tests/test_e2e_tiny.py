@@ -677,7 +677,7 @@ def test_backoff_cuts_the_pools_branches_under_load(runs, scenario, tiny_models)
     assert len(gains) == K and gains[0] > 0 and all(g >= 0 for g in gains), gains
 
 
-def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_models, monkeypatch):
+def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_models, monkeypatch, tmp_path):
     """Faults while serving, in the real engine: a drafting round that raises (a driver error,
     memory outside what vLLM profiled) decodes its step plainly and the engine serves on;
     three failing steps in a row turn drafting off for the engine's life. The outputs stay
@@ -686,6 +686,7 @@ def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_ouroboros.draft.runtime import DraftRuntime
+    from vllm_ouroboros.metrics_export import ENV_DIR
 
     real, calls = DraftRuntime.run_round, []
 
@@ -697,6 +698,9 @@ def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_
 
     monkeypatch.setattr(DraftRuntime, "run_round", flaky)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The proposer lives in this (lasting) process: its metrics files go to a directory of their
+    # own, not the one later servers inherit from this process (they would count a live writer).
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "draft_round": "host",
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
     try:

@@ -450,9 +450,7 @@ def vocab_mismatch(draft_vocab: dict[str, int], target_vocab: dict[str, int], dr
     d = {i: t for t, i in draft_vocab.items()}
     g = {i: t for t, i in target_vocab.items()}
     other = sum(d[i] != g[i] for i in d.keys() & g.keys())
-    alone = [t for i, t in (*((i, t) for i, t in d.items() if i not in g),
-                            *((i, t) for i, t in g.items() if i not in d))
-             if not _PLACEHOLDER.fullmatch(t)]
+    alone = [t for i, t in {**d, **g}.items() if (i in d) != (i in g) and not _PLACEHOLDER.fullmatch(t)]
     if other or alone:
         return (f"the tokenizers differ ({other} ids name other tokens, {len(alone)} tokens are in "
                 f"one only; {len(d)} tokens in the draft's, {len(g)} in the target's)")

@@ -224,7 +224,7 @@ def read_totals(path: str, seen: dict[int, np.ndarray] | None = None) -> dict[st
             if pid in seen:
                 counts[pid] = np.maximum(values, seen[pid])
         seen.update(counts)
-        counts = {**seen, **counts}
+        counts = seen  # the live writers as read now, and the exited ones as last read
     for values in counts.values():
         found = True
         for key, v in zip(COUNTERS, values.tolist()):

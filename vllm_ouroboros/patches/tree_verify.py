@@ -229,11 +229,11 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         out = original_sample(runner, logits, spec_meta)
     (rows,) = to_device(logits.device, node_rows(step.tree, step.row_start))
     B = step.tree.B
-    greedy = (torch.ones(B, dtype=torch.bool, device=logits.device) if sm.all_greedy
-              else sm.temperature[:B] < bias_min_p.SAMPLING_EPS)
-    target_next, tokens, sampled, greedy = to_host(logits.argmax(dim=-1)[rows], step.tree.tokens,
-                                                   out.sampled_token_ids.long(), greedy)
-    target_next = emitted_choices(target_next, sampled, greedy)
+    reads = [logits.argmax(dim=-1)[rows], step.tree.tokens, out.sampled_token_ids.long()]
+    if not sm.all_greedy:  # in the same read (all greedy: known on the host)
+        reads.append(sm.temperature[:B] < bias_min_p.SAMPLING_EPS)
+    target_next, tokens, sampled, *temp = to_host(*reads)
+    target_next = emitted_choices(target_next, sampled, temp[0] if temp else np.ones(B, bool))
     num_acc = (sampled != -1).sum(1) - 1
     sfx = np.where(num_acc > step.tree.layout.n, 0, -1)
     return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx)

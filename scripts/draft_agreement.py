@@ -18,6 +18,16 @@ import torch
 from generate import humaneval_prompts, models_dir
 
 
+def draft_topk(draft, seq: torch.Tensor, target_vocab: int, k: int = 3) -> torch.Tensor:
+    """[len(seq), k] the draft's top-k ids after each prefix of seq (a 1-D LongTensor of the
+    target's ids), as the engine fits a draft with another embedding size (DraftModel.fit_vocab):
+    target ids past the draft's rows read as its last row; it chooses among the ids both have."""
+    rows = draft.get_input_embeddings().weight.shape[0]
+    with torch.no_grad():
+        logits = draft(seq.clamp(max=rows - 1)[None]).logits[0, :, :min(rows, target_vocab)]
+    return logits.topk(k, -1).indices
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8, help="first N HumanEval prompts")
@@ -32,13 +42,14 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.target)
     load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
     target, draft = load(args.target), load(args.draft)
+    target_vocab = target.get_output_embeddings().weight.shape[0]
 
     positions = misses = top2 = top23 = rounds = rejects = rej2 = rej23 = accepted = 0
     for prompt in prompts:
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             seq = target.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)[0]
-            top = draft(seq[None]).logits[0].topk(3, -1).indices  # top[j] predicts seq[j + 1]
+        top = draft_topk(draft, seq, target_vocab)  # top[j] predicts seq[j + 1]
         first, last = ids.shape[1] - 1, len(seq) - 1
         for j in range(first, last):
             positions += 1

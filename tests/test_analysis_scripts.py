@@ -115,3 +115,27 @@ def test_step_width_cost_times_both_forms(monkeypatch, capsys, one_thread):
     assert [ln.split(":")[0] for ln in lines] == ["B=1", "B=2"]
     # bench_gpu's tiny drafts: beta 5, so L + 1 = 5 columns padded
     assert all(" 1 column " in ln and " 5 columns " in ln and "ratio" in ln for ln in lines), lines
+
+
+def test_draft_agreement_fits_a_draft_with_another_vocabulary_size(tiny_models, tmp_path):
+    """draft_agreement.py with a draft of fewer rows than the target's ids (Qwen2.5-0.5B for 7B)
+    indexed its embedding with the target's ids past its rows (an IndexError); with more rows
+    it could rank ids the target has not. Fitted as the engine fits it: clamped ids, the shared
+    ids only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draft_agreement import draft_topk
+    from tiny_models import padded_vocab_copy
+
+    wide = padded_vocab_copy(tiny_models["draft"], tmp_path / "wide", 640, scale=3.0, seed=5)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    narrow, wide = load(tiny_models["draft"]), load(wide)
+    seq = torch.tensor([5, 383, 384, 511, 7, 450, 2])  # a 512-id target's text, past 384 too
+    top = draft_topk(narrow, seq, 512)
+    assert top.shape == (7, 3) and int(top.max()) < 384
+    # Ids past the rows read as the last row: the same top-k as that row's text.
+    assert torch.equal(top, draft_topk(narrow, seq.clamp(max=383), 512))
+    top = draft_topk(wide, seq, 512)
+    assert int(top.max()) < 512
+    assert int(wide(seq[None]).logits[0].argmax(-1).max()) >= 512  # unfitted it would choose them

@@ -188,3 +188,46 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     failed = {id(r) for r in caplog.records if "could not be saved" in r.getMessage()}
     assert len(failed) == 1 and "RuntimeError" in caplog.text and (tmp_path / "pool.pt").exists()
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 2
+
+
+def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
+    """vLLM sends its engine process SIGTERM and SIGKILLs it 5 s later; the process tears down
+    its distributed state and memory before exit handlers run, so a save left to atexit was
+    lost on a busy machine (the file kept the first step's pool). The worker's shutdown
+    (patched) writes the pool first, with every phrase inserted since the last save."""
+    import atexit
+
+    pytest.importorskip("vllm", reason="the patched worker is vLLM's")
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_ouroboros.patches import model_runner
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    model_runner.apply()
+    assert getattr(Worker.shutdown, "__ouroboros_original__", None) is not None
+
+    p = object.__new__(OuroborosProposer)
+    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"))
+    p.pool, p._writer = small_pool(), None
+    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    p._maybe_save_pool()  # the first step's periodic save: 10 keys
+    p._save_thread.join(10)
+    p.pool.insert(torch.arange(30, 40), torch.ones(10, 4, dtype=torch.long), torch.zeros(10, dtype=torch.long))
+    atexit.register(p._maybe_save_pool, True)
+
+    order = []
+
+    def teardown(worker):
+        keys = PhrasePool.read_state(str(tmp_path / "pool.pt"))["page_key"]
+        order.append(len(keys[keys >= 0].unique()))
+
+    worker = object.__new__(Worker)
+    worker.model_runner = type("Runner", (), {"drafter": p})()
+    model_runner._worker_shutdown(teardown)(worker)
+    assert order == [20], "the pool was not saved whole before the worker's teardown"
+    # The exit handler is gone (it held the proposer, and would write the same pool again).
+    assert atexit.unregister(p._maybe_save_pool) is None  # unregistering twice is a no-op too
+    calls = []
+    worker.model_runner.drafter = type("Other", (), {"shutdown": lambda self: calls.append(1)})()
+    model_runner._worker_shutdown(teardown)(worker)  # another drafter: left alone
+    assert calls == [] and len(order) == 2

@@ -103,6 +103,51 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
     assert len(logged) == 1 and "speculation is off for this engine" in caplog.text
 
 
+def test_a_tp_follower_whose_request_table_fails_still_joins_the_first_ranks_share(caplog):
+    """A TP rank other than the first updates its request table, then joins the first rank's
+    broadcast of the step's drafts. Its update raised out of propose() before the broadcast
+    (the first rank's own update is inside its drafting guard): the worker died and the first
+    rank waited in the collective. It logs once, joins, and takes the drafts; the rows it has
+    no slot for record no layout."""
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros.request_slots import RequestSlots
+
+    shared = ([[7], [8, 9]], np.array([1, 2]), np.array([[0, 0], [1, 0]]))
+    joined = []
+    p = object.__new__(OuroborosProposer)
+    p._req_ids = ["a", "b"]
+    p._tp = SimpleNamespace(leads=False, size=2, rank=1,
+                            share=lambda v: joined.append(v) or shared)
+    p.draft_failures, p._failure_kinds = 0, set()
+    p._slot_of = RequestSlots(4)
+    p._last_main, p._last_suffix_len = np.zeros(4, np.int64), np.zeros((4, 2), np.int64)
+
+    def broken(req_ids):
+        raise KeyError("slot table (test)")
+
+    p._sync_requests = broken
+    args = ([[1], [2]], np.array([3, 3]), np.zeros((2, 4), np.int64))
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(caplog.handler)
+    try:
+        for _ in range(2):
+            assert p.propose(*args) == [[7], [8, 9]]
+    finally:
+        log.removeHandler(caplog.handler)
+    assert joined == [None, None] and p.draft_failures == 2
+    assert (p._last_main == 0).all()  # no slot for either id: nothing recorded
+    logged = {id(r) for r in caplog.records if "updating the request table failed (KeyError" in r.getMessage()}
+    assert len(logged) == 1
+    # With the table working the rows' layouts are recorded.
+    p._sync_requests = OuroborosProposer._sync_requests.__get__(p)
+    p._slot_of.sync(("a", "b"))
+    p._sync_requests = lambda req_ids: None
+    p.propose(*args)
+    assert p._last_main[[p._slot_of.get("a"), p._slot_of.get("b")]].tolist() == [1, 2]
+
+
 def test_the_fallbacks_greedy_rows_feed_the_pool_what_was_emitted():
     """A step vLLM's sampler verified (penalties, bad words, ...): for greedy rows the pool
     learns the tokens emitted along the accepted chain, the correction included, not the raw

@@ -293,6 +293,7 @@ class OuroborosProposer:
             if warning:
                 logger.warning("ouroboros: %s", warning)
         if cfg.pool_save_path:
+            # A backstop only: the worker's shutdown (patches/model_runner.py) saves first.
             atexit.register(self._maybe_save_pool, True)
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
                     "(%d pages of %d tokens shared by the requests; grows on demand%s)",
@@ -532,6 +533,15 @@ class OuroborosProposer:
             self._flush_staged()
             self.pool.save(path)
             self._last_pool_save = time.monotonic()
+
+    def shutdown(self) -> None:
+        """The engine is stopping (the worker's shutdown, patches/model_runner.py): write the
+        pool now. vLLM gives its engine process 5 s after SIGTERM before SIGKILL, and tears the
+        process down first (distributed state, memory), so an exit handler alone was lost on a
+        busy machine, leaving the last periodic save (up to POOL_SAVE_INTERVAL s old)."""
+        if self.cfg.pool_save_path:
+            atexit.unregister(self._maybe_save_pool)
+            self._maybe_save_pool(True)
 
     def _flush_staged(self) -> None:
         """Insert the rows staged for the next round's insert (pool_writer.py) before the pool
@@ -917,10 +927,24 @@ class OuroborosProposer:
                          self._failures_in_a_row, self._drafting_off)
         return [[] for _ in req_ids]
 
+    def _follower_failed(self, error: Exception) -> None:
+        self.draft_failures += 1
+        kind = type(error).__name__
+        if kind not in self._failure_kinds:
+            self._failure_kinds.add(kind)
+            logger.error("ouroboros: TP rank %d: updating the request table failed (%s: %s); the "
+                         "first rank's drafts are still taken", self._tp.rank, kind, error, exc_info=error)
+
     def _follow(self, req_ids: tuple[str, ...]) -> list[list[int]]:
         """A TP rank other than the first: the first rank's proposals, and what it records of
         them for the next step's tree (layouts()), so that every rank builds the same tree."""
-        self._sync_requests(req_ids)
+        try:
+            self._sync_requests(req_ids)
+        except Exception as e:  # noqa: BLE001 - the first rank waits in share(): join it
+            # What fails here fails on the first rank too (same code, same ids), where the step
+            # decodes plainly (_draft_failed); a rank leaving the collective would stop the
+            # engine. Its requests' ids missing from the table read as no draft below.
+            self._follower_failed(e)
         proposals, n, sl = self._tp.share(None)
         slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
         known = slots >= 0

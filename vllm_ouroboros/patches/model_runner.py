@@ -19,6 +19,7 @@
     of its own) with its token count; the proposer reports it against the target's cost curve
     measured at load (cost_model.CurveCalibration; the mode review reads it, mode_review.py,
     the back-off does not).
+`Worker.shutdown` (patched): the proposer writes its pool before the worker's teardown.
 `initialize_kv_cache` (patched): once the target's KV cache is allocated, whether the tree can
     run is decided (tree_verify.prepare; on a GPU the tree kernel is compiled and checked then,
     during the engine's start, not in the first request's step).
@@ -158,6 +159,21 @@ def _input_fits_in_drafter(original):
     return input_fits_in_drafter
 
 
+def _worker_shutdown(original):
+    def shutdown(self):
+        drafter = _drafter(getattr(self, "model_runner", None))
+        if drafter is not None:
+            try:
+                drafter.shutdown()
+            except Exception:  # noqa: BLE001 - the worker's own teardown must still run
+                import logging
+
+                logging.getLogger(__name__).exception("ouroboros: saving the pool at shutdown failed")
+        return original(self)
+
+    return shutdown
+
+
 def _update_max_model_len(original):
     # vLLM fits max_model_len to the KV memory after the workers loaded (--max-model-len -1,
     # or auto): the proposer's room and length limits follow, or its proposals near the end
@@ -212,6 +228,10 @@ def apply() -> None:
     patch_method(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     require_params(GPUModelRunner._model_forward, "input_ids", "positions", "inputs_embeds")
     patch_method(GPUModelRunner, "_model_forward", _model_forward)
+    # The pool's save at exit, before vLLM tears the process down (proposer.shutdown).
+    from vllm.v1.worker.gpu_worker import Worker
+
+    patch_method(Worker, "shutdown", _worker_shutdown)
     from vllm_ouroboros.patches import bias_min_p, cpu_sampler
 
     cpu_sampler.apply()

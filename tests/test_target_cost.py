@@ -62,3 +62,82 @@ def test_the_fallbacks_parameter_count_reads_the_shapes():
     # The last of two pipeline stages holds half the layers: the step runs all of them.
     stage = Target([PPMissingLayer(), Layer(dropped=True)])
     assert target_parameter_count(stage) == pytest.approx(2 * (per_layer + embed))
+
+
+class _RowParallel(Linear):
+    """A row-parallel stand-in: its product all-reduces across the ranks, as vLLM's does; on
+    `fail_rank` its inputs cannot be made from `fail_at` tokens on (input_size_per_partition
+    raising, as a layer of another layout or an allocation would)."""
+
+    def __init__(self, k, n, rank, fail_rank, fail_at):
+        nn.Module.__init__(self)
+        self.input_size, self.output_size, self.output_size_per_partition = k, n, n
+        self.packed = torch.randn(n, k) * 0.01
+        self._k, self.rank, self.fail_rank, self.fail_at, self.seen = k, rank, fail_rank, fail_at, 0
+
+    @property
+    def input_size_per_partition(self):
+        self.seen += 1  # one read per point
+        if self.rank == self.fail_rank and self.seen >= self.fail_at:
+            raise MemoryError("inputs for this point (test)")
+        return self._k
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        y = x @ self.packed.T
+        dist.all_reduce(y)
+        return y
+
+
+def _tp_rank(rank: int, port: int, fail_rank: int, out) -> None:
+    import torch.distributed as dist
+
+    from vllm_ouroboros.patches.distributed import TensorParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = type("Group", (), {"world_size": 2, "rank_in_group": rank, "cpu_group": dist.group.WORLD,
+                                   "broadcast_object": lambda self, v, src=0: _broadcast(v, src)})()
+        tp = TensorParallel(group)
+        layer = nn.Module()
+        layer.o = _RowParallel(64, 64, rank, fail_rank, fail_at=3)  # the third point: n = 4
+        curve = measure_target_curve(Target([layer]), 64, reps=1, agree=tp.agree, all_ok=tp.all_ok)
+        out.put((rank, curve))
+    finally:
+        dist.destroy_process_group()
+
+
+def _broadcast(value, src):
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_a_rank_that_cannot_prepare_a_point_falls_back_with_the_others(fail_rank):
+    """Under tensor parallelism the ranks time the row-parallel products together. One rank
+    failing to make a point's inputs left the loop alone while the others waited in the
+    products' all-reduce (or, before that fix, raised: a failed engine start where a lone rank
+    falls back). Every rank now learns it before the products and all fall back (None)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, fail_rank, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: None, 1: None}

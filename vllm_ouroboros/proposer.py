@@ -263,7 +263,7 @@ class OuroborosProposer:
             if target_model is not None and cfg.target_cost_ms is None:
                 from vllm_ouroboros.patches.target_cost import measure_target_curve
 
-                measure_target_curve(target_model, 256, agree=self._tp.agree)
+                measure_target_curve(target_model, 256, agree=self._tp.agree, all_ok=self._tp.all_ok)
             logger.info("ouroboros: TP rank %d of %d takes the first rank's drafts (no draft "
                         "model loaded here)", self._tp.rank, self._tp.size)
             return
@@ -360,7 +360,8 @@ class OuroborosProposer:
         elif target_model is not None:
             from vllm_ouroboros.patches.target_cost import measure_target_curve, target_parameter_count
 
-            self.target_cost = measure_target_curve(target_model, 256, agree=self._tp.agree)
+            self.target_cost = measure_target_curve(target_model, 256, agree=self._tp.agree,
+                                                    all_ok=self._tp.all_ok)
             if self.target_cost is None:  # same shape as the draft's, scaled by the size ratio
                 r = sum(p.numel() for p in model.parameters()) / max(target_parameter_count(target_model), 1)
                 self.target_cost = cost_model.CostCurve(self.cost.n, tuple(t / r for t in self.cost.seconds))

@@ -12,7 +12,7 @@ decision from the first rank too (`TensorParallel.agree`).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class TensorParallel:
         if not parallel_state.model_parallel_is_initialized():
             return cls(None)
         group = parallel_state.get_tp_group()
-        require(group, "broadcast_object", "world_size", "rank_in_group")
+        require(group, "broadcast_object", "world_size", "rank_in_group", "cpu_group")
         return cls(group if group.world_size > 1 else None)
 
     @property
@@ -55,3 +55,15 @@ class TensorParallel:
     def agree(self, decision: bool) -> bool:
         """The first rank's boolean decision on every rank (each passes its own)."""
         return bool(self.share(bool(decision)))
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank where every rank passes True (a collective on the group's host
+        side: a rank whose device work failed can still take part)."""
+        if self.size == 1:
+            return bool(ok)
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group.cpu_group)
+        return bool(flag.item())

@@ -34,13 +34,19 @@ def _single_rank() -> bool:
         return False
 
 
+class _NotPrepared(Exception):
+    """Some rank could not prepare a point's inputs: every rank leaves before its products."""
+
+
 def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
-                         agree: Callable[[bool], bool] = bool) -> CostCurve | None:
+                         agree: Callable[[bool], bool] = bool,
+                         all_ok: Callable[[bool], bool] = bool) -> CostCurve | None:
     """t_target(n) in seconds (cost_model.measure_curve; fastest of `reps` matters most here:
     one layer's time is multiplied by the layer count), or None (logged) where the model's
-    layout is not the usual `model.layers[i]` with vLLM linear modules. Under tensor parallelism
-    every rank must call this (the row-parallel layers all-reduce) with `agree` taking the first
-    rank's decision to go on (patches/distributed.TensorParallel.agree)."""
+    layout is not the usual `model.layers[i]` with vLLM linear modules or a point's inputs
+    cannot be made. Under tensor parallelism every rank must call this (the row-parallel layers
+    all-reduce) with `agree` taking the first rank's decision to go on and `all_ok` every
+    rank's readiness for a point (patches/distributed.TensorParallel.agree, all_ok)."""
     measuring = False
     try:
         from vllm.model_executor.layers.linear import LinearBase
@@ -84,14 +90,27 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
                 return layer() * len(layers) + head_t()
             return run
 
+        def prepared(n: int):
+            # Where one rank cannot make a point's inputs (device memory, a linear module of
+            # another layout), all ranks learn it before any of them enters the products'
+            # all-reduce, and all fall back together, as a lone rank does.
+            try:
+                run, error = timer_at(n), None
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks first
+                run, error = None, e
+            if not all_ok(error is None):
+                raise _NotPrepared(f"{type(error).__name__}: {error}" if error is not None
+                                   else "another tensor-parallel rank could not prepare its inputs")
+            return run
+
         measuring = True
-        return measure_curve(timer_at, max_tokens, reps, agree)
+        return measure_curve(prepared, max_tokens, reps, agree)
     except Exception as e:  # any unexpected layout: the back-off falls back to the draft's curve
-        if measuring and not _single_rank():
+        if measuring and not isinstance(e, _NotPrepared) and not _single_rank():
             # Under tensor parallelism the ranks time collectives together (the row-parallel
             # all-reduce, `agree`): one rank leaving the loop alone (an out-of-memory error on
             # the first rank, which alone holds the draft) would leave the others waiting in
-            # it for good. A loud start-up failure instead.
+            # it for good. A loud start-up failure instead (a point's inputs: _NotPrepared).
             raise
         logger.info("ouroboros: target cost curve not measured (%s); back-off uses the draft's "
                     "curve scaled by the parameter ratio", e)

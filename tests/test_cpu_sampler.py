@@ -74,7 +74,9 @@ def test_vllm_rejection_sampler_gets_the_temperatures_right(vllm_sampler):
     from vllm_ouroboros.patches import cpu_sampler
 
     rejection_sampler = vllm_sampler
-    original = rejection_sampler.expand_batch_to_tokens
+    # vLLM's own, also where an engine or another test applied the patch in this process.
+    current = rejection_sampler.expand_batch_to_tokens
+    original = getattr(current, "__ouroboros_original__", current)
     was_wrong = not expand_is_correct(original)
     print("this vLLM's CPU expand fallback is", "wrong" if was_wrong else "right")
     assert cpu_sampler.apply() == was_wrong
@@ -87,7 +89,9 @@ def test_vllm_rejection_sampler_gets_the_temperatures_right(vllm_sampler):
     temperature = torch.tensor([greedy, 0.5, greedy], dtype=torch.float32)
     counts = [2, 3, 1]
     logits = torch.randn(sum(counts), 11, generator=torch.Generator().manual_seed(1))
-    meta = SimpleNamespace(all_greedy=False, temperature=temperature, top_k=None, top_p=None)
+    # logitsprocs: none active (read where bias_min_p.apply_worker ran in this process first)
+    meta = SimpleNamespace(all_greedy=False, temperature=temperature, top_k=None, top_p=None,
+                           logitsprocs=SimpleNamespace(all=[]))
     cu = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
     out = rejection_sampler.apply_sampling_constraints(logits.clone(), cu, meta)
     scale = torch.tensor([1.0] * 2 + [0.5] * 3 + [1.0])[:, None]
@@ -110,7 +114,8 @@ def test_vllm_rejection_sampling_keeps_the_target_distribution(vllm_sampler):
     logits = torch.tensor([1.2, -0.4, -1.5, 0.3, -0.9, -1.0])
     cu = torch.full((B,), 2).cumsum(0).to(torch.int32)
     meta = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.full((B,), T),
-                           top_k=torch.full((B,), 3, dtype=torch.int32), top_p=None, generators={})
+                           top_k=torch.full((B,), 3, dtype=torch.int32), top_p=None, generators={},
+                           logitsprocs=SimpleNamespace(all=[]))
     processed = rs.apply_sampling_constraints(logits.repeat(2 * B, 1), cu, meta)
     draft = torch.tensor([3, 1] * B, dtype=torch.int32)  # token 1 is outside the top 3
     out = rs.rejection_sample(draft, [2] * B, 2, cu, None, processed,

@@ -334,12 +334,17 @@ def test_batched_drafting_does_not_scale_forwards_with_requests(runs):
 
 
 def test_pool_saved_at_engine_exit(runs, pool_file):
-    """The pool a run built is written to pool_save_path when the engine shuts down."""
+    """The pool a run built is written to pool_save_path when the engine shuts down: the file
+    holds the pool of the last snapshot (taken after the last request, no step after it), not
+    an earlier periodic save (the first step saves at once, so a file alone proves nothing)."""
     from vllm_ouroboros.pool import PhrasePool
 
+    _, _, snaps = runs
     assert pool_file.exists(), "pool_save_path was not written at shutdown"
     pool = PhrasePool.load(str(pool_file))
-    assert pool.num_phrases() > 0
+    last = snaps["bias"]["pool"]
+    assert pool.num_phrases() == last["phrases"] > 0 and pool.num_keys() == last["keys"], (
+        pool.num_phrases(), pool.num_keys(), last)
 
 
 @pytest.fixture(scope="module")
@@ -683,6 +688,7 @@ def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_
     three failing steps in a row turn drafting off for the engine's life. The outputs stay
     the greedy ones of no speculation. The engine runs in this process (its core's and worker's
     code patched here: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    import torch
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from vllm_ouroboros.draft.runtime import DraftRuntime
@@ -698,6 +704,11 @@ def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_
 
     monkeypatch.setattr(DraftRuntime, "run_round", flaky)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM's CPU worker binds its threads and replaces torch.set_num_threads by a no-op for its
+    # process: here, pytest's. Undone after, or every later one_thread fixture did nothing and
+    # the tiny-tensor tests ran on both threads (CI: 3,197 s before this test, 3,920 s with it).
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)
+    threads = torch.get_num_threads()
     # The proposer lives in this (lasting) process: its metrics files go to a directory of their
     # own, not the one later servers inherit from this process (they would count a live writer).
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
@@ -708,6 +719,8 @@ def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_
     finally:
         # The in-process engine left its environment cache and process groups in this process.
         cleanup_dist_env_and_memory()
+        monkeypatch.undo()
+        torch.set_num_threads(threads)
     base, _, _ = runs
     for i, (b, o) in enumerate(zip(base["main"], ours["main"])):
         assert o == b, f"request {i}: differs after a drafting fault"

@@ -163,8 +163,11 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     gate = threading.Event()
     writers = []
 
+    entered = threading.Event()
+
     def full_disk(sd, path):
         writers.append(threading.current_thread().name)
+        entered.set()
         gate.wait(10)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 178624 vs 178576")
 
@@ -172,6 +175,7 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
         p._maybe_save_pool()  # the periodic save: queued on a thread, the step goes on
+        assert entered.wait(10)  # the thread has reached the write (start() does not wait for it)
         assert writers == ["ouroboros-pool-save"] and p._save_thread.is_alive()
         p._last_pool_save = -float("inf")
         p._maybe_save_pool()  # the next interval's, while one is under way: skipped

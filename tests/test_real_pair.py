@@ -52,7 +52,7 @@ def rows():
 def test_identical_to_no_speculation(rows):
     for name, r in rows.items():
         assert r["identical"], f"{name}: greedy output differs from no speculation"
-        assert r["tokens"] == 5 * 64 or name != "no-spec" or r["tokens"] > 0
+        assert r["tokens"] > 0, f"{name}: no tokens"
 
 
 def test_phrase_drafting_cuts_draft_forwards(rows):

@@ -40,12 +40,12 @@ def run_tp2(target, spec):
 @pytest.fixture(scope="module")
 def tp_env():
     """One core per rank: vLLM's CPU workers bind their OpenMP threads per rank."""
-    n = os.cpu_count() or 2
-    if n < 2:
+    cpus = sorted(os.sched_getaffinity(0))  # this process's (a container's cpuset), not the host's
+    if len(cpus) < 2:
         pytest.skip("tensor parallelism on CPU needs two cores, one per rank")
-    h = n // 2
+    h = len(cpus) // 2
     mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"0-{h - 1}|{h}-{n - 1}")
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{','.join(map(str, cpus[:h]))}|{','.join(map(str, cpus[h:]))}")
     yield
     mp.undo()
 

@@ -10,7 +10,6 @@ Needs the models from scripts/setup.sh; skipped (with the reason printed) when t
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest

@@ -212,3 +212,26 @@ def test_a_writer_that_exits_keeps_its_counts_in_the_exported_counters(tmp_path)
     collector = OuroborosCollector(str(tmp_path))
     registry.register(collector)
     assert "vllm:ouroboros_draft_forwards_total 12.0" in generate_latest(registry).decode()
+
+
+def test_engine_snapshot_takes_the_first_worker_that_drafts():
+    """Under pipeline parallelism the first stage's workers have no drafter (their snapshot is
+    None): engine_snapshot said the engine did not run ouroboros. It takes the first drafting
+    worker's; an engine with none is still refused."""
+    import pytest
+
+    from vllm_ouroboros.metrics import engine_snapshot
+
+    class Engine:
+        def __init__(self, snaps):
+            self.snaps = snaps
+
+        def collective_rpc(self, method):
+            assert method == "ouroboros_snapshot"
+            return self.snaps
+
+    assert engine_snapshot(Engine([None, None, {"rounds": 3}, {"rounds": 3}])) == {"rounds": 3}
+    assert engine_snapshot(Engine([{"rounds": 1}])) == {"rounds": 1}
+    for snaps in ([None, None], [], None):
+        with pytest.raises(RuntimeError, match="does not run the ouroboros method"):
+            engine_snapshot(Engine(snaps))

@@ -172,9 +172,10 @@ class OuroborosStats:
 
 
 def engine_snapshot(llm) -> dict:
-    """Counters of a running `vllm.LLM` using ouroboros (first worker; TP ranks draft alike)."""
-    snaps = llm.collective_rpc("ouroboros_snapshot")
-    if not snaps or snaps[0] is None:
+    """Counters of a running `vllm.LLM` using ouroboros: the first worker that drafts (TP ranks
+    draft alike; under pipeline parallelism only the last stage's workers have a drafter)."""
+    snaps = [s for s in llm.collective_rpc("ouroboros_snapshot") or () if s is not None]
+    if not snaps:
         raise RuntimeError("this engine does not run the ouroboros method")
     return snaps[0]
 

@@ -85,3 +85,24 @@ def test_a_length_misjudged_in_the_first_rounds_is_judged_again():
     assert rl.best(_cost) == 2
     _run(rl, {1: 2.0, 2: 3.5, 3: 4.0, 4: 6.0}, 40 * EXPLORE)
     assert rl.best(_cost) == 4
+
+
+def test_a_first_try_never_observed_is_passed_over():
+    """A round is observed only where none of its rows was cut; under a load that cuts some row
+    in every round of one F (its fewer forwards), that F was handed out round after round in
+    the first tries, never observed, and no other F was measured. After MAX_OFFERS rounds it is
+    passed over: the others are measured and the best of them runs."""
+    from vllm_ouroboros.round_length import MAX_OFFERS
+
+    rl = RoundLength(4)
+    tokens = {1: 1.5, 2: 2.0, 4: 3.5}
+    chosen = []
+    for _ in range(20 * EXPLORE):
+        F = rl.choose(_cost)
+        chosen.append(F)
+        if F != 3:  # F = 3's rounds are always cut: never observed
+            rl.observe(F, tokens[F])
+    assert all(rl.rounds[F] >= FIRST_TRIES for F in (1, 2, 4)), rl.rounds
+    # Its first tries, then a turn among the others explored every EXPLORE-th round.
+    assert chosen.count(3) <= MAX_OFFERS + 20 // 3 + 1, chosen.count(3)
+    assert rl.best(_cost) == 4 and chosen[-EXPLORE:].count(4) >= EXPLORE - 1

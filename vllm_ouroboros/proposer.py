@@ -884,7 +884,7 @@ class OuroborosProposer:
             try:
                 self._sync_requests(req_ids)
             except Exception as e:  # noqa: BLE001 - the followers wait in share() below
-                self._follower_failed(e)
+                self._table_update_failed(e)
             proposals = [[] for _ in range(B)]
         else:
             try:
@@ -910,13 +910,9 @@ class OuroborosProposer:
         again on use); logged with its traceback once per kind. MAX_FAILURES_IN_A_ROW steps in
         a row that fail turn drafting off for the engine's life, logged: the engine serves on
         without speculation."""
-        self.draft_failures += 1
         self._failures_in_a_row += 1
-        kind = type(error).__name__
-        if kind not in self._failure_kinds:
-            self._failure_kinds.add(kind)
-            logger.error("ouroboros: drafting failed (%s: %s); this step decodes without drafts, "
-                         "its requests' draft caches start afresh", kind, error, exc_info=error)
+        kind = self._count_failure(error, "ouroboros: drafting failed (%s: %s); this step decodes "
+                                          "without drafts, its requests' draft caches start afresh")
         slots = np.array([s for s in (self._slot_of.get(r, -1) for r in req_ids) if s >= 0], np.int64)
         self._last_main[slots] = 0
         self._last_suffix_len[slots] = 0
@@ -934,16 +930,21 @@ class OuroborosProposer:
                          self._failures_in_a_row, self._drafting_off)
         return [[] for _ in req_ids]
 
-    def _follower_failed(self, error: Exception) -> None:
-        """The request table's update raised outside drafting (a follower rank, or any rank once
-        drafting is off): logged once per kind; the step goes on, into the TP broadcast."""
+    def _count_failure(self, error: Exception, message: str) -> str:
+        """Count a failure in draft_failures and log `message` % (kind, error) with its
+        traceback, once per kind of error. Returns the kind."""
         self.draft_failures += 1
         kind = type(error).__name__
         if kind not in self._failure_kinds:
             self._failure_kinds.add(kind)
-            logger.error("ouroboros: TP rank %d: updating the request table failed (%s: %s); the "
-                         "step goes on without drafts from this rank's table", self._tp.rank, kind,
-                         error, exc_info=error)
+            logger.error(message, kind, error, exc_info=error)
+        return kind
+
+    def _table_update_failed(self, error: Exception) -> None:
+        """The request table's update raised outside drafting (a follower rank, or any rank once
+        drafting is off): counted and logged; the step goes on, into the TP broadcast."""
+        self._count_failure(error, f"ouroboros: TP rank {self._tp.rank}: updating the request table "
+                                   "failed (%s: %s); the step goes on without drafts from its table")
 
     def _follow(self, req_ids: tuple[str, ...]) -> list[list[int]]:
         """A TP rank other than the first: the first rank's proposals, and what it records of
@@ -954,7 +955,7 @@ class OuroborosProposer:
             # What fails here fails on the first rank too (same code, same ids), where the step
             # decodes plainly (_draft_failed); a rank leaving the collective would stop the
             # engine. Its requests' ids missing from the table read as no draft below.
-            self._follower_failed(e)
+            self._table_update_failed(e)
         proposals, n, sl = self._tp.share(None)
         slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
         known = slots >= 0

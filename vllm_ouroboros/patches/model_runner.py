@@ -29,6 +29,7 @@ not Ouroboros take vLLM's own path untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from vllm_ouroboros.patches._util import patch_method, require, require_params
@@ -177,28 +178,22 @@ def _worker_shutdown(original):
     return shutdown
 
 
-class _signals_held:
+@contextlib.contextmanager
+def _signals_held():
     """SIGTERM and SIGINT ignored while the pool is written at shutdown (main thread only). vLLM
     restores their default handlers before its engine's shutdown, so a second signal (Ctrl-C
     or a service manager reaching every process, then the API server's own SIGTERM) killed the
     process mid-write; vLLM's SIGKILL, 5 s after its SIGTERM, still bounds the wait."""
+    import signal
+    import threading
 
-    def __enter__(self):
-        import signal
-        import threading
-
-        self._old = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, signal.SIG_IGN)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-
-        for sig, handler in self._old.items():
+    held = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
             signal.signal(sig, handler)
-        return False
 
 
 def _update_max_model_len(original):

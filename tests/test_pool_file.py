@@ -204,7 +204,7 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     pytest.importorskip("vllm", reason="the patched worker is vLLM's")
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_ouroboros.patches import model_runner
+    from vllm_ouroboros.patches import engine_shutdown, model_runner
     from vllm_ouroboros.proposer import OuroborosProposer
 
     model_runner.apply()
@@ -227,13 +227,13 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
 
     worker = object.__new__(Worker)
     worker.model_runner = type("Runner", (), {"drafter": p})()
-    model_runner._worker_shutdown(teardown)(worker)
+    engine_shutdown._worker_shutdown(teardown)(worker)
     assert order == [20], "the pool was not saved whole before the worker's teardown"
     # The exit handler is gone (it held the proposer, and would write the same pool again).
     assert atexit.unregister(p._maybe_save_pool) is None  # unregistering twice is a no-op too
     calls = []
     worker.model_runner.drafter = type("Other", (), {"shutdown": lambda self: calls.append(1)})()
-    model_runner._worker_shutdown(teardown)(worker)  # another drafter: left alone
+    engine_shutdown._worker_shutdown(teardown)(worker)  # another drafter: left alone
     assert calls == [] and len(order) == 2
 
 
@@ -244,7 +244,7 @@ def test_the_shutdown_save_holds_signals_and_vllms_teardown_always_runs():
     interrupted (a KeyboardInterrupt skipped it: the device memory was never released)."""
     import signal
 
-    from vllm_ouroboros.patches import model_runner
+    from vllm_ouroboros.patches import engine_shutdown
 
     seen, torn_down = [], []
 
@@ -261,7 +261,7 @@ def test_the_shutdown_save_holds_signals_and_vllms_teardown_always_runs():
 
     before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
     worker = type("Worker", (), {})()
-    teardown = model_runner._worker_shutdown(lambda w: torn_down.append(w) or "done")
+    teardown = engine_shutdown._worker_shutdown(lambda w: torn_down.append(w) or "done")
     worker.model_runner = type("Runner", (), {"drafter": Drafter()})()
     assert teardown(worker) == "done"
     assert seen == [(signal.SIG_IGN, signal.SIG_IGN)]
@@ -273,6 +273,75 @@ def test_the_shutdown_save_holds_signals_and_vllms_teardown_always_runs():
         teardown(worker)
     assert len(torn_down) == 3, "vLLM's teardown was skipped"
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp_path):
+    """vLLM's Ray executors `ray.kill` their workers without calling the worker's shutdown, so
+    the save there never ran: the engine core's shutdown (patched) first asks the workers to
+    save through a collective RPC by name, with a time-out, and only under Ray (elsewhere the
+    worker's own shutdown saves), with an ouroboros pool file, and not once the executor failed.
+    The RPC reaches the proposer through vLLM's own dispatch (`run_method` on the worker
+    wrapper, as RayWorkerWrapper.execute_method calls it)."""
+    pytest.importorskip("vllm", reason="the patched engine core and worker wrapper are vLLM's")
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.serial_utils import run_method
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from vllm_ouroboros.patches import apply_all, engine_shutdown, model_runner
+    from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    apply_all()
+    model_runner.apply()
+    assert getattr(EngineCore.shutdown, "__ouroboros_original__", None) is not None
+
+    p = object.__new__(OuroborosProposer)
+    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"))
+    p.pool, p._writer = small_pool(), None
+    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    worker = object.__new__(Worker)
+    worker.model_runner = type("Runner", (), {"drafter": p})()
+    wrapper = object.__new__(WorkerWrapperBase)
+    wrapper.worker = worker
+
+    class Executor:
+        uses_ray, is_failed = True, False
+
+        def __init__(self):
+            self.calls = []
+
+        def collective_rpc(self, method, timeout=None):
+            self.calls.append((method, timeout))
+            return [run_method(wrapper, method, (), {})]
+
+    def engine(executor, method="custom_class", model=PROPOSER_PATH, save=str(tmp_path / "pool.pt")):
+        spec = type("Spec", (), {"method": method, "model": model})()
+        extra = {ADDITIONAL_CONFIG_KEY: OuroborosConfig(draft_model="unused", pool_save_path=save).to_dict()}
+        config = type("Config", (), {"speculative_config": spec, "additional_config": extra})()
+        return type("Core", (), {"model_executor": executor, "vllm_config": config})()
+
+    torn_down = []
+    shutdown = engine_shutdown._engine_core_shutdown(lambda core: torn_down.append(core) or "done")
+    ray = Executor()
+    assert shutdown(engine(ray)) == "done"
+    assert ray.calls == [(engine_shutdown.SAVE_METHOD, engine_shutdown.RAY_SAVE_TIMEOUT_S)]
+    assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
+
+    others = [Executor() for _ in range(4)]
+    others[0].uses_ray = False  # multiprocess: the worker's shutdown saves
+    others[1].is_failed = True
+    shutdown(engine(others[2], method="ngram", model=None))
+    shutdown(engine(others[3], save=None))
+    shutdown(engine(others[0]))
+    shutdown(engine(others[1]))
+    assert [e.calls for e in others] == [[]] * 4 and len(torn_down) == 5
+
+    class Timeout(Executor):
+        def collective_rpc(self, method, timeout=None):
+            raise TimeoutError("a worker did not answer (test)")
+
+    assert shutdown(engine(Timeout())) == "done" and len(torn_down) == 6, "vLLM's teardown was skipped"
 
 
 def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):

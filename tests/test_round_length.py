@@ -71,7 +71,10 @@ def test_one_forward_range_and_bad_input():
         rl.observe(1, 2.0)
     assert all(rl.choose(_cost) == 1 for _ in range(2 * EXPLORE))
     rl.observe(5, 9.0)  # out of range: ignored
-    assert rl.stats() == {1: {"tokens_per_target_forward": 2.0, "rounds": FIRST_TRIES}}
+    rl.observe_draft(5, 9.0)
+    assert rl.stats() == {1: {"tokens_per_target_forward": 2.0, "rounds": FIRST_TRIES, "draft_tokens": None}}
+    rl.observe_draft(1, 1.0)
+    assert rl.stats()[1]["draft_tokens"] == 1.0 and rl.draft_tokens(5, 7.0) == 7.0
     with pytest.raises(ValueError, match="max_forwards"):
         RoundLength(0)
 

@@ -199,6 +199,32 @@ def test_the_round_costs_target_part_counts_the_adaptive_drafts_measured_length(
     p._overhead = SimpleNamespace(value=0.5)
     p._draft_scale = np.ones(2)
     p.cost = cost_model.CostCurve((1, 64), (0.0, 0.0))
+    p._round_length = None
     assert p._round_cost(2)(3) == 2 * (1 + 4 + 2) + 0.5
     p._draft_tokens = 9.5
     assert p._round_cost(2)(3) == 2 * (1 + 9.5 + 2) + 0.5
+
+
+def test_the_round_costs_target_part_counts_each_round_lengths_own_drafts():
+    """A round of fewer forwards drafts less where its rows needed more forwards than it ran
+    (also with a fixed gamma), so the target's part of cost(F) is priced with the drafts
+    measured in whole rounds of that F; an F not measured yet keeps the overall figure."""
+    from vllm_ouroboros import cost_model
+    from vllm_ouroboros.round_length import RoundLength
+
+    p = object.__new__(OuroborosProposer)
+    p._draft_tokens = 4.0
+    p.runtime = SimpleNamespace(L=2, W=3, G=2)
+    p.target_cost = cost_model.CostCurve((1, 64), (1.0, 64.0))  # a second a token
+    p._overhead = SimpleNamespace(value=0.5)
+    p._draft_scale = np.ones(2)
+    p.cost = cost_model.CostCurve((1, 64), (1.0, 1.0))  # a second a draft forward
+    p._round_length = RoundLength(4)
+    for drafted in (1.0, 2.0, 1.5):
+        p._round_length.observe_draft(1, drafted)
+    p._round_length.observe_draft(3, 3.0)
+    cost = p._round_cost(2)
+    assert cost(1) == 2 * (1 + 1.5 + 2) + 0.5 + 1
+    assert cost(3) == 2 * (1 + 3.0 + 2) + 0.5 + 3
+    assert cost(2) == 2 * (1 + 4.0 + 2) + 0.5 + 2  # not measured: the overall figure
+    assert p._round_length.stats() == {}  # draft lengths alone are not rounds observed

@@ -228,8 +228,9 @@ class OuroborosProposer:
         self._prompt_readable_of = None  # req_id -> bool (set_batch, from the runner)
         self._told_unreadable = False
         self._draft_forwards = np.full(self.max_slots, float(self.cfg.gamma))
-        # Sentence-draft tokens per model row in a whole round (_round_cost): gamma for a fixed
-        # length; measured where the acceptance head sets it (from gamma: no round yet).
+        # Sentence-draft tokens per model row in a whole round (_round_cost, where no round of
+        # its F was measured): gamma for a fixed length; measured where the acceptance head
+        # sets it (from gamma: no round yet).
         self._draft_tokens = float(self.cfg.gamma)
         self._cache_retry_gap, self._cache_retry_wait = PROBE_GAP, 0
         self._caches_dropped = 0  # absent requests' draft-cache pages released under pressure
@@ -1096,9 +1097,12 @@ class OuroborosProposer:
             if whole_round:
                 ran = out_m.forwards if self.runtime.device_round is not None else out_m.row_forwards
                 self._draft_forwards[m] += ESTIMATE_RATE * (ran - self._draft_forwards[m])
-                if self.cfg.draft_length == "adaptive" and len(m):
+                if len(m):
                     drafted = float(out.draft_lens[~from_pool].mean())
-                    self._draft_tokens += ESTIMATE_RATE * (drafted - self._draft_tokens)
+                    if self.cfg.draft_length == "adaptive":
+                        self._draft_tokens += ESTIMATE_RATE * (drafted - self._draft_tokens)
+                    if self._round_length is not None:
+                        self._round_length.observe_draft(out.forwards, drafted)
         # What the row could send: near max_model_len the room, not the plan, bounds it. The
         # estimates must not learn the positions past the room as rejected (they were never sent).
         self._last_cut[slots] = np.minimum(cut, room)
@@ -1262,15 +1266,21 @@ class OuroborosProposer:
 
     def _round_cost(self, rows: int):
         """cost(F): modeled seconds of a step whose device round for `rows` requests runs F
-        forwards: the target over each row's token, its draft (gamma tokens; with an adaptive
-        length, the mean of whole rounds' drafts: the acceptance head stops them anywhere up to
-        max_draft_length) and one suffix, the engine's own time, F draft forwards as wide as the
-        round's fixed shapes (every window and guess column), scaled as the plan scales whole
-        rounds (_calibrate_draft)."""
-        rt = self.runtime
-        base = self.target_cost(rows * (1 + self._draft_tokens + rt.L)) + self._overhead.value
+        forwards: the target over each row's token, its draft (the mean of whole rounds' drafts
+        of F forwards: fewer forwards draft less where rows needed more, and an acceptance head
+        stops drafts anywhere up to max_draft_length; before any such round, gamma, or with an
+        adaptive length the mean over all F) and one suffix, the engine's own time, F draft
+        forwards as wide as the round's fixed shapes (every window and guess column), scaled as
+        the plan scales whole rounds (_calibrate_draft)."""
+        rt, lengths = self.runtime, self._round_length
+        fixed = self._overhead.value
         t_draft = self._draft_scale[0] * self.cost(rows * cost_model.draft_row_tokens(rt.W, rt.G, rt.L))
-        return lambda F: base + F * t_draft
+
+        def cost(F: int) -> float:
+            drafted = self._draft_tokens if lengths is None else lengths.draft_tokens(F, self._draft_tokens)
+            return self.target_cost(rows * (1 + drafted + rt.L)) + fixed + F * t_draft
+
+        return cost
 
     def _keep_rows_that_fit(self, req_ids, slots: np.ndarray, lens: np.ndarray,
                             by_model: np.ndarray) -> np.ndarray:

@@ -51,6 +51,10 @@ class RoundLength:
         self.tokens = np.zeros(max_forwards + 1)  # E_F, index F (0 unused)
         self.rounds = np.zeros(max_forwards + 1, np.int64)  # rounds observed per F
         self.offered = np.zeros(max_forwards + 1, np.int64)  # rounds handed out per F, first tries
+        # Sentence-draft tokens per drafting row, by F (the target's part of cost(F)): a round
+        # of fewer forwards drafts less where rows needed more than F.
+        self.drafted = np.zeros(max_forwards + 1)
+        self.drafted_rounds = np.zeros(max_forwards + 1, np.int64)
         self._chosen = 0
         self._explored = 0
 
@@ -89,7 +93,25 @@ class RoundLength:
         w = max(1.0 / self.rounds[forwards], RATE)
         self.tokens[forwards] += w * (tokens_per_row - self.tokens[forwards])
 
+    def observe_draft(self, forwards: int, tokens_per_row: float) -> None:
+        """A whole round of `forwards` forwards drafted tokens_per_row sentence-draft tokens per
+        drafting row (mean; before the suffixes and the back-off's cut)."""
+        if not 1 <= forwards <= self.max_forwards:
+            return
+        self.drafted_rounds[forwards] += 1
+        w = max(1.0 / self.drafted_rounds[forwards], RATE)
+        self.drafted[forwards] += w * (tokens_per_row - self.drafted[forwards])
+
+    def draft_tokens(self, forwards: int, default: float) -> float:
+        """Mean sentence-draft tokens per row of rounds of `forwards` forwards, or `default`
+        where none was observed."""
+        if 1 <= forwards <= self.max_forwards and self.drafted_rounds[forwards]:
+            return float(self.drafted[forwards])
+        return default
+
     def stats(self) -> dict:
-        """E_F and rounds per F observed, for the snapshot."""
-        return {int(F): {"tokens_per_target_forward": float(self.tokens[F]), "rounds": int(self.rounds[F])}
+        """E_F, rounds and mean sentence-draft tokens (None: none measured) per F observed, for
+        the snapshot."""
+        return {int(F): {"tokens_per_target_forward": float(self.tokens[F]), "rounds": int(self.rounds[F]),
+                         "draft_tokens": float(self.drafted[F]) if self.drafted_rounds[F] else None}
                 for F in range(1, self.max_forwards + 1) if self.rounds[F]}

@@ -14,7 +14,8 @@ __all__ = ["ADDITIONAL_CONFIG_KEY", "apply_all"]
 
 def apply_all() -> None:
     """Apply the patches that every process needs, in order."""
-    from vllm_ouroboros.patches import bias_min_p, engine_args
+    from vllm_ouroboros.patches import bias_min_p, engine_args, engine_shutdown
 
     engine_args.apply()
     bias_min_p.apply()
+    engine_shutdown.apply_engine_core()

@@ -26,17 +26,9 @@ import torch
 
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.patches._util import patch_method, require, require_params
+from vllm_ouroboros.patches.engine_args import is_ouroboros
 
 SAMPLING_EPS = 1e-5  # vLLM's Sampler (vllm/v1/sample/sampler.py): temperature below this is greedy
-
-
-def is_ouroboros(speculative_config) -> bool:
-    """Whether an engine's SpeculativeConfig is ours (engine_args.py translates the method)."""
-    from vllm_ouroboros.patches.engine_args import PROPOSER_PATH
-
-    return (speculative_config is not None
-            and getattr(speculative_config, "method", None) == "custom_class"
-            and getattr(speculative_config, "model", None) == PROPOSER_PATH)
 
 
 def _validate_spec_decode(original):

@@ -22,6 +22,13 @@ PROPOSER_PATH = "vllm_ouroboros.proposer.OuroborosProposer"
 ADDITIONAL_CONFIG_KEY = "ouroboros"
 
 
+def is_ouroboros(speculative_config) -> bool:
+    """Whether an engine's SpeculativeConfig is ours (translated by this module)."""
+    return (speculative_config is not None
+            and getattr(speculative_config, "method", None) == "custom_class"
+            and getattr(speculative_config, "model", None) == PROPOSER_PATH)
+
+
 _SHORTHANDS = (("--spec-method", "method", "spec_method"), ("--spec-model", "model", "spec_model"),
                ("--spec-tokens", "num_speculative_tokens", "spec_tokens"))
 

@@ -19,7 +19,7 @@
     of its own) with its token count; the proposer reports it against the target's cost curve
     measured at load (cost_model.CurveCalibration; the mode review reads it, mode_review.py,
     the back-off does not).
-`Worker.shutdown` (patched): the proposer writes its pool before the worker's teardown.
+`Worker.shutdown` (patched in engine_shutdown.py): the proposer writes its pool first.
 `initialize_kv_cache` (patched): once the target's KV cache is allocated, whether the tree can
     run is decided (tree_verify.prepare; on a GPU the tree kernel is compiled and checked then,
     during the engine's start, not in the first request's step).
@@ -29,7 +29,6 @@ not Ouroboros take vLLM's own path untouched.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 from vllm_ouroboros.patches._util import patch_method, require, require_params
@@ -160,42 +159,6 @@ def _input_fits_in_drafter(original):
     return input_fits_in_drafter
 
 
-def _worker_shutdown(original):
-    def shutdown(self):
-        drafter = _drafter(getattr(self, "model_runner", None))
-        try:
-            if drafter is not None:
-                with _signals_held():
-                    drafter.shutdown()
-        except Exception:  # noqa: BLE001 - the worker's own teardown must still run
-            import logging
-
-            logging.getLogger(__name__).exception("ouroboros: saving the pool at shutdown failed")
-        finally:  # also after an interrupt: vLLM's teardown frees the device memory
-            result = original(self)
-        return result
-
-    return shutdown
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """SIGTERM and SIGINT ignored while the pool is written at shutdown (main thread only). vLLM
-    restores their default handlers before its engine's shutdown, so a second signal (Ctrl-C
-    or a service manager reaching every process, then the API server's own SIGTERM) killed the
-    process mid-write; vLLM's SIGKILL, 5 s after its SIGTERM, still bounds the wait."""
-    import signal
-    import threading
-
-    held = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
 def _update_max_model_len(original):
     # vLLM fits max_model_len to the KV memory after the workers loaded (--max-model-len -1,
     # or auto): the proposer's room and length limits follow, or its proposals near the end
@@ -250,11 +213,9 @@ def apply() -> None:
     patch_method(GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     require_params(GPUModelRunner._model_forward, "input_ids", "positions", "inputs_embeds")
     patch_method(GPUModelRunner, "_model_forward", _model_forward)
-    # The pool's save at exit, before vLLM tears the process down (proposer.shutdown).
-    from vllm.v1.worker.gpu_worker import Worker
+    from vllm_ouroboros.patches import bias_min_p, cpu_sampler, engine_shutdown
 
-    patch_method(Worker, "shutdown", _worker_shutdown)
-    from vllm_ouroboros.patches import bias_min_p, cpu_sampler
+    engine_shutdown.apply_worker()  # the pool's save before vLLM tears the worker down
 
     cpu_sampler.apply()
     bias_min_p.apply_worker()

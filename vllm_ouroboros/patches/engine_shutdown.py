@@ -1,0 +1,125 @@
+"""Shutdown area: the phrase pool is written when the engine stops, before vLLM's teardown.
+
+`Worker.shutdown` (patched, worker processes): multiprocess and in-process executors call it on
+    every worker as the engine stops; the proposer saves its pool first (`save_pool`).
+`EngineCore.shutdown` (patched, engine-core process): vLLM's Ray executors (`RayDistributedExecutor`,
+    `RayExecutorV2`) `ray.kill` their workers without calling any worker code, so under Ray the
+    worker's shutdown never runs. The engine core asks its workers to save through a collective
+    RPC first (`SAVE_METHOD`), bounded by RAY_SAVE_TIMEOUT_S: a worker that hangs or died must
+    not hold the engine's exit (the last periodic save, at most 10 s old, then stands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from vllm_ouroboros import LOGGER_NAME
+from vllm_ouroboros.patches._util import patch_method, require
+
+logger = logging.getLogger(LOGGER_NAME)
+
+SAVE_METHOD = "ouroboros_save_pool"
+# A 35-64 MB pool file took 0.08-0.46 s to write here; vLLM SIGKILLs a multiprocess engine core
+# 5 s after its SIGTERM anyway. The bound matters for an in-process engine, which nobody kills.
+RAY_SAVE_TIMEOUT_S = 30.0
+
+
+def _drafter(worker):
+    d = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    return d if getattr(d, "is_ouroboros", False) else None
+
+
+def save_pool(worker) -> bool:
+    """Write this worker's pool now (installed as the worker method `SAVE_METHOD`; also run by
+    the worker's shutdown). Returns whether this worker drafts with Ouroboros (a TP follower
+    holds no pool: its proposer's shutdown writes nothing). Raises what the save raised."""
+    drafter = _drafter(worker)
+    if drafter is None:
+        return False
+    with _signals_held():
+        drafter.shutdown()
+    return True
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGTERM and SIGINT ignored while the pool is written at shutdown (main thread only). vLLM
+    restores their default handlers before its engine's shutdown, so a second signal (Ctrl-C
+    or a service manager reaching every process, then the API server's own SIGTERM) killed the
+    process mid-write; vLLM's SIGKILL, 5 s after its SIGTERM, still bounds the wait."""
+    import signal
+    import threading
+
+    held = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _worker_shutdown(original):
+    def shutdown(self):
+        try:
+            save_pool(self)
+        except Exception:  # noqa: BLE001 - the worker's own teardown must still run
+            logger.exception("ouroboros: saving the pool at shutdown failed")
+        finally:  # also after an interrupt: vLLM's teardown frees the device memory
+            result = original(self)
+        return result
+
+    return shutdown
+
+
+def _engine_core_shutdown(original):
+    def shutdown(self):
+        executor = getattr(self, "model_executor", None)
+        try:
+            if _saves_by_rpc(self, executor):
+                executor.collective_rpc(SAVE_METHOD, timeout=RAY_SAVE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the engine's own teardown must still run
+            logger.warning("ouroboros: the workers could not save the pool at shutdown (%s: %s); "
+                           "the last periodic save stands", type(e).__name__, e)
+        finally:
+            result = original(self)
+        return result
+
+    return shutdown
+
+
+def _saves_by_rpc(engine_core, executor) -> bool:
+    """Whether this engine's workers are killed without their own shutdown (Ray) and draft
+    with Ouroboros with a pool file to write; not after the executor failed (a worker gone:
+    the RPC would wait out its time-out for nothing)."""
+    from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, is_ouroboros
+
+    if executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False):
+        return False
+    vllm_config = getattr(engine_core, "vllm_config", None)
+    if not is_ouroboros(getattr(vllm_config, "speculative_config", None)):
+        return False
+    cfg = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+    return bool(cfg.get("pool_save_path"))
+
+
+def apply_worker() -> None:
+    """Patch the worker (worker processes: called from model_runner.apply)."""
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    patch_method(Worker, "shutdown", _worker_shutdown)
+    # A named method: `collective_rpc(SAVE_METHOD)` needs no pickled callable (Ray ships names).
+    if not hasattr(WorkerBase, SAVE_METHOD):
+        setattr(WorkerBase, SAVE_METHOD, save_pool)
+
+
+def apply_engine_core() -> None:
+    """Patch the engine core (every process: vllm.v1.engine.core is imported by the engine
+    client anyway, and took 0.04 s on top of a worker's imports)."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.abstract import Executor
+
+    require(Executor, "uses_ray", "collective_rpc")
+    patch_method(EngineCore, "shutdown", _engine_core_shutdown)

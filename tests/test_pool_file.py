@@ -194,6 +194,17 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 2
 
 
+def saving_proposer(path):
+    """A proposer with a small pool and a save path, nothing else (no model, no engine)."""
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    p = object.__new__(OuroborosProposer)
+    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(path))
+    p.pool, p._writer = small_pool(), None
+    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    return p
+
+
 def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     """vLLM sends its engine process SIGTERM and SIGKILLs it 5 s later; the process tears down
     its distributed state and memory before exit handlers run, so a save left to atexit was
@@ -205,15 +216,11 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_ouroboros.patches import engine_shutdown, model_runner
-    from vllm_ouroboros.proposer import OuroborosProposer
 
     model_runner.apply()
     assert getattr(Worker.shutdown, "__ouroboros_original__", None) is not None
 
-    p = object.__new__(OuroborosProposer)
-    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"))
-    p.pool, p._writer = small_pool(), None
-    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    p = saving_proposer(tmp_path / "pool.pt")
     p._maybe_save_pool()  # the first step's periodic save: 10 keys
     p._save_thread.join(10)
     p.pool.insert(torch.arange(30, 40), torch.ones(10, 4, dtype=torch.long), torch.zeros(10, dtype=torch.long))
@@ -290,16 +297,12 @@ def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp
 
     from vllm_ouroboros.patches import apply_all, engine_shutdown, model_runner
     from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, PROPOSER_PATH
-    from vllm_ouroboros.proposer import OuroborosProposer
 
     apply_all()
     model_runner.apply()
     assert getattr(EngineCore.shutdown, "__ouroboros_original__", None) is not None
 
-    p = object.__new__(OuroborosProposer)
-    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"))
-    p.pool, p._writer = small_pool(), None
-    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    p = saving_proposer(tmp_path / "pool.pt")
     worker = object.__new__(Worker)
     worker.model_runner = type("Runner", (), {"drafter": p})()
     wrapper = object.__new__(WorkerWrapperBase)

@@ -87,20 +87,12 @@ class RoundLength:
     def observe(self, forwards: int, tokens_per_row: float) -> None:
         """A round of `forwards` forwards was verified: its rows gave tokens_per_row tokens each
         (accepted + 1, mean over the rows that drafted)."""
-        if not 1 <= forwards <= self.max_forwards:
-            return
-        self.rounds[forwards] += 1
-        w = max(1.0 / self.rounds[forwards], RATE)
-        self.tokens[forwards] += w * (tokens_per_row - self.tokens[forwards])
+        _average_in(self.tokens, self.rounds, forwards, tokens_per_row)
 
     def observe_draft(self, forwards: int, tokens_per_row: float) -> None:
         """A whole round of `forwards` forwards drafted tokens_per_row sentence-draft tokens per
         drafting row (mean; before the suffixes and the back-off's cut)."""
-        if not 1 <= forwards <= self.max_forwards:
-            return
-        self.drafted_rounds[forwards] += 1
-        w = max(1.0 / self.drafted_rounds[forwards], RATE)
-        self.drafted[forwards] += w * (tokens_per_row - self.drafted[forwards])
+        _average_in(self.drafted, self.drafted_rounds, forwards, tokens_per_row)
 
     def draft_tokens(self, forwards: int, default: float) -> float:
         """Mean sentence-draft tokens per row of rounds of `forwards` forwards, or `default`
@@ -115,3 +107,12 @@ class RoundLength:
         return {int(F): {"tokens_per_target_forward": float(self.tokens[F]), "rounds": int(self.rounds[F]),
                          "draft_tokens": float(self.drafted[F]) if self.drafted_rounds[F] else None}
                 for F in range(1, self.max_forwards + 1) if self.rounds[F]}
+
+
+def _average_in(means: np.ndarray, counts: np.ndarray, F: int, value: float) -> None:
+    """means[F] takes `value`: a running mean over its first 1 / RATE rounds, then an average
+    over about the last 1 / RATE; an F out of range (index 0 unused) is ignored."""
+    if not 1 <= F < len(means):
+        return
+    counts[F] += 1
+    means[F] += max(1.0 / counts[F], RATE) * (value - means[F])

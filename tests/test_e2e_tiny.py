@@ -509,6 +509,8 @@ def test_device_round_greedy_identical(runs, scenario, tiny_models):
     per_f = s["settings"]["round_forwards"]
     assert sorted(per_f) == [1, 2, 3, 4], per_f
     assert sum(v["rounds"] for v in per_f.values()) <= s["rounds"], (per_f, s["rounds"])
+    # Each F's own sentence-draft length, which prices the target's part of its cost(F).
+    assert all(0 < v["draft_tokens"] <= 4 for v in per_f.values()), per_f
 
 
 @pytest.mark.parametrize("pool_branches", [None, False], ids=["branches", "chain"])

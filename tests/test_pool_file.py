@@ -282,13 +282,17 @@ def test_the_shutdown_save_holds_signals_and_vllms_teardown_always_runs():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp_path):
+def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp_path, monkeypatch):
     """vLLM's Ray executors `ray.kill` their workers without calling the worker's shutdown, so
     the save there never ran: the engine core's shutdown (patched) first asks the workers to
     save through a collective RPC by name, with a time-out, and only under Ray (elsewhere the
-    worker's own shutdown saves), with an ouroboros pool file, and not once the executor failed.
-    The RPC reaches the proposer through vLLM's own dispatch (`run_method` on the worker
-    wrapper, as RayWorkerWrapper.execute_method calls it)."""
+    worker's own shutdown saves), with an ouroboros pool file, and not where the RPC could only
+    wait (the executor failed or shut down, a step's future pending, Ray down). The RPC reaches
+    the proposer through vLLM's own dispatch (`run_method` on the worker wrapper, as
+    RayWorkerWrapper.execute_method calls it). Both of vLLM's Ray executors, run for real:
+    `python scripts/ray_pool_save_check.py` (needs Ray, not installed by the setup)."""
+    import signal
+
     pytest.importorskip("vllm", reason="the patched engine core and worker wrapper are vLLM's")
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.serial_utils import run_method
@@ -316,6 +320,7 @@ def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp
 
         def collective_rpc(self, method, timeout=None):
             self.calls.append((method, timeout))
+            events.append(("rpc", signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)))
             return [run_method(wrapper, method, (), {})]
 
     def engine(executor, method="custom_class", model=PROPOSER_PATH, save=str(tmp_path / "pool.pt")):
@@ -324,27 +329,39 @@ def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp
         config = type("Config", (), {"speculative_config": spec, "additional_config": extra})()
         return type("Core", (), {"model_executor": executor, "vllm_config": config})()
 
-    torn_down = []
-    shutdown = engine_shutdown._engine_core_shutdown(lambda core: torn_down.append(core) or "done")
+    events = []
+    shutdown = engine_shutdown._engine_core_shutdown(lambda core: events.append("teardown") or "done")
+    monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: True)
     ray = Executor()
     assert shutdown(engine(ray)) == "done"
     assert ray.calls == [(engine_shutdown.SAVE_METHOD, engine_shutdown.RAY_SAVE_TIMEOUT_S)]
+    # The save first, signals held (vLLM restored their defaults before), then the teardown.
+    assert events == [("rpc", signal.SIG_IGN, signal.SIG_IGN), "teardown"], events
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
 
-    others = [Executor() for _ in range(4)]
-    others[0].uses_ray = False  # multiprocess: the worker's shutdown saves
-    others[1].is_failed = True
-    shutdown(engine(others[2], method="ngram", model=None))
-    shutdown(engine(others[3], save=None))
-    shutdown(engine(others[0]))
-    shutdown(engine(others[1]))
-    assert [e.calls for e in others] == [[]] * 4 and len(torn_down) == 5
+    # Where an RPC could only wait out its time-out (or past it), or nothing needs it: none.
+    others = {name: Executor() for name in ("multiprocess", "failed", "shut down", "step pending",
+                                            "queue closed", "other method", "no save path")}
+    others["multiprocess"].uses_ray = False  # the worker's shutdown saves
+    others["failed"].is_failed = True
+    others["shut down"].shutting_down = True
+    others["step pending"].futures_queue = ["a step's future"]
+    others["queue closed"].rpc_broadcast_mq = None
+    for name, executor in others.items():
+        shutdown(engine(executor, method="ngram", model=None) if name == "other method" else
+                 engine(executor, save=None) if name == "no save path" else engine(executor))
+    monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: False)  # at interpreter exit
+    ray_down = Executor()
+    shutdown(engine(ray_down))
+    assert {n: e.calls for n, e in others.items() if e.calls} == {} and ray_down.calls == []
+    assert events.count("teardown") == 9
 
     class Timeout(Executor):
         def collective_rpc(self, method, timeout=None):
             raise TimeoutError("a worker did not answer (test)")
 
-    assert shutdown(engine(Timeout())) == "done" and len(torn_down) == 6, "vLLM's teardown was skipped"
+    monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: True)
+    assert shutdown(engine(Timeout())) == "done" and events.count("teardown") == 10, "vLLM's teardown was skipped"
 
 
 def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):

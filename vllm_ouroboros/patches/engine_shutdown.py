@@ -7,6 +7,8 @@
     worker's shutdown never runs. The engine core asks its workers to save through a collective
     RPC first (`SAVE_METHOD`), bounded by RAY_SAVE_TIMEOUT_S: a worker that hangs or died must
     not hold the engine's exit (the last periodic save, at most 10 s old, then stands).
+Not covered: data parallelism on Ray, whose engine-core actors vLLM `ray.kill`s too (no
+shutdown of theirs runs; the last periodic save stands).
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ def _engine_core_shutdown(original):
         executor = getattr(self, "model_executor", None)
         try:
             if _saves_by_rpc(self, executor):
-                executor.collective_rpc(SAVE_METHOD, timeout=RAY_SAVE_TIMEOUT_S)
+                # vLLM's engine-core process restores the default signal handlers before this
+                # shutdown: a second SIGTERM would kill it mid-RPC, and Ray its workers mid-write.
+                with _signals_held():
+                    executor.collective_rpc(SAVE_METHOD, timeout=RAY_SAVE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the engine's own teardown must still run
             logger.warning("ouroboros: the workers could not save the pool at shutdown (%s: %s); "
                            "the last periodic save stands", type(e).__name__, e)
@@ -91,17 +96,30 @@ def _engine_core_shutdown(original):
 
 def _saves_by_rpc(engine_core, executor) -> bool:
     """Whether this engine's workers are killed without their own shutdown (Ray) and draft
-    with Ouroboros with a pool file to write; not after the executor failed (a worker gone:
-    the RPC would wait out its time-out for nothing)."""
+    with Ouroboros with a pool file to write. Not where the RPC could only wait out its
+    time-out, or past it: the executor failed (a worker gone) or is shut down already, Ray is
+    down (at interpreter exit), or RayExecutorV2 still holds a step's future (its RPC result
+    waits for that one first, with no time-out)."""
     from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, is_ouroboros
 
-    if executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False):
+    if (executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False)
+            or getattr(executor, "shutting_down", False) or getattr(executor, "futures_queue", None)
+            or (hasattr(executor, "rpc_broadcast_mq") and executor.rpc_broadcast_mq is None)
+            or not _ray_running()):
         return False
     vllm_config = getattr(engine_core, "vllm_config", None)
     if not is_ouroboros(getattr(vllm_config, "speculative_config", None)):
         return False
     cfg = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
     return bool(cfg.get("pool_save_path"))
+
+
+def _ray_running() -> bool:
+    try:
+        import ray
+    except ImportError:  # a Ray executor without Ray: nothing to ask
+        return False
+    return bool(ray.is_initialized())
 
 
 def apply_worker() -> None:
@@ -116,8 +134,14 @@ def apply_worker() -> None:
 
 
 def apply_engine_core() -> None:
-    """Patch the engine core (every process: vllm.v1.engine.core is imported by the engine
-    client anyway, and took 0.04 s on top of a worker's imports)."""
+    """Patch the engine core, in a process that imported it already (plugins load at run time:
+    an engine-core process, spawned or a Ray actor, runs from that module, and an in-process
+    engine's client imports it): importing it elsewhere took 1.3 s (a worker, a model-registry
+    subprocess) for nothing."""
+    import sys
+
+    if "vllm.v1.engine.core" not in sys.modules:
+        return
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
 

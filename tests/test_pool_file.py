@@ -67,6 +67,12 @@ def test_incomplete_or_inconsistent_state_is_refused(tmp_path):
     torch.save([1, 2, 3], tmp_path / "d.pt")
     with pytest.raises(PoolFileError, match="holds a list"):
         PhrasePool.read_state(tmp_path / "d.pt")
+    twice = small_pool().state_dict()  # its pages hold keys 0..9 (small_pool)
+    assert (twice["page_key"][:2] >= 0).all()
+    twice["page_key"][1] = twice["page_key"][0]
+    torch.save(twice, tmp_path / "e.pt")
+    with pytest.raises(PoolFileError, match="a key on more than one page"):
+        PhrasePool.read_state(tmp_path / "e.pt")
 
 
 def test_config_refuses_bad_pool_files_naming_the_key(tmp_path):

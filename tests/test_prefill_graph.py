@@ -237,8 +237,10 @@ def test_bad_inputs_are_refused(tiny_models, device):
 
 def test_dropped_graphs_are_captured_again_on_use(tiny_models, device):
     """DraftRuntime.drop_graphs (after a drafting step that raised, whose captures may be half
-    made) forgets the round's and the prefill's graphs; the next round captures them again and
-    drafts as the eager runtime does."""
+    made) forgets the round's and the prefill's graphs, and their memory pools (torch's allocator
+    refuses a capture into a pool whose graphs were all freed: on a GPU the prefill's graphs went
+    off for good and every round's capture raised); the next round captures them again and
+    drafts as the eager runtime does, with its prefill graphs still on."""
     path = str(tiny_models["draft"])
     eager, graph = emulate_round(make(path, device, "device")), emulate_round(make(path, device, "device", graphs=True))
     rng = np.random.default_rng(4)
@@ -246,8 +248,10 @@ def test_dropped_graphs_are_captured_again_on_use(tiny_models, device):
     runs = rounds([eager, graph], contexts, rng, 3)
     out_e, out_g = next(runs)
     assert graph.prefill_graphs._graphs and graph.device_round._states
+    graph.prefill_graphs.bounds._pool = graph.device_round.bounds._pool = "the old pool"
     graph.drop_graphs()
     assert not graph.prefill_graphs._graphs and not graph.device_round._states
+    assert graph.prefill_graphs.bounds._pool is None and graph.device_round.bounds._pool is None
     for out_e, out_g in runs:
         assert np.array_equal(out_e.drafts, out_g.drafts)
-    assert graph.device_round._states
+    assert graph.device_round._states and graph.prefill_graphs.enabled

@@ -212,6 +212,7 @@ class DeviceRound:
     def drop_graphs(self) -> None:
         """Forget every batch bucket's state and graphs (built and captured again on use)."""
         self._states.clear()
+        self.bounds.forget_pool()
 
     @property
     def kernels(self) -> str:
@@ -672,8 +673,12 @@ class GraphBounds:
         if not grow and self.generation == rt.generation:
             return False
         self.generation = rt.generation
-        self._pool = None
+        self.forget_pool()
         return True
+
+    def forget_pool(self) -> None:
+        """The owner dropped all its graphs: the next captures take a new pool (see stale)."""
+        self._pool = None
 
     def pool(self):
         """The CUDA graph memory pool of the current captures (taken at the first)."""

@@ -96,6 +96,7 @@ class PrefillGraphs:
         """Forget every captured chunk forward (captured again on use)."""
         self._graphs.clear()
         self._inbox.clear()
+        self.bounds.forget_pool()
 
     def forward(self, slots: np.ndarray, tokens: np.ndarray, count: np.ndarray) -> None:
         """One chunk for R <= MAX_ROWS rows: tokens [R, Q <= chunk] int64, the next uncached

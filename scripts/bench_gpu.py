@@ -150,6 +150,10 @@ class Plan:
 MIN_REPS = 5
 
 
+# Budget seconds a head dim's split tuning needs left before the kernel table (kernel_section).
+SPLIT_TUNING_MIN_S = 60
+
+
 class Budget:
     """The run's time budget (--budget-s; None: unlimited): what is measured after it is spent
     is skipped with that reason, so a run on a lent GPU ends, with its files written, inside
@@ -161,6 +165,10 @@ class Budget:
 
     def spent(self) -> bool:
         return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds
+
+    def left(self) -> float:
+        """Seconds left (inf without a budget)."""
+        return float("inf") if self.seconds is None else self.seconds - (time.perf_counter() - self.t0)
 
     def reason(self) -> str:
         return f"skipped: time budget spent (--budget-s {self.seconds:g})"
@@ -871,6 +879,12 @@ def kernel_section(args, device: torch.device, budget: Budget, skipped: dict) ->
         configs = configs[:1] if args.tiny else configs  # --tiny: the code path, not the table
         if not args.kernel_shipped_splits:
             for d in sorted({c[3] for c in configs}):
+                # Tuning a head dim (about 30 timings and 8 compiles per mode) near the budget's
+                # end would leave no time for the table it serves: the shipped thresholds hold.
+                if budget.left() < SPLIT_TUNING_MIN_S:
+                    skipped[f"split rules D={d}"] = (f"skipped: under {SPLIT_TUNING_MIN_S} s of the "
+                                                     f"budget left (the shipped thresholds hold)")
+                    continue
                 split_rules[d] = tune_kernel_splits(d, dtype, tuple(args.kernel_tree), device)
     else:
         dtype = torch.float32

@@ -38,6 +38,16 @@ finally:
 pytestmark = pytest.mark.usefixtures("one_thread", "triton_interpreter")
 
 
+@pytest.fixture(autouse=True)
+def no_measured_split_rules():
+    """The kernel checks (check_attention_kernel) register measured split rules for the whole
+    process on CUDA: a later test on the same worker would plan its graph and eager forwards by
+    two different rules, whose prefix splits round differently (token-for-token tests then
+    fail on CUDA only)."""
+    yield
+    ta.clear_split_rules()
+
+
 # ---------------------------------------------------------------------------------------------
 # Random trees and paged batches
 # ---------------------------------------------------------------------------------------------

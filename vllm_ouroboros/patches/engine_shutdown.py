@@ -27,16 +27,13 @@ SAVE_METHOD = "ouroboros_save_pool"
 RAY_SAVE_TIMEOUT_S = 30.0
 
 
-def _drafter(worker):
-    d = getattr(getattr(worker, "model_runner", None), "drafter", None)
-    return d if getattr(d, "is_ouroboros", False) else None
-
-
 def save_pool(worker) -> bool:
     """Write this worker's pool now (installed as the worker method `SAVE_METHOD`; also run by
     the worker's shutdown). Returns whether this worker drafts with Ouroboros (a TP follower
     holds no pool: its proposer's shutdown writes nothing). Raises what the save raised."""
-    drafter = _drafter(worker)
+    from vllm_ouroboros.patches.model_runner import _drafter
+
+    drafter = _drafter(getattr(worker, "model_runner", None))
     if drafter is None:
         return False
     with _signals_held():

@@ -5,6 +5,7 @@ names `pool_load_path` and the reason, at engine configuration rather than in a 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -205,6 +206,7 @@ def saving_proposer(path):
     from vllm_ouroboros.proposer import OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
+    p._pool_lock = threading.RLock()
     p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(path))
     p.pool, p._writer = small_pool(), None
     p._last_pool_save, p._pool_save_error = -float("inf"), None
@@ -368,6 +370,59 @@ def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp
 
     monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: True)
     assert shutdown(engine(Timeout())) == "done" and events.count("teardown") == 10, "vLLM's teardown was skipped"
+
+
+def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplog, monkeypatch):
+    """Under vLLM's Ray executors a worker's steps run on the compiled graph's thread while the
+    engine core's save RPC runs on the actor's thread: the save waits for the step to leave the
+    pool (it read a pool halfway through a step's inserts). A step that holds the pool past
+    SAVE_LOCK_TIMEOUT_S costs the save (logged), not the engine's exit."""
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME, proposer
+
+    p = saving_proposer(tmp_path / "pool.pt")
+    in_step, leave = threading.Event(), threading.Event()
+    order = []
+
+    def step(self):  # a step's pool work, as propose() and on_verified() hold it
+        order.append("step starts")
+        in_step.set()
+        leave.wait(10)
+        self.pool.insert(torch.arange(30, 40), torch.ones(10, 4, dtype=torch.long),
+                         torch.zeros(10, dtype=torch.long))
+        order.append("step ends")
+
+    runner = threading.Thread(target=proposer._holds_pool(step), args=(p,))
+    runner.start()
+    assert in_step.wait(10)
+    saver = threading.Thread(target=lambda: (p.shutdown(), order.append("saved")))
+    saver.start()
+    saver.join(0.3)
+    assert saver.is_alive() and order == ["step starts"], "the save did not wait for the step"
+    leave.set()
+    runner.join(10)
+    saver.join(10)
+    assert order == ["step starts", "step ends", "saved"]
+    keys = PhrasePool.read_state(str(tmp_path / "pool.pt"))["page_key"]
+    assert len(keys[keys >= 0].unique()) == 20, "the save missed the step's inserts"
+
+    # A step that never leaves: the save gives up after the bound and says so.
+    monkeypatch.setattr(proposer, "SAVE_LOCK_TIMEOUT_S", 0.2)
+    (tmp_path / "pool.pt").unlink()
+    leave.clear()
+    in_step.clear()
+    stuck = threading.Thread(target=proposer._holds_pool(lambda self: (in_step.set(), leave.wait(10))), args=(p,))
+    stuck.start()
+    assert in_step.wait(10)
+    logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
+    try:
+        p.shutdown()
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
+        leave.set()
+        stuck.join(10)
+    assert not (tmp_path / "pool.pt").exists() and "held the phrase pool" in caplog.text
 
 
 def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):

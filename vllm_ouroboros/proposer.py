@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -58,6 +59,24 @@ POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the 
 # low draws the rounds that measure it again, one set too high does not. A real rise of cost is
 # still followed within a few rounds (x2 a round at most).
 RATIO_OUTLIER = 2.0
+# Seconds a save from outside the step (the engine core's shutdown RPC under Ray) waits for a
+# step under way to leave the pool; below the engine core's RPC time-out
+# (patches/engine_shutdown.RAY_SAVE_TIMEOUT_S), so a step that hangs costs the save, not the exit.
+SAVE_LOCK_TIMEOUT_S = 20.0
+
+
+def _holds_pool(method):
+    """Run `method` holding the proposer's pool lock: under vLLM's Ray executors a worker's
+    steps run on the compiled graph's thread while the engine core's shutdown RPC saves the
+    pool on the actor's own thread; the save must not read the pool halfway through a step's
+    inserts. Re-entrant: the periodic save runs inside the step. Uncontended otherwise (one
+    acquire per call, well under a microsecond)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self._pool_lock:
+            return method(self, *args, **kwargs)
+
+    return held
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
@@ -142,6 +161,7 @@ class OuroborosProposer:
         self._req_ids: list[str] = []
         self._last_pool_save = -float("inf")
         self._save_thread: threading.Thread | None = None  # the periodic save's write under way
+        self._pool_lock = threading.RLock()  # a step's pool work vs a save from another thread
         self._last_clock_check = time.monotonic()
         # Drafting that raised (_draft_failed): steps in all, in a row, the kinds logged, and
         # why drafting is off (None: on).
@@ -531,6 +551,7 @@ class OuroborosProposer:
         return choose_all(model, widths, graphs=draft_round == "graph",
                           prefix=max(0, min(256, init_len - max(widths))), names=names)
 
+    @_holds_pool
     def save_pool(self, path: str | None = None) -> None:
         """Write the pool (atomically: a reader never sees half a file)."""
         path = path or self.cfg.pool_save_path
@@ -544,9 +565,17 @@ class OuroborosProposer:
         pool now. vLLM gives its engine process 5 s after SIGTERM before SIGKILL, and tears the
         process down first (distributed state, memory), so an exit handler alone was lost on a
         busy machine, leaving the last periodic save (up to POOL_SAVE_INTERVAL s old)."""
-        if self.cfg.pool_save_path:
-            atexit.unregister(self._maybe_save_pool)
+        if not self.cfg.pool_save_path:
+            return
+        atexit.unregister(self._maybe_save_pool)
+        if not self._pool_lock.acquire(timeout=SAVE_LOCK_TIMEOUT_S):
+            logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
+                           "now, the last periodic save stands", SAVE_LOCK_TIMEOUT_S)
+            return
+        try:
             self._maybe_save_pool(True)
+        finally:
+            self._pool_lock.release()
 
     def _flush_staged(self) -> None:
         """Insert the rows staged for the next round's insert (pool_writer.py) before the pool
@@ -690,6 +719,7 @@ class OuroborosProposer:
         return n, sl
 
     # ---- verification feedback ---------------------------------------------------------------
+    @_holds_pool
     def on_verified(self, req_ids: list[str], outcome) -> None:
         """Read the target's tokens at every tree node (called by the runner patch).
 
@@ -856,6 +886,7 @@ class OuroborosProposer:
         self._ctx_seen[slots] = lens
 
     # ---- drafting ----------------------------------------------------------------------------
+    @_holds_pool
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
         """Draft token ids per request of the batch (vLLM's custom_class interface).
@@ -1504,6 +1535,7 @@ class OuroborosProposer:
                          self._model_est.whole_chance(slots, n_main))
         return whole * self._suffix_yield[slots]
 
+    @_holds_pool
     def snapshot(self, per_request: bool = True) -> dict:
         """Aggregate (and per-request) counters, plus the pool's."""
         self._flush_staged()

@@ -96,7 +96,9 @@ def _saves_by_rpc(engine_core, executor) -> bool:
     with Ouroboros with a pool file to write. Not where the RPC could only wait out its
     time-out, or past it: the executor failed (a worker gone) or is shut down already, Ray is
     down (at interpreter exit), or RayExecutorV2 still holds a step's future (its RPC result
-    waits for that one first, with no time-out)."""
+    waits for that one first, with no time-out). RayDistributedExecutor's steps run on the
+    compiled graph's thread of each worker, beside this RPC: the proposer's save waits for a
+    step under way to leave the pool (proposer._holds_pool), at most SAVE_LOCK_TIMEOUT_S."""
     from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, is_ouroboros
 
     if (executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False)

@@ -161,7 +161,7 @@ class PhrasePool:
     def budget_for(vocab_size: int, phrase_len: int, phrases_per_key: int, num_pages: int) -> int:
         """Bytes a pool with `num_pages` pages owns (all tensors, the key->page table included)."""
         per_page = phrases_per_key * (4 * phrase_len + 8 + 4) + 4 + 8
-        return 4 * vocab_size + 8 * len(_STATS) + num_pages * per_page
+        return 4 * vocab_size + 8 * len(_STATS) + 8 + num_pages * per_page  # 8: the clock
 
     def _check_rows(self, keys: torch.Tensor, phrases: torch.Tensor):
         if keys.dim() != 1 or tuple(phrases.shape) != (keys.shape[0], self.L):
@@ -383,7 +383,8 @@ class PhrasePool:
     # ---- stats (these sync) --------------------------------------------------------------------
 
     def memory_bytes(self) -> int:
-        return sum(getattr(self, n).nbytes for n in _BUFFERS)
+        """Device bytes of all the pool's tensors (what budget_for counts)."""
+        return sum(getattr(self, n).nbytes for n in _BUFFERS) + self.clock.nbytes
 
     def num_phrases(self) -> int:
         return int((self.stamp > 0).sum())

@@ -127,7 +127,6 @@ def main() -> int:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         prof.dump_stats(str(args.out / f"{name}.pstats"))
         st = pstats.Stats(prof)
-        steps = max(calls(st, *PHASES["engine step (all)"]), 1)
         fwd = max(calls(st, *PHASES["target forward"]), 1)
         print(f"\n== {name}: {tokens} tokens in {wall:.1f} s ({tokens / wall:.2f} tok/s), "
               f"{fwd} target forwards, {tokens / fwd:.2f} tokens per target forward")

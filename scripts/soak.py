@@ -469,9 +469,9 @@ def print_report(s: dict, args) -> list[str]:
     for n in names:
         r = s["rows"][n]
         print(f"{n}: RSS MiB start/middle/end " + " / ".join(f"{v:.0f}" for v in r["rss_mb"])
-              + (f"; pool bytes " + " / ".join(f"{v:.0f}" for v in r["pool_bytes"])
+              + ("; pool bytes " + " / ".join(f"{v:.0f}" for v in r["pool_bytes"])
                  if r["pool_bytes"][2] is not None else "")
-              + (f"; draft KV pages MiB " + " / ".join(f"{v:.0f}" for v in r["draft_cache_mb"])
+              + ("; draft KV pages MiB " + " / ".join(f"{v:.0f}" for v in r["draft_cache_mb"])
                  if r["draft_cache_mb"][2] is not None else ""))
     causes = sorted({c for n in names for c in s["rows"][n]["4xx_by_cause"]})
     if causes:

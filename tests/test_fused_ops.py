@@ -16,7 +16,6 @@ another order and exp's last bit is the library's, so float32 results may differ
 for RMSNorm (1 ulp in the normalised value, then `* weight`) and 1 for SiLU.
 """
 
-import os
 import random
 
 import pytest

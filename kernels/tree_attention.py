@@ -711,6 +711,7 @@ class TreeAttentionPlan:
             if backend == "auto":
                 _log_once(reason)
             self.fallback = tree_attention_reference if backend == "reference" else tree_attention_torch
+            self.bounds = dict(max_query_len=max_query_len, max_prefix_len=max_prefix_len)
             return
         if self.empty:
             return
@@ -800,9 +801,14 @@ class TreeAttentionPlan:
             if out.shape != q.shape or out.stride(-1) != 1:
                 raise ValueError(f"out must have q's shape {tuple(q.shape)} and a unit last stride, got "
                                  f"shape {tuple(out.shape)} strides {out.stride()}")
-        if self.fallback is not None:
+        if self.fallback is tree_attention_torch:
             if not self.empty:
-                out.copy_(self.fallback(q, k_cache, v_cache, *self.meta, self.scale))
+                tree_attention_torch(q, k_cache, v_cache, *self.meta, self.scale, out=out, **self.bounds)
+            return out
+        if self.fallback is not None:  # the reference (tests): reads the lengths on the host anyway
+            if not self.empty:
+                n = int(self.meta[2][-1])  # rows past every request's keep what `out` had, as in the kernel
+                out[:n].copy_(self.fallback(q, k_cache, v_cache, *self.meta, self.scale)[:n])
             return out
         if self.empty:
             return out
@@ -962,11 +968,16 @@ def check_rope_kernel(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
 def tree_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, prefix_lens: torch.Tensor,
                          query_start: torch.Tensor, tree_mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, out: torch.Tensor | None = None,
+                         max_query_len: int | None = None,
+                         max_prefix_len: int | None = None) -> torch.Tensor:
     """`tree_attention`'s contract in plain torch, batched over requests (no Python loop over
     them): each request's pages are gathered into a padded dense [B, S, Hkv, D] block and one
-    masked softmax runs for all. float32 math, returned in q's dtype. Reads the lengths on the
-    host (sizes the padding), which is free on the CPU it is meant for.
+    masked softmax runs for all. float32 math, returned in q's dtype, written into `out`
+    ([T, Hq, D], q's dtype) where given: its rows past every request's are left as they were.
+    max_query_len (max n_b) and max_prefix_len (max prefix_lens), host ints, size the padding
+    (bounds; larger only pads); where either is None the lengths are read on the host (one
+    synchronisation each on a GPU, the torch path's when the kernel failed its check).
     """
     B = block_table.shape[0]
     T, hq, d = q.shape
@@ -974,8 +985,11 @@ def tree_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     dev = q.device
     counts = (query_start[1:] - query_start[:-1]).long()
     prefix = prefix_lens.long()
-    n_max = int(counts.max())
-    S = int((prefix + counts).max())
+    if max_query_len is None or max_prefix_len is None:
+        n_max = int(counts.max())
+        S = int((prefix + counts).max())
+    else:
+        n_max, S = max_query_len, max_prefix_len + max_query_len
     pos = torch.arange(S, device=dev)
     page_idx = (pos // block_size).clamp(max=block_table.shape[1] - 1)
     pages = block_table.long()[:, page_idx]  # [B, S]
@@ -999,9 +1013,15 @@ def tree_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     s = torch.einsum("bnkgd,bskd->bkgns", qg, k) * scale
     s = s.masked_fill(~allowed[:, None, None], float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # padded query rows have no allowed key
-    o = torch.einsum("bkgns,bskd->bnkgd", p, v).reshape(B, n_max, hq, d)
-    out = torch.empty_like(q)
-    out[rows[live]] = o[live].to(q.dtype)
+    o = torch.einsum("bkgns,bskd->bnkgd", p, v).reshape(B * n_max, hq, d)
+    # Padded rows go to a sink row T: a boolean index (rows[live]) would read its size on the host.
+    full = torch.empty((T + 1, hq, d), dtype=q.dtype, device=dev)
+    if out is not None:
+        full[:T] = out
+    full[torch.where(live, rows, T).flatten()] = o.to(q.dtype)
+    if out is None:
+        return full[:T]
+    out.copy_(full[:T])
     return out
 
 

@@ -397,6 +397,32 @@ def test_torch_path_parity(group, head_dim, block_size, seed):
     out = tree_attention(**batch, backend="torch")
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max().item() <= 1e-4
+    # The step's host bounds (what the engine passes: no read-back of the lengths on a GPU);
+    # looser ones only pad.
+    n = int((batch["query_start"][1:] - batch["query_start"][:-1]).max())
+    p = int(batch["prefix_lens"].max())
+    for bounds in ((n, p), (n + 3, p + 17)):
+        got = tree_attention(**batch, backend="torch", max_query_len=bounds[0], max_prefix_len=bounds[1])
+        assert (got - ref).abs().max().item() <= 1e-4, bounds
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+def test_rows_past_every_request_are_left_alone(backend):
+    """q may have rows past the last request's (a buffer sized for more): every backend writes
+    only the requests' rows of `out`; the torch paths copied uninitialised rows over the rest."""
+    rng = random.Random(11)
+    trees = [random_parents("bushy", 7, rng), random_parents("chain", 3, rng)]
+    batch, _, _ = make_batch([12, 30], trees, hkv=2, group=2, head_dim=32, block_size=16, seed=11)
+    ref = tree_attention_reference(**batch)
+    rows = ref.shape[0]
+    batch = on_device(batch)
+    batch["q"] = torch.cat([batch["q"], torch.randn(4, *batch["q"].shape[1:], device=DEVICE)])
+    batch["tree_mask"] = torch.cat([batch["tree_mask"], batch["tree_mask"].new_ones(4)])
+    out = torch.full_like(batch["q"], 7.0)
+    bounds = {} if backend == "reference" else dict(max_query_len=7, max_prefix_len=30)
+    assert tree_attention(**batch, out=out, backend=backend, **bounds) is out
+    assert (out[:rows].cpu() - ref).abs().max().item() <= 1e-3
+    assert out[rows:].eq(7.0).all(), "rows past every request's were written"
 
 
 def test_torch_path_reads_d_major_keys():
@@ -825,9 +851,38 @@ def test_tree_refused_where_only_the_last_stage_or_other_positions_would_see_it(
     assert "PIECEWISE" in pta.install(SimpleNamespace(**{**vars(runner(mode=Mode())),
                                                          "device": SimpleNamespace(type="cuda")}))
     assert pta.install(runner(mode=Mode())) == "no attention layers found in the model runner"
+    fused = runner()
+    fused.compilation_config.pass_config = SimpleNamespace(fuse_attn_quant=True)
+    assert "fuse_attn_quant" in pta.install(fused)  # quantized output: the tree rows would be unscaled
     with pytest.raises(RuntimeError, match="uses_mrope"):
         pta.install(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1),
                                     compilation_config=None))
+
+
+def test_off_cuda_the_tree_rows_take_the_torch_path():
+    """On a CPU engine the tree rows use the batched torch path, also where TRITON_INTERPRET=1 is
+    set (it is for the kernel tests; a CPU server with it crashed on vLLM's d-major key views,
+    and the interpreter is far slower)."""
+    from types import SimpleNamespace
+
+    from vllm_ouroboros.patches import tree_attention as pta
+
+    class FlashAttentionImpl:  # the name selects the layout, as for vLLM's class
+        num_heads, head_size, scale = 4, 32, 32 ** -0.5
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return output
+
+    layer = SimpleNamespace(impl=FlashAttentionImpl(), kv_cache=torch.zeros(3, 2, 16, 2, 32))
+    assert pta.kv_views(layer)[0].shape[1] == 16
+    runner = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1), uses_mrope=False,
+        device=torch.device("cpu"),
+        compilation_config=SimpleNamespace(cudagraph_mode=None, static_forward_context={"l0": layer}),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[None]),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_size=16)]))
+    assert pta.install(runner) is None
+    assert layer.impl._ouroboros_backend == "torch"
 
 
 def test_layers_the_tree_cannot_serve_are_refused():

@@ -190,6 +190,10 @@ def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
     if runner.uses_mrope:
         # The model reads runner.mrope_positions, not the positions the tree rows are moved in.
         return "M-RoPE positions (multimodal rotary embedding)"
+    if getattr(getattr(runner.compilation_config, "pass_config", None), "fuse_attn_quant", False):
+        # Attention then writes quantized output with a scale (output_scale); the tree rows
+        # would be written unscaled.
+        return "fuse_attn_quant (attention fused with output quantization)"
     mode = getattr(runner.compilation_config, "cudagraph_mode", None)
     if mode is not None and getattr(runner.device, "type", "cpu") == "cuda" \
             and mode.has_full_cudagraphs():
@@ -216,8 +220,11 @@ def install(runner, max_nodes: int = MAX_TREE_NODES) -> str | None:
         reason = _probe_cpu_layout(first)
         if reason is not None:
             return reason
-    backend = "auto"
+    # Off CUDA the batched torch path: Triton there is only its interpreter (TRITON_INTERPRET=1,
+    # set for the kernel tests), far slower, and vLLM's CPU cache views are not laid out for it.
+    backend = "torch"
     if getattr(runner.device, "type", "cpu") == "cuda":
+        backend = "auto"
         t0 = time.perf_counter()
         shapes = {}
         for layer in layers.values():

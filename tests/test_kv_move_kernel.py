@@ -40,7 +40,12 @@ def moves(g, slots, M):
 @pytest.mark.parametrize("kind", ["separate", "stacked", "d-major"])
 @pytest.mark.parametrize("dtype,H,D", [(torch.float32, 2, 16), (torch.float16, 3, 80),
                                        (torch.bfloat16, 1, 64)])
-def test_kernel_moves_what_torch_moves(kind, dtype, H, D):
+@pytest.mark.parametrize("caches_per_launch", [None, 1, 3])
+def test_kernel_moves_what_torch_moves(kind, dtype, H, D, caches_per_launch, monkeypatch):
+    """Also with the caches in groups (the gather buffer bounded by MOVE_BUFFER_BYTES): 8
+    caches one by one, and in groups of 3 with a last group of 2."""
+    if caches_per_launch is not None:
+        monkeypatch.setattr(km, "MOVE_BUFFER_BYTES", caches_per_launch * 7 * H * D * dtype.itemsize)
     g = torch.Generator(DEVICE).manual_seed(hash((kind, D)) % 1000)
     layers = layers_of(kind, 4, 5, 16, H, D, dtype, g)
     layers = layers[2:] + layers[:2]  # the first cache is not the lowest address: negative offsets
@@ -120,3 +125,13 @@ def test_a_failed_warm_up_says_why(monkeypatch):
     monkeypatch.setattr(km, "move_kv_triton", broken)
     k = torch.zeros(2, 4, 1, 8, device=DEVICE)
     assert warm_move([(k, k.clone())]) == "RuntimeError: no kernel today"
+
+
+def test_a_warm_up_on_caches_the_kernel_declines_says_so(monkeypatch):
+    """Caches of two layouts: the kernel declines them (each move would look for one layout,
+    then copy in torch), so the warm-up says why and the engine moves in torch; it reported
+    success."""
+    monkeypatch.setattr(km, "pick_kernel", lambda kernel, device, error: (kernel, None))
+    a = torch.zeros(2, 4, 1, 8, device=DEVICE)
+    b = torch.zeros(2, 4, 2, 8, device=DEVICE)
+    assert "do not share one layout" in warm_move([(a, a.clone()), (b, b.clone())])

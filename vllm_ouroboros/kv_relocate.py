@@ -74,13 +74,18 @@ def warm_move(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     layouts, and the caches' block size, heads and head dim are the kernel's constexprs: without
     this the first step whose winning suffix moves KV would compile, in a request's step
     (patches/tree_verify.py calls it once the check passed). Shape: caches as move_kv's.
-    Returns None, or why the move failed (the caller then moves in torch)."""
+    Returns None, or why the kernel cannot move them (the caller then moves in torch: a
+    backend "triton" whose kernel declines the caches would look for their layout on every
+    move before copying in torch)."""
+    from vllm_ouroboros.kernels.kv_move import move_kv_triton
+
     if not caches:
         return None
     device = caches[0][0].device
     slot = torch.zeros(1, dtype=torch.long, device=device)
     try:
-        move_kv(caches, slot, slot, backend="triton")
+        if not move_kv_triton(caches, slot, slot):
+            return "the engine's KV caches do not share one layout (or Triton cannot run on them)"
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - the torch copy still serves

@@ -154,15 +154,23 @@ def _kernel_walk(tree: TokenTree, logits, rows, target_next, greedy, process, un
 
 
 def draw_uniforms(tree: TokenTree, generators: dict[int, torch.Generator],
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, block: tuple[int, int] | None = None) -> torch.Tensor:
     """Uniforms for accept_sampled: from each seeded request's own generator, else the global one.
 
     Shape: -> [B, walk_steps(tree), max(K, 1) + 1] float64 (finer than float32's 2^-24 steps:
     accept.sampled_walk).
+    block: (depth steps, children), bounds of walk_steps(tree) and max(K, 1) in any step (the
+    engine's settings): each seeded request then draws a block of that size every step, its
+    child tries reading the first columns and its final sample the last, so what it samples
+    does not depend on the requests beside it (the batch's deepest draft and widest tree set
+    the shape; vLLM's own sampler draws per request too). None: the batch's shape.
     """
     u = torch.rand(walk_uniforms_shape(tree), device=device, dtype=torch.float64)
-    shape = u.shape[1:]
+    steps, children = u.shape[1], u.shape[2] - 1
+    rows, cols = (steps, children) if block is None else (max(block[0], steps), max(block[1], children))
     for i, gen in generators.items():  # seeded requests only, as vLLM's own samplers do
         if i < tree.B:
-            u[i] = torch.rand(*shape, device=device, generator=gen, dtype=torch.float64)
+            b = torch.rand(rows, cols + 1, device=device, generator=gen, dtype=torch.float64)
+            u[i, :, :children] = b[:steps, :children]
+            u[i, :, children] = b[:steps, cols]
     return u

@@ -200,7 +200,9 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         if not sm.all_greedy:
             greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
             process = row_processing(sm, step.tree.B, min_p)
-            uniforms = draw_uniforms(step.tree, sm.generators, logits.device)
+            drafter = runner.drafter  # a seeded request's draws bounded by the settings, not the batch
+            block = (drafter.num_spec_tokens + drafter.cfg.phrase_len + 1, max(drafter.cfg.tree_suffixes, 1))
+            uniforms = draw_uniforms(step.tree, sm.generators, logits.device, block)
         # All of the step's rows at once where they fit in what vLLM's profiling run sized
         # sampling for (one row per request of the largest batch): fewer launches.
         v = verify(step.tree, logits, step.row_start, greedy, process, uniforms,

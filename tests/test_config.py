@@ -50,6 +50,17 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"correction_phrases": 4}, "correction_phrases=4 exceeds beta - 2 = 3"),
     ({"correction_phrases": True}, "'correction_phrases' must be an integer"),
     ({"pool_budget_mb": 0}, "'pool_budget_mb' must be a positive number"),
+    ({"pool_budget_mb": True}, "'pool_budget_mb' must be a positive number"),  # not 1 MiB
+    ({"pool_budget_mb": float("nan")}, "'pool_budget_mb' must be a positive number"),  # JSON's NaN
+    ({"draft_cache_max_mb": float("inf")}, "'draft_cache_max_mb' must be a positive number"),
+    # The key table of the target's vocabulary (384 tokens: 1,536 bytes) plus one page: not at load
+    ({"pool_budget_mb": 0.001}, "'pool_budget_mb'=0.001 cannot hold the pool's key table for the "
+                                "target's 384 tokens plus one page .* give at least 0.01 MiB"),
+    ({"pool_save_path": ""}, "'pool_save_path' must be a path .a non-empty string. or null, got ''"),
+    ({"pool_load_path": 5}, "'pool_load_path' must be a path"),
+    ({"use_guesses": True, "num_guesses": 0}, "use_guesses=true with num_guesses=0 guesses nothing"),
+    ({"draft_cost_ms": {"1": float("inf")}}, "'draft_cost_ms' must map tokens per row"),
+    ({"draft_cost_ms": {"1": 2.0, "\u00b2": 3.0}}, "'draft_cost_ms' must map tokens per row"),
     ({"draft_cache_max_mb": -1}, "'draft_cache_max_mb' must be a positive number .or null: no bound."),
     ({"draft_cache_max_mb": "1G"}, "'draft_cache_max_mb' must be a positive number"),
     ({"num_speculative_tokens": 500}, "'num_speculative_tokens'=500 is out of range"),
@@ -249,6 +260,9 @@ def test_adaptive_draft_length_config(tiny_models, head_files):
     ({"draft_length": "adaptive", "acceptance_head": "MINE", "acceptance_threshold": 1.0},
      "'acceptance_threshold'=1.0 must be a number in .0, 1."),
     ({"acceptance_threshold": 0}, "'acceptance_threshold'=0 must be a number in .0, 1."),
+    ({"acceptance_head": "MINE"}, "'acceptance_head' stop drafts only with draft_length='adaptive' .it is 'fixed'."),
+    ({"acceptance_head": "MINE", "acceptance_threshold": 0.5},
+     "'acceptance_head' and 'acceptance_threshold' stop drafts only with draft_length='adaptive'"),
     ({"draft_length": "adaptive", "acceptance_head": "MINE", "max_draft_length": 0},
      "'max_draft_length'=0 is out of range"),
 ])

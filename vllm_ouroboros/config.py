@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -274,16 +275,33 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None,
             f"num_speculative_tokens={cfg.spec_tokens()}) exceeds 64, the tree attention's "
             "limit; lower num_suffixes, gamma or beta, or set num_speculative_tokens"
         )
-    if not isinstance(cfg.pool_budget_mb, (int, float)) or cfg.pool_budget_mb <= 0:
+    if not _positive_number(cfg.pool_budget_mb):
         raise OuroborosConfigError(
             f"ouroboros: 'pool_budget_mb' must be a positive number, got {cfg.pool_budget_mb!r}"
         )
-    if cfg.draft_cache_max_mb is not None and (
-            isinstance(cfg.draft_cache_max_mb, bool)
-            or not isinstance(cfg.draft_cache_max_mb, (int, float)) or cfg.draft_cache_max_mb <= 0):
+    if target_vocab_size is not None:
+        from vllm_ouroboros.pool import PhrasePool
+
+        need = PhrasePool.budget_for(target_vocab_size, cfg.beta - 1, cfg.window_size, 1)
+        if int(cfg.pool_budget_mb * 2**20) < need:
+            raise OuroborosConfigError(
+                f"ouroboros: 'pool_budget_mb'={cfg.pool_budget_mb} cannot hold the pool's key table "
+                f"for the target's {target_vocab_size} tokens plus one page (window_size="
+                f"{cfg.window_size}, beta={cfg.beta}): give at least {math.ceil(need / 2**20 * 100) / 100} MiB")
+    if cfg.draft_cache_max_mb is not None and not _positive_number(cfg.draft_cache_max_mb):
         raise OuroborosConfigError(
             "ouroboros: 'draft_cache_max_mb' must be a positive number (or null: no bound), got "
             f"{cfg.draft_cache_max_mb!r}")
+    for key in ("draft_model", "pool_load_path", "pool_save_path", "acceptance_head"):
+        value = getattr(cfg, key)  # a missing draft is _validate_draft's to name
+        if value is not None and not (isinstance(value, str) and (value or key == "draft_model")):
+            name = "'model' (the draft model's directory)" if key == "draft_model" else f"'{key}'"
+            raise OuroborosConfigError(f"ouroboros: {name} must be a path (a non-empty string)"
+                                       + ("" if key == "draft_model" else " or null") + f", got {value!r}")
+    if cfg.use_guesses is True and cfg.num_guesses == 0:
+        raise OuroborosConfigError(
+            "ouroboros: use_guesses=true with num_guesses=0 guesses nothing; set num_guesses >= 1 "
+            "or leave use_guesses on auto")
     if cfg.draft_dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise OuroborosConfigError(
             f"ouroboros: 'draft_dtype'={cfg.draft_dtype!r}; use auto, float32, float16 or bfloat16"
@@ -328,6 +346,12 @@ def _validate_draft_length(cfg: OuroborosConfig) -> None:
             f"ouroboros: 'acceptance_threshold'={h!r} must be a number in (0, 1) (the predicted "
             "probability of a rejection at which a draft stops), or null for the head's own")
     if cfg.draft_length != "adaptive":
+        pinned = [k for k in ("acceptance_head", "acceptance_threshold") if getattr(cfg, k) is not None]
+        if pinned:
+            raise OuroborosConfigError(
+                f"ouroboros: {' and '.join(repr(k) for k in pinned)} stop drafts only with "
+                f"draft_length='adaptive' (it is {cfg.draft_length!r}); set draft_length to "
+                "adaptive or drop them")
         return
     if cfg.use_draft is False:
         raise OuroborosConfigError(
@@ -345,6 +369,12 @@ def _validate_draft_length(cfg: OuroborosConfig) -> None:
         raise OuroborosConfigError(str(e)) from e
 
 
+def _positive_number(value) -> bool:
+    """A finite number > 0, not a bool (JSON's NaN and Infinity parse to floats)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 def cost_points(value: dict) -> list[tuple[int, float]]:
     """A *_cost_ms setting as (n, ms) points sorted by n (JSON gives the keys as strings)."""
     return sorted((int(n), float(ms)) for n, ms in value.items())
@@ -358,8 +388,9 @@ def _validate_cost_ms(key: str, value) -> None:
     if not isinstance(value, dict) or not value:
         raise OuroborosConfigError(how)
     for n, ms in value.items():
-        ok_n = (isinstance(n, int) and not isinstance(n, bool)) or (isinstance(n, str) and n.isdigit())
-        if not ok_n or int(n) < 1 or isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+        ok_n = (isinstance(n, int) and not isinstance(n, bool)) or (
+            isinstance(n, str) and n.isascii() and n.isdigit())  # "²" is a digit int() refuses
+        if not ok_n or int(n) < 1 or not _positive_number(ms):
             raise OuroborosConfigError(how)
     if 1 not in {int(n) for n in value}:
         raise OuroborosConfigError(how)

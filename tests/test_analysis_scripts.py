@@ -139,3 +139,17 @@ def test_draft_agreement_fits_a_draft_with_another_vocabulary_size(tiny_models, 
     top = draft_topk(wide, seq, 512)
     assert int(top.max()) < 512
     assert int(wide(seq[None]).logits[0].argmax(-1).max()) >= 512  # unfitted it would choose them
+
+
+def test_backoff_recovery_replays_the_stuck_prior_and_its_drift(monkeypatch):
+    """scripts/backoff_recovery.py, whose numbers README gives: with the drift the pool drafts
+    again soon after hard text turns easy; without it (as before) never."""
+    import backoff_recovery
+
+    from vllm_ouroboros import backoff_estimates
+
+    hard_then_easy = lambda t: 0.08 if t < 30 else 0.7  # noqa: E731
+    first, _ = backoff_recovery.replay(hard_then_easy, 300, 0.9e-3)
+    assert first is not None and first - 30 < 30
+    monkeypatch.setattr(backoff_estimates, "PRIOR_DRIFT", 0.0)
+    assert backoff_recovery.replay(hard_then_easy, 300, 0.9e-3)[0] is None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vllm_ouroboros import cost_model
-from vllm_ouroboros.backoff_estimates import PRIOR_RATE, PROBE_GAP, BackoffEstimates
+from vllm_ouroboros.backoff_estimates import PRIOR_DRIFT, PRIOR_RATE, PROBE_GAP, BackoffEstimates
 from vllm_ouroboros.cost_model import SpeculationPlan
 
 S = 6
@@ -28,6 +28,41 @@ def test_a_learned_prior_follows_every_requests_measurements():
     learned.reset(2)
     assert (learned.accepted[2] == learned.prior).all() and (learned.sent[2] == 1).all()
     assert learned.probe_gap[2] == learned.probe_wait[2] == PROBE_GAP
+
+
+def test_a_learned_prior_below_break_even_drifts_back_until_a_probe_measures_again():
+    """A probe is decided at the prior: a learned prior pulled below break-even sent none, so
+    nothing was measured and the prior never moved again (the pool stopped drafting for good,
+    and the pool mode's review with it). Positions no request measured since the last plan move
+    back toward the seed, PRIOR_DRIFT per plan; measured ones do not; a probe then pays, and
+    what it measures pulls the prior down again."""
+    seed = cost_model.geometric_survival(5.0, S)[0]
+    est = BackoffEstimates(4, seed, learn_prior=True)
+    slots = np.arange(4)
+    for _ in range(30):  # hard text: nothing accepted, all four requests, whole drafts
+        est.observe(slots, np.full(4, S), np.zeros(4, np.int64), np.full(4, S))
+    low = est.prior.copy()
+    assert low[0] < 0.05
+    decide = lambda A, T: SpeculationPlan(A[:, 0] > 0.5, S)  # noqa: E731 (break-even at 0.5)
+    est.accepted[:] = low
+    plans = 0
+    while not est.plan(slots, decide).rows.any():
+        plans += 1
+        assert plans < 200, "no probe ever drafted: the learned prior is absorbing"
+    # The first plan follows the measurements (no drift); each later one drifts, until position
+    # 1 crosses 0.5: seed - (seed - low) (1 - PRIOR_DRIFT)^k.
+    k = plans
+    assert est.prior == pytest.approx(seed - (seed - low) * (1 - PRIOR_DRIFT) ** k)
+    assert k == int(np.ceil(np.log((seed[0] - 0.5) / (seed[0] - low[0])) / np.log(1 - PRIOR_DRIFT)))
+    # A plan after a measurement leaves the measured positions where the measurement put them.
+    est.observe(slots[:2], np.full(2, 2), np.zeros(2, np.int64), np.full(2, 2))
+    measured = est.prior.copy()
+    est.plan(slots, decide)
+    assert est.prior[:2] == pytest.approx(measured[:2])
+    assert est.prior[2:] == pytest.approx(measured[2:] + PRIOR_DRIFT * (seed[2:] - measured[2:]))
+    fixed = BackoffEstimates(4, seed)  # a fixed prior is the seed
+    fixed.plan(slots, decide)
+    assert (fixed.prior == seed).all()
 
 
 def test_whole_chance_and_probes():

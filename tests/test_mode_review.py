@@ -132,6 +132,20 @@ def test_pool_lookups_and_round_forwards_are_priced_as_measured():
     assert prices["phrases"].draft_seconds == pytest.approx(2 * 1.5 * 1.5e-3, rel=1e-3)
 
 
+def test_steps_in_which_nothing_drafted_count_toward_the_review():
+    """Where the back-off left every row out (the pool landing nothing for a while), the step
+    still counts toward the next review: counting drafting steps only, a pool mode whose drafts
+    had all stopped was never reviewed again, the engine decoding plainly for good. An idle step
+    leaves the batch the review prices at."""
+    r = review(every=4)
+    r.step("pool", 3, None)
+    batch = r.batch
+    for _ in range(3):
+        assert not r.due()
+        r.idle_step()
+    assert r.due() and r.batch == batch
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="not a draft model's mode and the pool's"):
         ModeReview(PHRASES, MODES["chain"], ROW, N_T)

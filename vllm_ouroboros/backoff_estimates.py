@@ -36,6 +36,13 @@ MAX_PROBE_GAP = 32
 # A learned prior (learn_prior) moves by this much per request-step measured at a position:
 # the mean over the last few dozen request-steps of every request.
 PRIOR_RATE = 0.05
+# Per plan, how far a learned prior's positions that no request measured since the last plan
+# move back toward their seed (prior_accepted). Without it a prior pulled below break-even was
+# absorbing: a probe is decided at the prior, so none paid, nothing was measured, and the prior
+# never moved again (8% acceptance for 30 steps at 16 requests stopped the pool's drafts for
+# the next 2,000 steps, and with them the pool mode's review). Half-way back in ~23 unmeasured
+# steps, about the longest probe gap: a probe then pays again, and measures.
+PRIOR_DRIFT = 0.03
 
 
 class BackoffEstimates:
@@ -54,8 +61,10 @@ class BackoffEstimates:
         a source known to land rarely does not earn (the pool: its first steps per request cost
         a compute-bound target dear); it starts at prior_accepted."""
         self.prior = np.array(prior_accepted, float)
+        self.seed = self.prior.copy()
         self.learn_prior = learn_prior
         S = len(self.prior)
+        self._measured = np.zeros(S, bool)  # positions measured since the last plan
         self.accepted = np.tile(self.prior, (max_slots, 1))
         self.sent = np.ones((max_slots, S))
         self.probe_gap = np.full(max_slots, PROBE_GAP, np.int64)
@@ -89,6 +98,7 @@ class BackoffEstimates:
             n = seen.sum(0)  # [S]: request-steps measured at each position
             mean = np.where(seen, hit, 0).sum(0) / np.maximum(n, 1)
             self.prior += (1 - (1 - PRIOR_RATE) ** n) * (mean - self.prior)
+            self._measured |= n > 0
 
     def whole_chance(self, slots: np.ndarray, n: np.ndarray) -> np.ndarray:
         """P(a draft of n [R] tokens is accepted whole) per slot [R] (1 where n = 0)."""
@@ -98,10 +108,14 @@ class BackoffEstimates:
     def plan(self, slots: np.ndarray, decide: Callable[[np.ndarray, np.ndarray], SpeculationPlan]) -> SpeculationPlan:
         """The step's plan for these slots ([B]) from decide(accepted [B, S], sent [B, S]),
         with the probes: a slot left out whose wait ran down is decided again at the prior, and
-        drafts where a request at the prior would pay (its gap doubles); a slot that drafts
+        drafts where a request at the prior would pay (its gap doubles; a learned prior's
+        unmeasured positions drift back toward the seed first, PRIOR_DRIFT); a slot that drafts
         without probing has its gap reset. A probing step takes the probe's plan whole: its
         cut was chosen for its own rows (the plan's rows with the probe's cut sent the cut of
         another set of rows: 7% below the plan's modeled rate in a 6-request case)."""
+        if self.learn_prior:
+            self.prior += np.where(self._measured, 0.0, PRIOR_DRIFT * (self.seed - self.prior))
+            self._measured[:] = False
         A, T = self.accepted[slots], self.sent[slots]
         plan = decide(A, T)
         spec = plan.rows

@@ -119,6 +119,13 @@ class ModeReview:
         if mode != self.pool and forwards is not None:
             self._forwards = running_mean(self._forwards, float(forwards), self.BATCH_RATE)
 
+    def idle_step(self) -> None:
+        """A decoding step in which the mode in force drafted for no request (the back-off left
+        every row out): it counts toward the next review, which otherwise never came where the
+        mode's drafts had all stopped (a pool that landed nothing for a while kept the engine
+        in the pool mode, decoding plainly, for good)."""
+        self.steps += 1
+
     def observe(self, mode: str, tokens: np.ndarray, estimated: int = 0) -> None:
         """Tokens per target forward ([R], accepted + 1) of R rows that mode `mode` drafted
         whole (the back-off's cut drafts say less, and rows it left out drafted nothing), or

@@ -1065,6 +1065,8 @@ class OuroborosProposer:
                     self.drafting_mode, int(by_model.sum()),
                     None if not whole_round else out_m.forwards if self.runtime.device_round is not None
                     else float(out_m.row_forwards.mean()))
+            else:
+                self._mode_review.idle_step()
         if out_m is None and out_p is None:
             self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
             return proposals

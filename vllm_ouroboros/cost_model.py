@@ -350,8 +350,9 @@ class StepOverhead:
     The proposer marks the end of each of its calls (`end`, with the tokens the target gets next
     step) and the start of the next (`start`): in between run the target forward and the rest of
     vLLM's step. That interval minus t_target(tokens) is one sample, taken only when the batch
-    is unchanged (same requests, no prefill in the step, no idle gap: a new or finished request
-    or a chunked prefill would charge its own work to the overhead). A step counts at most
+    is unchanged (same requests, no prefill in the step: a new or finished request or a chunked
+    prefill would charge its own work to the overhead; with the same requests running the
+    engine steps without an idle gap, and a pause is capped as a stall). A step counts at most
     OUTLIER x the step modeled so far (t_target + the estimate), as proposer.RATIO_OUTLIER caps
     a round's ratio: a stall (a GC pause, another process on the host, the first launch of a
     Triton kernel compiling) would otherwise add a fifth of itself to every step's price for

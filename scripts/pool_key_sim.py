@@ -1,6 +1,6 @@
 """What a longer pool key would give the draft's guesses, simulated on greedy text (no engine).
 
-The phrase pool keys phrases on one token (algorithm.md). This replays the text of a
+The phrase pool keys phrases on one token (pool.py). This replays the text of a
 `scripts/generate.py --json` run (prompt + each greedy output, prompts in order, one pool for
 all as under warm start) through pools of W phrases of L tokens per key, LRU, fed only
 with the confirmed text's own phrases (context phrases: the prompt's, then each phrase as its

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite in the project's environment (after scripts/setup.sh).
-#   bash scripts/test.sh [pytest args...]      e.g. -m "not slow" for the quick part
+#   bash scripts/test.sh [pytest args...]      e.g. -m "not slow and not engine": no engine starts
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091

@@ -93,3 +93,19 @@ def test_patching_a_staticmethod_twice_wraps_it_once():
     patch_method(C, "f", make)
     patch_method(C, "f", make)
     assert C.f(3) == 3 and calls == [3]
+
+
+def test_the_source_tree_fallback_range_is_setups():
+    """plugin._FALLBACK_RANGE (a source tree without installed metadata) repeats setup.py's
+    VLLM_RANGE, the one place the range is declared; the installed metadata carries it too."""
+    import re
+    from pathlib import Path
+
+    from packaging.specifiers import SpecifierSet
+
+    from vllm_ouroboros import plugin
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    declared = re.search(r'^VLLM_RANGE = "([^"]+)"', setup, re.M).group(1)
+    assert plugin._FALLBACK_RANGE == declared
+    assert plugin.supported_vllm_range() == str(SpecifierSet(declared))

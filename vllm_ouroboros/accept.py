@@ -1,4 +1,4 @@
-"""Acceptance walk over the verified token tree (algorithm.md step 4).
+"""Acceptance walk over the verified token tree (README, "How a step runs").
 
 Row convention for the target's outputs (both walks): row 0 is the target's prediction after
 the root (the last confirmed token), row 1 + i the prediction after tree node i. With the root

@@ -24,7 +24,7 @@ class OuroborosConfigError(ValueError):
 
 @dataclass(frozen=True)
 class OuroborosConfig:
-    """Settings of one Ouroboros deployment (names follow algorithm.md).
+    """Settings of one Ouroboros deployment (names follow the Ouroboros paper: gamma, beta, W, G, K).
 
     Settings that depend on the device default to None ("auto"): phrase drafting is switched on
     or off at load from the draft's measured cost curve, and speculation backs off per step

@@ -1,4 +1,5 @@
-"""Phrases for the pool from the target's verification output (algorithm.md steps 5 and 6).
+"""Phrases for the pool from the target's verification output: candidate inspiration and
+refinement (README, "How a step runs").
 
 The target predicts a token at every verified position, also after the first rejection. Two
 uses, batched over requests (padded host arrays, no Python loop over rows):

@@ -1,4 +1,4 @@
-"""The token tree the target verifies in one forward (algorithm.md step 3).
+"""The token tree the target verifies in one forward (README, "How a step runs").
 
 Per request: the sentence draft d[0..n-1] is a chain under the root (the last confirmed token),
 and K candidate suffixes s_k[0..len_k-1] are chains under the last draft token (under the root

@@ -1,4 +1,4 @@
-"""Target-side verification of one step's token trees (algorithm.md step 4), batched.
+"""Target-side verification of one step's token trees, batched (README, "How a step runs").
 
 Input is what the target computed in its one forward: logits at every query row of every request
 (the root, then each tree node in node order). Greedy requests take the greedy walk, the others

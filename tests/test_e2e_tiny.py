@@ -254,8 +254,12 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     patches/cpu_sampler.py.) K = 1 through the walk and vLLM's sampler, K = 2 and 3 through the
     chain view of the tree."""
     base, ours, _ = runs
-    K, tree, _ = tree_run
+    K, tree, snaps = tree_run
     params = {name: scenario[name][1] for name in ("mixed", "features", "bias")}
+    # Penalties, bad words, structured output...: chains while such a request is in the batch
+    # (counted, logged once per reason); none in the main batch.
+    assert snaps["main"]["chain_fallback_steps"] == 0, snaps["main"]["chain_fallback_steps"]
+    assert snaps["features"]["chain_fallback_steps"] > 0, snaps["features"]
     for name, label, got in (("mixed", "mixed, K=1", ours), ("features", "features, K=1", ours),
                              ("features", f"features, K={K}", tree), ("bias", "bias, K=1", ours),
                              ("bias", f"bias, K={K}", tree)):

@@ -133,7 +133,8 @@ def test_exported_totals_are_the_snapshots_counters():
         stats.add(np.array([0, 1, 2, 1]), **{k: rng.integers(0, 5, 4) for k in PER_REQUEST})
         stats.round_done(3, 1, 3)
     stats.finish(1)
-    elsewhere = {"requests_returned": 2, "slots_evicted": 1, "absent_caches_dropped": 5, "mode_switches": 3}
+    elsewhere = {"requests_returned": 2, "slots_evicted": 1, "absent_caches_dropped": 5, "mode_switches": 3,
+                 "chain_fallback_steps": 4}
     snap = {**stats.snapshot(per_request=False), **elsewhere}
     got = stats.exported_totals(**elsewhere)
     assert dict(zip(COUNTERS, got.tolist())) == {k: snap[k] for k in COUNTERS}

@@ -71,6 +71,8 @@ COUNTERS = {
     "slots_evicted": "Requests out of the batch whose draft slot went to a new request (all slots taken)",
     "absent_caches_dropped": "Requests out of the batch whose draft KV pages were released for "
                              "requests in it (the draft KV cache was full)",
+    "chain_fallback_steps": "Drafting steps that sent chains instead of the token tree: a request in the batch "
+                            "used structured output or a sampling setting the tree walk does not apply",
     "mode_switches": "Drafting mode switches while serving, between the draft model and the pool alone "
                      "(mode_review.py)",
 }

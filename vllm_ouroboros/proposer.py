@@ -184,6 +184,10 @@ class OuroborosProposer:
         self._tree_decision: str | None = None
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
+        # Drafting steps that sent chains where the tree was on (a request in the batch needs
+        # what the tree path does not do), and the reasons logged so far.
+        self._chain_steps = 0
+        self._chain_reasons: set[str] = set()
         self._ctx_seen = np.zeros(self.max_slots, np.int64)  # context length already in the pool
         # Back-off (cost_model.speculation_plan): both cost curves, measured at load, and per
         # request running means of what a step gives (P(accepted >= k) and P(sent >= k) for
@@ -690,10 +694,27 @@ class OuroborosProposer:
         self._tree_decision = "available" if reason is None else reason
 
     def set_tree_allowed(self, ok: bool) -> None:
+        """False while a structured-output request is in the batch: vLLM's grammar checks a
+        proposal as one chain."""
         self._tree_ok_structured = ok
+        if not ok:
+            self._log_chain_reason("structured output")
 
-    def set_tree_allowed_for_sampling(self, ok: bool) -> None:
+    def set_tree_allowed_for_sampling(self, ok: bool, reason: str | None = None) -> None:
+        """False while a request samples with a setting the tree walk does not apply (`reason`,
+        patches/tree_verify.unsupported_sampling): vLLM's rejection sampler verifies chains."""
         self._tree_ok_sampling = ok
+        if not ok:
+            self._log_chain_reason(reason or "a sampling setting the tree walk does not apply")
+
+    def _log_chain_reason(self, why: str) -> None:
+        """Say once per reason that steps send chains while such a request is in the batch."""
+        if self._tree_decision != "available" or self.cfg.tree_suffixes < 2 or why in self._chain_reasons:
+            return
+        self._chain_reasons.add(why)
+        logger.info("ouroboros: while a request with %s is in the batch, steps send chains (the draft "
+                    "and its best suffix, verified by vLLM's rejection sampler) instead of the token "
+                    "tree; the tree resumes after it (counted in chain_fallback_steps)", why)
 
     @property
     def sends_tree(self) -> bool:
@@ -928,7 +949,8 @@ class OuroborosProposer:
             self._counters.publish(self.stats.exported_totals(
                 requests_returned=self._slot_of.returned, slots_evicted=self._slot_of.evicted,
                 absent_caches_dropped=self._caches_dropped,
-                mode_switches=0 if self._mode_review is None else self._mode_review.switches))
+                mode_switches=0 if self._mode_review is None else self._mode_review.switches,
+                chain_fallback_steps=self._chain_steps))
         self._overhead.end(req_ids, B + sum(len(p) for p in proposals), time.perf_counter())
         if self._tp.size > 1:
             self._tp.share((proposals, *self.layouts(req_ids)))
@@ -1087,6 +1109,8 @@ class OuroborosProposer:
         room = np.maximum(self.max_model_len - 1 - lens_ctx, 0)
         R = len(rows)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
+        if self._tree_decision == "available" and self.cfg.tree_suffixes >= 2 and not self.sends_tree:
+            self._chain_steps += 1
         valid = out.suffix_valid[:, :K]
         found = valid.sum(1)
         branched = from_pool & self._pool_branches
@@ -1547,6 +1571,7 @@ class OuroborosProposer:
         out["slots_evicted"] = self._slot_of.evicted
         out["absent_caches_dropped"] = self._caches_dropped
         out["mode_switches"] = 0 if self._mode_review is None else self._mode_review.switches
+        out["chain_fallback_steps"] = self._chain_steps
         out["draft_failures"] = self.draft_failures
         out["drafting_off"] = self._drafting_off
         if self.runtime is not None:

@@ -183,7 +183,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     require(runner.sampler, "logprobs_mode")  # a default would report raw ones for processed
     mode = runner.sampler.logprobs_mode
     reason = unsupported_sampling(sm, mode)
-    runner.drafter.set_tree_allowed_for_sampling(reason is None)
+    runner.drafter.set_tree_allowed_for_sampling(reason is None, reason)
     bias, min_p = bias_min_p.active_processors(sm)
     raw = logits  # logprobs are the raw logits', as vLLM reports them by default
     # The walk also verifies plain chains: one lossless sampler for every ouroboros step. (vLLM

@@ -275,8 +275,8 @@ def test_adaptive_draft_length_errors_name_the_key(tiny_models, head_files, extr
 
 
 def test_draft_round_resolves_per_device(tiny_models):
-    """auto: CUDA graphs on a GPU, the host loop on a CPU; graph mode on a CPU is refused at
-    load naming the key (the device is known only there)."""
+    """auto: CUDA graphs on a GPU, the host loop on a CPU; graph mode on a CPU is refused naming
+    the key, at the engine's configuration (the platform's device) and again at load."""
     from vllm_ouroboros.config import resolved_draft_round
 
     cfg = OuroborosConfig(draft_model=str(tiny_models["draft"]))
@@ -289,6 +289,14 @@ def test_draft_round_resolves_per_device(tiny_models):
     assert resolved_draft_round(OuroborosConfig(draft_model="d", draft_round="graph"), "cuda") == "graph"
     with pytest.raises(OuroborosConfigError, match="'draft_round'='graph' replays CUDA graphs"):
         resolved_draft_round(OuroborosConfig(draft_model="d", draft_round="graph"), "cpu")
+    # At the engine's configuration, on this platform's device (not first when the worker loads).
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cuda":
+        with pytest.raises(OuroborosConfigError, match="'draft_round'='graph' replays CUDA graphs; the "
+                                                       f"draft runs on {current_platform.device_type}"):
+            engine_config(tiny_models["target"], {"method": "ouroboros", "model": str(tiny_models["draft"]),
+                                                  "draft_round": "graph"})
 
 
 def test_cost_curves_as_configured(tiny_models):

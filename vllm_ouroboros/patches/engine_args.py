@@ -12,8 +12,8 @@ import dataclasses
 import logging
 
 from vllm_ouroboros import LOGGER_NAME
-from vllm_ouroboros.config import (METHOD, OuroborosConfig, TokenizerSource, split_speculative_config,
-                                   validate)
+from vllm_ouroboros.config import (METHOD, OuroborosConfig, TokenizerSource, resolved_draft_round,
+                                   split_speculative_config, validate)
 from vllm_ouroboros.patches._util import patch_method, require
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -56,6 +56,11 @@ def _create_speculative_config(original):
         cfg, vllm_spec = split_speculative_config(spec, vllm_keys)
         validate(cfg, target_vocab_size=target_model_config.get_vocab_size(),
                  target_tokenizer=_target_tokenizer(target_model_config))
+        from vllm.platforms import current_platform
+
+        # The draft runs on the platform's device: `draft_round` graph off CUDA is refused here,
+        # at configuration, rather than when the worker loads.
+        resolved_draft_round(cfg, current_platform.device_type)
         self.speculative_config = {
             **vllm_spec,
             "method": "custom_class",

@@ -1,4 +1,5 @@
-"""Copying KV slots in every attention layer at once: two launches instead of two per layer cache.
+"""Copying KV slots in every attention layer at once: two launches (per group of caches under
+MOVE_BUFFER_BYTES: one group in the usual case) instead of two per layer cache.
 
 When a suffix k >= 1 wins a tree step, its nodes' keys and values are copied left into the slots
 vLLM expects (kv_relocate.move_kv). In torch that is a gather and a scatter per key cache and per
@@ -95,7 +96,7 @@ def _offsets(caches: list[torch.Tensor]) -> torch.Tensor | None:
 
 def move_kv_triton(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
                    dst: torch.Tensor) -> bool:
-    """kv_relocate.move_kv's copy in two launches; False (nothing done) where Triton cannot run
+    """kv_relocate.move_kv's copy in two launches per group of caches; False (nothing done) where Triton cannot run
     here or the caches do not share one layout, so the caller copies in torch.
 
     Shape: each cache [num_blocks, block_size, Hkv, D] (any strides, the same for all); src, dst

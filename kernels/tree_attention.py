@@ -634,7 +634,10 @@ def tree_attention(
     count, never from prefix_lens' values, so no call synchronises and any can be captured in a
     CUDA graph (the fp32 scratch, T x Hq x S x (D + 2), comes from torch.empty). `max_prefix_len`,
     an upper bound on max(prefix_lens) known on the host, only tightens that choice (the default
-    bound is the block table's width in tokens); a wrong value changes speed, never the result.
+    bound is the block table's width in tokens); on the Triton path a wrong value changes speed,
+    never the result. On the torch path (off CUDA, or where the kernel failed its check)
+    `max_query_len` and `max_prefix_len` size the padding: they must be true upper bounds (rows
+    or keys past them are dropped); a looser bound only pads.
     `tiles` (Triton only): this call's `_TILES` entry (check_tiles), for measuring candidates;
     None: the table's.
     """

@@ -61,7 +61,7 @@ class OuroborosConfig:
     # mode, pool_draft.py); None = decided at load with the two switches above (cost_model.py),
     # the draft model where draft_length is adaptive (its head stops the model's drafts).
     use_draft: bool | None = None
-    # With all three switches above on auto: every this-many drafting steps, the draft model's
+    # With all three switches above on auto: every this-many decoding steps, the draft model's
     # mode and the pool mode are priced again from what the engine measured (its step time,
     # tokens per target forward of each mode) and the cheaper one drafts (mode_review.py);
     # 0 = the mode chosen at load stays.

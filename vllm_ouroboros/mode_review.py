@@ -14,7 +14,8 @@ gave it on HumanEval. Each of these can be wrong for the engine at hand:
   predicts badly;
 - under load the batch's rows share one target forward and widen each draft forward.
 
-So, while serving, every `mode_review_steps` drafting steps (config; 64), each of the two candidate modes is priced
+So, while serving, every `mode_review_steps` decoding steps (config; 64; those in which the
+back-off left every row out count too), each of the two candidate modes is priced
 per output token at the batch the engine runs:
 
     c_m = (T(B) + D_m(B)) / (B E_m)
@@ -71,7 +72,7 @@ class ModePrice:
 
 
 class ModeReview:
-    """Chooses, every `every` drafting steps, between `drafted` (the draft model's mode
+    """Chooses, every `every` decoding steps, between `drafted` (the draft model's mode
     built at load) and `pool` (no draft forward), from what the engine measured."""
 
     MIN_ROWS = 48  # row-steps of a mode measured before its E replaces the prior
@@ -84,7 +85,7 @@ class ModeReview:
                  target_tokens: int, every: int = 64):
         """row_tokens: tokens per row of one of the drafted mode's forwards (draft_row_tokens);
         target_tokens: n_t, the target's tokens per drafting row (1 + gamma + L, as at load);
-        every: drafting steps between reviews (and the least a mode runs after a switch). The
+        every: decoding steps between reviews (and the least a mode runs after a switch). The
         mode in force is the caller's (the proposer's drafting mode), passed to step and
         review: one place holds it."""
         if drafted.uses_draft == pool.uses_draft:
@@ -105,7 +106,7 @@ class ModeReview:
         self.rows_estimated = dict.fromkeys(self.modes, 0)  # of those, rows with an estimated part
         self._forwards: float | None = None  # drafted mode's forwards per round, running mean
         self.batch = 1.0  # drafting rows per step, running mean (each step drafts >= 1)
-        self.steps = 0  # drafting steps since the last review (or switch)
+        self.steps = 0  # decoding steps since the last review (or switch)
         self.switches = 0
         self.last: dict[str, ModePrice] = {}
 

@@ -69,8 +69,8 @@ def _holds_pool(method):
     """Run `method` holding the proposer's pool lock: under vLLM's Ray executors a worker's
     steps run on the compiled graph's thread while the engine core's shutdown RPC saves the
     pool on the actor's own thread; the save must not read the pool halfway through a step's
-    inserts. Re-entrant: the periodic save runs inside the step. Uncontended otherwise (one
-    acquire per call, well under a microsecond)."""
+    inserts. Re-entrant: the step writes the metrics snapshot (`snapshot`, held too) inside
+    itself. Uncontended otherwise (one acquire per call, well under a microsecond)."""
     @functools.wraps(method)
     def held(self, *args, **kwargs):
         with self._pool_lock:
@@ -446,7 +446,7 @@ class OuroborosProposer:
             "" if cfg.use_lookahead is None and cfg.use_guesses is None and cfg.use_draft is None
             else " (as configured where pinned)")
         if self._mode_review is not None:
-            logger.info("ouroboros: the drafting mode is reviewed every %d drafting steps from what the "
+            logger.info("ouroboros: the drafting mode is reviewed every %d decoding steps from what the "
                         "engine measures, between %s and the pool alone (mode_review.py)",
                         cfg.mode_review_steps, drafted.name)
         return use_lookahead, use_guesses
@@ -572,6 +572,8 @@ class OuroborosProposer:
         if not self.cfg.pool_save_path:
             return
         atexit.unregister(self._maybe_save_pool)
+        if self.pool is None:  # a TP rank that follows the first holds no pool
+            return
         if not self._pool_lock.acquire(timeout=SAVE_LOCK_TIMEOUT_S):
             logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
                            "now, the last periodic save stands", SAVE_LOCK_TIMEOUT_S)
@@ -1315,7 +1317,7 @@ class OuroborosProposer:
         # the prior, as a new request does.
         self._base_tokens[:] = self._prior_tokens_per_fwd
         logger.info("ouroboros: drafting mode %s -> %s at %.1f requests per step: modeled ms per output "
-                    "token %s (E %s; review every %d drafting steps, mode_review.py)%s", old, new,
+                    "token %s (E %s; review every %d decoding steps, mode_review.py)%s", old, new,
                     review.batch, {m: round(1000 * p.seconds_per_token, 2) for m, p in review.last.items()},
                     {m: f"{p.tokens_per_forward:.2f}{'' if p.measured else ' prior'}"
                      for m, p in review.last.items()}, review.every,

@@ -96,8 +96,9 @@ def _offsets(caches: list[torch.Tensor]) -> torch.Tensor | None:
 
 def move_kv_triton(caches: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
                    dst: torch.Tensor) -> bool:
-    """kv_relocate.move_kv's copy in two launches per group of caches; False (nothing done) where Triton cannot run
-    here or the caches do not share one layout, so the caller copies in torch.
+    """kv_relocate.move_kv's copy in two launches per group of caches; False (nothing done)
+    where Triton cannot run here or the caches do not share one layout, so the caller copies
+    in torch.
 
     Shape: each cache [num_blocks, block_size, Hkv, D] (any strides, the same for all); src, dst
     [M] int64 slots on the caches' device."""

@@ -34,7 +34,8 @@ import torch
 
 from vllm_ouroboros.draft.attention import MAX_KERNEL_QUERIES
 
-from .triton_runtime import check_once, import_triton, pick_kernel  # noqa: F401 - each kernel module offers pick_kernel (tests/conftest.needs_triton)
+# pick_kernel: every kernel module offers it (tests/conftest.needs_triton reads it from here)
+from .triton_runtime import check_once, import_triton, pick_kernel  # noqa: F401
 
 triton, tl, _TRITON_IMPORT_ERROR = import_triton()
 

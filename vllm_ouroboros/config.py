@@ -287,7 +287,8 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None,
             raise OuroborosConfigError(
                 f"ouroboros: 'pool_budget_mb'={cfg.pool_budget_mb} cannot hold the pool's key table "
                 f"for the target's {target_vocab_size} tokens plus one page (window_size="
-                f"{cfg.window_size}, beta={cfg.beta}): give at least {math.ceil(need / 2**20 * 100) / 100} MiB")
+                f"{cfg.window_size}, beta={cfg.beta}): give at least "
+                f"{math.ceil(need / 2**20 * 100) / 100} MiB")
     if cfg.draft_cache_max_mb is not None and not _positive_number(cfg.draft_cache_max_mb):
         raise OuroborosConfigError(
             "ouroboros: 'draft_cache_max_mb' must be a positive number (or null: no bound), got "

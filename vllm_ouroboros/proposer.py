@@ -77,6 +77,8 @@ def _holds_pool(method):
             return method(self, *args, **kwargs)
 
     return held
+
+
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests

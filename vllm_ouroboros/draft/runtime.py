@@ -33,7 +33,7 @@ from vllm_ouroboros.device_clock import DeviceClock
 from vllm_ouroboros.draft.acceptance_head import stop_rule
 from vllm_ouroboros.draft.device_round import DeviceRound
 from vllm_ouroboros.draft.prefill_graph import CHUNK as PREFILL_CHUNK, PrefillGraphs, prefill_mask
-from vllm_ouroboros.draft.kv_cache import DraftCacheFull  # noqa: F401 - raised by allocate(); callers catch it from here
+from vllm_ouroboros.draft.kv_cache import DraftCacheFull  # noqa: F401 - callers catch it from here
 from vllm_ouroboros.draft.lookahead import (
     build_layout,
     initial_window,

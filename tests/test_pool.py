@@ -174,7 +174,7 @@ def test_a_saved_state_holds_no_phrase_the_pool_no_longer_has():
 def test_a_clock_near_the_scores_range_moves_back_keeping_the_order(monkeypatch):
     """Eviction scores are recency * pages + page in int64: a pool whose clock ran up to near
     2^63 / pages (long uptime, or a file saved after it) moves the clock, stamps and pages'
-    last use back by one offset, keeping their order: from there it evicts, ranks and looks
+    last use back, keeping their order: from there it evicts, ranks and looks
     up exactly as the same pool with a small clock."""
     def build():
         pool = make(vocab=12, W=2, pages=3)
@@ -199,8 +199,54 @@ def test_a_clock_near_the_scores_range_moves_back_keeping_the_order(monkeypatch)
     assert sorted(small.page_key.tolist()) == sorted(big.page_key.tolist())  # the same keys evicted
     # in serving: the proposer checks every POOL_SAVE_INTERVAL seconds
     monkeypatch.setattr(PhrasePool, "clock_limit", lambda self: 4)
-    assert small.rebase_clock() and int(small.clock) == 2
+    assert small.rebase_clock() and int(small.clock) <= small.W * small.num_pages + small.num_pages + 1
     assert (small.stamp[small.stamp > 0] >= 1).all()
+
+
+def _order(pool):
+    """Every pairwise order (and tie) among the stamps, the pages' last use and the clock."""
+    v = torch.cat([pool.stamp.view(-1), pool.page_last_used, pool.clock.view(1)])
+    return torch.sign(v[:, None] - v[None, :]), v == 0
+
+
+@pytest.mark.parametrize("out_of_memory", [False, True])
+def test_moving_the_clock_back_keeps_every_order_and_tie(monkeypatch, out_of_memory):
+    """The clock moves back by ranking stamps, last use and clock together: stamps far older
+    than the limit keep their order (one offset made them all 1, and equal stamps may be
+    ranked differently by the torch and Triton lookups). Where the ranking's temporary does not
+    fit, the offset stands in: the clock still moves back below the limit."""
+    def build():
+        pool = make(vocab=12, W=3, pages=4)
+        for k, ph in ((1, A), (2, B), (1, C), (3, D), (2, A), (4, B), (1, D), (4, C)):
+            ins(pool, k, [ph])
+            # masked rows advance the clock too (a fixed-shape drafting round): gaps in the stamps
+            pool.insert(T([k] * 8), T([ph] * 8), T([0] * 8), valid=torch.zeros(8, dtype=torch.bool))
+        get(pool, 2), get(pool, 1)
+        return pool
+
+    moved, kept = build(), build()
+    before = _order(moved)
+    monkeypatch.setattr(PhrasePool, "clock_limit", lambda self: 40)
+    if out_of_memory:
+        def no_room(*a, **k):
+            raise torch.OutOfMemoryError("test")
+        monkeypatch.setattr(torch, "unique", no_room)
+        assert moved.rebase_clock() and int(moved.clock) == 20
+        assert (moved.stamp[moved.stamp > 0] >= 1).all()
+        return
+    assert int(moved.clock) > 40 and moved.rebase_clock() and int(moved.clock) < 20
+    after = _order(moved)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    monkeypatch.undo()
+    for pool in (moved, kept):  # from here on both act alike: evictions, ranks, lookups
+        ins(pool, 5, [A])
+        pool.insert(T([6, 1, 3]), T([C, D, A]), T([0, 0, 0]))
+        get(pool, 4)
+        ins(pool, 7, [B])
+    for k in range(12):
+        for slot in range(3):
+            assert get(moved, k, slot=slot) == get(kept, k, slot=slot), (k, slot)
+    assert torch.equal(moved.page_key, kept.page_key)
 
 
 def test_page_eviction_lru_and_current_keys_survive():

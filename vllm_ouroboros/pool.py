@@ -450,18 +450,31 @@ class PhrasePool:
 
     @torch.no_grad()
     def rebase_clock(self) -> bool:
-        """Move the recency clock, the stamps and the pages' last use back by one offset where
-        the clock passed clock_limit(): the order of everything within the last
-        clock_limit() / 2 ticks is kept, older stamps all become the oldest (1). Reads the
-        clock to the host (one synchronisation): call it now and then, not per step. Returns
-        whether it moved."""
+        """Where the clock passed clock_limit(), renumber the stamps, the pages' last use and
+        the clock by their rank among all of them (0, empty, stays 0): every order and every
+        tie is kept, so eviction and the lookups' choices go on as before, in the torch and the
+        Triton paths alike, and the clock restarts below the number of slots. Reads the clock
+        to the host (one synchronisation) and sorts every stamp (a temporary of some 4x the
+        stamps' bytes): call it now and then, not per step. Where that temporary does not fit,
+        everything moves back by one offset instead, and stamps older than clock_limit() / 2
+        ticks all become the oldest (1). Returns whether it moved."""
         clock, limit = int(self.clock), self.clock_limit()
         if clock <= limit:
             return False
-        off = clock - limit // 2
-        self.stamp.copy_(torch.where(self.stamp > 0, (self.stamp - off).clamp(min=1), 0))
-        self.page_last_used.sub_(off).clamp_(min=0)
-        self.clock.sub_(off)
+        try:
+            values = torch.cat([self.clock.new_zeros(1), self.stamp.view(-1), self.page_last_used,
+                                self.clock.view(1)])
+            rank = torch.unique(values, sorted=True, return_inverse=True)[1]
+        except torch.OutOfMemoryError:
+            off = clock - limit // 2
+            self.stamp.copy_(torch.where(self.stamp > 0, (self.stamp - off).clamp(min=1), 0))
+            self.page_last_used.sub_(off).clamp_(min=0)
+            self.clock.sub_(off)
+            return True
+        n = self.stamp.numel()
+        self.stamp.copy_(rank[1:n + 1].view_as(self.stamp))
+        self.page_last_used.copy_(rank[n + 1:-1])
+        self.clock.copy_(rank[-1])
         return True
 
     def save(self, path):

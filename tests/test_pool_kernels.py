@@ -131,6 +131,27 @@ def test_lookup_of_masked_rows_and_empty_calls():
     assert phrases.shape == (0, 2, 2) and valid.shape == (0, 2)
 
 
+def test_lookups_agree_after_the_clock_moves_back(monkeypatch):
+    """Many phrases of one key, then the clock past its limit: the move back keeps the stamps
+    distinct, so the kernel (lower slot first on ties) and torch's topk (any tied slot) still
+    pick the same phrases (an offset made old stamps all 1, and the two disagreed)."""
+    ref, got = pair(V=20, L=2, W=8, pages=4, shared=True)
+    for p in (ref, got):
+        p.insert(torch.full((8,), 3, device=DEVICE), torch.arange(16, device=DEVICE).view(8, 2),
+                 torch.full((8,), -1, device=DEVICE))
+        p.insert(torch.full((4,), 3, device=DEVICE), torch.zeros(4, 2, dtype=torch.long, device=DEVICE),
+                 torch.zeros(4, dtype=torch.long, device=DEVICE), torch.zeros(4, dtype=torch.bool, device=DEVICE))
+    monkeypatch.setattr(PhrasePool, "clock_limit", lambda self: 4)
+    assert ref.rebase_clock() and got.rebase_clock()
+    assert_same(ref, got, "rebased")
+    assert ref.stamp[ref.stamp > 0].unique().numel() == 8
+    q, slots = torch.tensor([3], device=DEVICE), torch.tensor([0], device=DEVICE)
+    for n in (1, 3, 8):
+        want, have = ref.lookup(q, slots, n), got.lookup(q, slots, n)
+        assert torch.equal(want[0], have[0]) and torch.equal(want[1], have[1]), n
+    assert have[0][0, :3].tolist() == [[14, 15], [12, 13], [10, 11]]  # newest first
+
+
 def test_check_and_choice():
     assert pi.check_kernel(torch.device(DEVICE)) is None
     assert pl.check_kernel(torch.device(DEVICE)) is None

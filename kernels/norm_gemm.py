@@ -221,7 +221,11 @@ def norm_linear(
     N = n_w // 2 if glu else n_w
     y = torch.empty((*x.shape[:-1], N), dtype=dtype, device=device)
     new_res = x if residual is None else torch.empty(x.shape, dtype=dtype, device=device)
-    if rows == 0 or N == 0:
+    if rows == 0:
+        return y, new_res
+    if N == 0:  # no product: only the kernel would have written the sum
+        if residual is not None:
+            torch.add(x, residual, out=new_res)
         return y, new_res
     y2, res_out2 = y.view(rows, N), new_res.view(rows, K)
     block_m, block_n, block_k, warps = _tiles(rows, N)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread", "triton_interpreter"), needs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,K,N,glu,res,bias", [
     (1, 64, 48, False, True, True), (5, 96, 40, True, True, False), (34, 128, 72, False, False, True),
-    (64, 200, 30, True, True, True), (0, 64, 16, False, True, False)])
+    (64, 200, 30, True, True, True), (0, 64, 16, False, True, False), (3, 64, 0, False, True, False)])
 def test_norm_linear_matches_reference(dtype, rows, K, N, glu, res, bias):
     g = torch.Generator().manual_seed(rows * 7 + K)
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype).to(DEVICE)  # noqa: E731

@@ -6,7 +6,8 @@ best returned, the page's recency and the pool's counters advanced. In torch tha
 a topk, a scatter_reduce and the counters' sums, 39 launches; the drafting round looks up once
 per forward and once for its suffixes (5 lookups, 218 device activities per W = G = 4 round on an
 H200: results/README.md, "Session of 2026-11-27 (fourth)"). Here one program per row ranks its
-page's W slots by pairwise comparison (stamps are unique, so the order is topk's), writes the
+page's W slots by pairwise comparison (a page's stamps are unique, so the order is topk's; only
+`PhrasePool.rebase_clock`'s fallback where memory is short ties old ones), writes the
 phrases in place, and moves recency and counters with atomics (rows may share a page).
 
 In this file: the kernel, `lookup_triton` (the host side; None where Triton cannot run here,

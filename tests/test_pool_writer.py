@@ -83,6 +83,37 @@ def test_failed_capture_inserts_eagerly(caplog):
         assert torch.equal(a, b)
 
 
+def test_a_failed_capture_ends_the_captures_and_frees_the_graphs():
+    """capture() walks every bucket: after one failed, the others would warm up and capture
+    graphs that no insert replays (eager from then on), and it reported them as captured."""
+    pool = PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 24))
+    writer, calls, real = PoolWriter(pool, graphs=True, emulate_graphs=True), [], pool.insert
+
+    def refuses_16(*a, **k):
+        calls.append(a[0].shape[0])
+        if a[0].shape[0] == 16:
+            raise RuntimeError("capture refused (test)")
+        return real(*a, **k)
+
+    pool.insert = refuses_16
+    assert writer.capture() == 0 and not writer.graphs and calls == [16]
+    assert not writer._replays and not writer._boxes
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_rows_of_the_wrong_shape_are_refused(graphs):
+    """A phrase narrower than L would be broadcast across a graph's box (stored as L copies of
+    its one token): refused when staged, with or without graphs."""
+    writer = PoolWriter(PhrasePool(V, L, W, PhrasePool.budget_for(V, L, W, 8)), graphs=graphs,
+                        emulate_graphs=graphs)
+    with pytest.raises(ValueError, match=rf"phrases \[N, {L}\]"):
+        writer.insert(np.array([3]), np.array([[7]]), np.array([0]))
+    with pytest.raises(ValueError, match="owners"):
+        writer.stage(np.array([3, 4]), np.zeros((2, L), np.int64), np.array([0]))
+    assert writer.staged == 0
+    writer.insert(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))  # empty: nothing
+
+
 def test_graphs_need_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")

@@ -12,8 +12,7 @@ ones around it.
 With graphs, an insert of N rows pads them to a bucket (BUCKETS) with masked rows, which change
 nothing (the pool's state does not depend on how many rows a call carried, pool.py), copies the
 packed rows into the bucket's static device buffer and replays the bucket's graph: one host->
-device copy (the eager path makes three), queued from pinned memory without a host wait
-(host_copy.py). Masked rows take recency stamps as real ones do: only the order of stamps
+device copy, queued from pinned memory without a host wait (host_copy.py). Masked rows take recency stamps as real ones do: only the order of stamps
 matters, and that is unchanged. More rows than the largest bucket, and every insert without
 graphs (the CPU), run eagerly.
 
@@ -73,8 +72,16 @@ class PoolWriter:
     def stage(self, keys: np.ndarray, phrases: np.ndarray, owners: np.ndarray) -> None:
         """Queue rows for the next `insert` or `flush`, older than the rows that call brings
         (module docstring). Shapes as `insert`."""
-        if len(keys):
-            self._staged.append((np.asarray(keys), np.asarray(phrases), np.asarray(owners)))
+        keys, phrases, owners = np.asarray(keys), np.asarray(phrases), np.asarray(owners)
+        # Checked here as the eager insert checks them: a graph's box would broadcast a narrow
+        # phrase across its L rows instead.
+        n = len(keys)
+        if not n:
+            return
+        if keys.ndim != 1 or phrases.shape != (n, self.pool.L) or owners.shape != (n,):
+            raise ValueError(f"expected keys [N], phrases [N, {self.pool.L}] and owners [N], got "
+                             f"{keys.shape}, {phrases.shape} and {owners.shape}")
+        self._staged.append((keys, phrases, owners))
 
     @property
     def staged(self) -> int:
@@ -112,17 +119,20 @@ class PoolWriter:
 
     def capture(self, buckets=BUCKETS) -> int:
         """Capture these buckets' graphs now (in load_model, where vLLM's profiler sees their
-        memory); returns how many were captured."""
+        memory); returns how many it holds (0 once a capture failed: inserts run eagerly)."""
         if not self.graphs:
             return 0
-        todo = [b for b in buckets if b not in self._replays]
-        return sum(1 for b in todo if self._ready(b))
+        for b in buckets:
+            self._ready(b)
+        return len(self._replays)
 
     def _ready(self, Nb: int) -> bool:
         """The bucket's graph, captured on first use; False (logged once, eager from then on)
         where the capture fails."""
         if Nb in self._replays:
             return True
+        if not self.graphs:  # a capture failed: no more captures (capture() goes on calling)
+            return False
         box = torch.zeros(_HEAD + self.pool.L, Nb, dtype=torch.long, device=self.pool.device)
         box[0] = -1  # a neutral insert: every row masked
         pool = self.pool
@@ -143,6 +153,9 @@ class PoolWriter:
             logger.warning("ouroboros: capturing the pool insert of %d rows failed (%s: %s); "
                            "inserts run eagerly", Nb, type(e).__name__, e)
             self.graphs = False
+            # The graphs captured before would never replay: their memory goes back.
+            self._boxes.clear()
+            self._replays.clear()
             return False
         self._boxes[Nb], self._replays[Nb] = box, graph
         return True

@@ -328,6 +328,32 @@ def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, 
         rt.reset_slot(1)
 
 
+def test_a_context_cut_back_and_regrown_is_drafted_from_the_new_tokens(draft_path, greedy, device):
+    """vLLM may cut a request's output back (a failed KV load) and grow other tokens in their
+    place, as long as before: the round trusts the cache up to what it confirmed, so `rewind`
+    must lower that, or the draft continues from the old tokens' KV."""
+    rng = np.random.default_rng(21)
+    stale, mended = (make_runtime(draft_path, device, num_slots=1)[0] for _ in range(2))
+    V = stale.model.vocab_size
+    ctx = rng.integers(2, V, 40).tolist()
+    for rt in (stale, mended):
+        draft_round(rt, [0], [ctx], np.random.default_rng(0))
+        assert rt.confirmed[0] == len(ctx)
+    regrown = ctx[:35] + [(t + 1) % V for t in ctx[35:]]
+    mended.rewind(np.array([0]), np.array([35]))
+    assert mended.confirmed[0] == 35
+    for rt in (stale, mended):
+        out, drafts = draft_round(rt, [0], [regrown], np.random.default_rng(0))
+        n = min(int(rt.kv_len[0]), len(regrown))  # the cache holds the draft after the context
+        same = rt.cached[0, :n].tolist() == regrown[:n]
+        if rt is stale:
+            assert not same, "the cut went unnoticed anyway: the test no longer tests rewind"
+        else:
+            assert same
+            check_round(out, drafts, [regrown], greedy, rt, [0])
+    mended.rewind(np.array([5]), np.array([0]))  # a slot the cache never grew to: nothing
+
+
 def test_cache_bytes_and_the_growth_warning(draft_path, device):
     """The draft cache's size (k and v pages, every layer) and the load-time warning when growing
     it on demand could outrun the memory vLLM leaves free."""

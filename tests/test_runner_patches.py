@@ -38,12 +38,45 @@ def test_a_streaming_sessions_next_segment_starts_its_slot_afresh():
     runner = SimpleNamespace(drafter=drafter, requests={"a": 1, "b": 2})
     update = model_runner._update_states(lambda self, out: "updated")
     out = lambda new, done=(): SimpleNamespace(  # noqa: E731
-        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new], finished_req_ids=set(done))
+        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new], finished_req_ids=set(done),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_output_tokens=[]))
     assert update(runner, out(["b", "c"])) == "updated" and noted == [["b"]]
     update(runner, out(["c"], done={"a"}))
     assert noted == [["b"], ["a"]]
     update(runner, out(["c"]))  # nothing finished or resumed under a held id: no call
     assert len(noted) == 2
+
+
+def test_an_output_cut_back_by_vllm_rewinds_the_requests_draft_state():
+    """vLLM's _update_states drops output tokens the scheduler no longer counts (a failed
+    synchronous KV load): the request regrows other tokens, and the proposer must check its
+    draft cache and context learning again from the cut, in the request's own slot."""
+    from vllm_ouroboros.request_slots import RequestSlots
+
+    p = object.__new__(OuroborosProposer)
+    p._slot_of = RequestSlots(4)
+    p._slot_of.sync(["a", "b", "c"])
+    rewound = []
+    p.runtime = SimpleNamespace(rewind=lambda slots, lens: rewound.append((slots.tolist(), lens.tolist())))
+    p._ctx_seen = np.array([50, 60, 70, 0])
+    p.is_ouroboros = True
+    state = lambda prompt, out: SimpleNamespace(  # noqa: E731
+        output_token_ids=list(range(out)), num_tokens=prompt + out)
+    runner = SimpleNamespace(drafter=p, requests={"a": state(30, 20), "b": state(40, 20), "c": state(60, 10),
+                                                 "z": state(5, 5)})
+    update = model_runner._update_states(lambda self, out: "updated")
+    out = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(), scheduled_cached_reqs=SimpleNamespace(
+        req_ids=["a", "b", "c", "z", "gone"], num_output_tokens=[20, 14, 10, 2, 0]))
+    assert update(runner, out) == "updated"
+    slot_b = p._slot_of["b"]
+    # "b" keeps 40 + 14 tokens; "z" holds no slot (not drafted for); "gone" is not the runner's
+    assert rewound == [([slot_b], [54])]
+    want = [50, 60, 70, 0]
+    want[slot_b] = 54
+    assert p._ctx_seen.tolist() == want
+    out.scheduled_cached_reqs.num_output_tokens = [20, 20, 10, 5, 0]
+    update(runner, out)  # nothing cut back: no call
+    assert len(rewound) == 1
 
 
 def test_a_step_whose_drafting_raises_decodes_plainly(caplog):

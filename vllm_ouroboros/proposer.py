@@ -653,6 +653,18 @@ class OuroborosProposer:
         `_update_states`, on every step, scheduled work or not); their slots go at the next sync."""
         self._slot_of.finished(req_ids)
 
+    def note_rewound(self, req_ids, lens) -> None:
+        """Requests whose output vLLM cut back to `lens` tokens of context (the runner patch,
+        from `_update_states`): what they grow next may differ from what the draft cache and
+        the pool's context learning saw past there."""
+        slots = np.array([self._slot_of.get(r) for r in req_ids], np.int64)
+        lens = np.asarray(lens, np.int64)
+        mine = slots >= 0
+        slots, lens = slots[mine], lens[mine]
+        if self.runtime is not None:
+            self.runtime.rewind(slots, lens)
+        self._ctx_seen[slots] = np.minimum(self._ctx_seen[slots], lens)
+
     def _sync_requests(self, req_ids) -> None:
         """Give new requests a slot; release the slots (and pool ownership) of finished ones.
         A request absent from this batch (preempted, or left out by the token budget) keeps
@@ -662,7 +674,7 @@ class OuroborosProposer:
             slots = changes.released
             if self.pool is not None:  # None on a TP rank that follows the first
                 self._flush_staged()  # staged rows keep the owner they were written for
-                self.pool.release(torch.tensor(slots, dtype=torch.long, device=self.device))
+                self.pool.release(*to_device(self.device, np.asarray(slots, np.int64)))
             for s in slots:
                 if self.runtime is not None:
                     self.runtime.reset_slot(s)

@@ -311,6 +311,14 @@ class DraftRuntime:
             self.window_ready[slot] = False
             self.kv.release([slot])
 
+    def rewind(self, slots: np.ndarray, lens: np.ndarray) -> None:
+        """The context of `slots` [n] was cut back to `lens` [n] tokens, and what follows may
+        differ from what was cached: the next round checks the cache against the context from
+        there on (`_rollback` trusts what was confirmed below)."""
+        mine = slots < self._slots
+        slots = slots[mine]
+        self.confirmed[slots] = np.minimum(self.confirmed[slots], lens[mine])
+
     # ---- round -------------------------------------------------------------------------------
     def run_round(self, slots: np.ndarray, token_ids: np.ndarray, rows: np.ndarray,
                   lens: np.ndarray, forwards: int | None = None,

@@ -7,7 +7,8 @@
     proposer's pool feedback, all before `propose()` runs in the same step.
 `_update_states` (patched): the requests vLLM finished or aborted go to the proposer, which
     releases their draft slots; one that is only absent from a step (preempted, or left out by
-    the token budget) keeps its slot and draft cache (request_slots.py).
+    the token budget) keeps its slot and draft cache (request_slots.py). A request whose output
+    vLLM cuts back (a failed KV load) has its draft cache checked again from the cut.
 `_sample` also hands the proposer each request's length limit (prompt + max_tokens, from the
     runner's request state): the back-off weighs a draft cache that must catch up on a long
     stretch against the tokens the request has left.
@@ -51,9 +52,25 @@ def _update_states(original):
             again = [r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in held]
             if scheduler_output.finished_req_ids or again:
                 drafter.note_finished([*scheduler_output.finished_req_ids, *again])
+            rewound = _rewound_requests(held, scheduler_output.scheduled_cached_reqs)
+            if rewound:
+                drafter.note_rewound(*zip(*rewound))
         return original(self, scheduler_output)
 
     return update_states
+
+
+def _rewound_requests(held: dict, cached) -> list[tuple[str, int]]:
+    """(request id, context length kept) of each request whose output vLLM cuts back in this
+    `_update_states` (output tokens discarded after a failed synchronous KV load, with a KV
+    connector): the tokens it regrows may differ from the draft cache's. One comparison per
+    scheduled request, as vLLM's own loop over them makes."""
+    rewound = []
+    for req_id, kept in zip(cached.req_ids, cached.num_output_tokens):
+        state = held.get(req_id)
+        if state is not None and kept < len(state.output_token_ids):
+            rewound.append((req_id, state.num_tokens - len(state.output_token_ids) + kept))
+    return rewound
 
 
 def _prepare_inputs(original):
@@ -195,9 +212,16 @@ def apply() -> None:
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     fields = set(getattr(CachedRequestState, "__dataclass_fields__", ()))
-    state_fields = ("sampling_params", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids")
+    state_fields = ("sampling_params", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids",
+                    "output_token_ids")
     if not set(state_fields) <= fields:
         require(CachedRequestState, *state_fields)
+    require(CachedRequestState, "num_tokens")
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    cached_fields = ("req_ids", "num_output_tokens")
+    if not set(cached_fields) <= set(getattr(CachedRequestData, "__dataclass_fields__", ())):
+        require(CachedRequestData, *cached_fields)
     require(builtin, "MinPLogitsProcessor", "LogitBiasLogitsProcessor", "MinTokensLogitsProcessor")
     _check_sampling_metadata()
     from vllm.v1.sample.ops import topk_topp_sampler

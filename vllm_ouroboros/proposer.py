@@ -239,11 +239,12 @@ class OuroborosProposer:
         # plans and the mode review charge it beside its target tokens (None: not yet timed).
         self._pool_seconds: float | None = None
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
-        # The last proposal was bounded by max_model_len (room) rather than by the plan's cut:
+        # The last proposal was bounded by its room (max_model_len, max_tokens) rather than by the plan's cut:
         # whole or cut, it says nothing of what the mode gives a row with room (mode review).
         self._room_cut = np.zeros(self.max_slots, bool)
         # The most tokens each request's context can reach (prompt + max_tokens, else
-        # max_model_len): what a draft cache that must catch up is weighed against.
+        # max_model_len): what a draft cache that must catch up is weighed against, and what
+        # bounds each proposal (only what the request can still emit).
         self._len_limit = np.full(self.max_slots, self.max_model_len, np.int64)
         self._length_limit_of = None  # req_id -> limit or None (set_batch, from the runner)
         # Whether the draft can read the request's prompt: not where it came as embeddings
@@ -1048,6 +1049,17 @@ class OuroborosProposer:
         # and draft_forwards_per_token read high under load).
         self.stats.add(slots, generated_tokens=n_new[rows])
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
+        # A request one token from its length limit (max_tokens, max_model_len) emits that token
+        # whatever is drafted: a round for it would be paid for nothing (at the end of every
+        # request; a max_tokens=1 request's whole prompt prefilled by the draft).
+        last = lens_ctx >= self._len_limit[slots] - 1
+        if last.any():
+            done = slots[last]
+            self._last_main[done] = self._last_suffix_len[done] = 0
+            self._source[done] = NO_DRAFT
+            rows, slots, lens_ctx = rows[~last], slots[~last], lens_ctx[~last]
+            if len(rows) == 0:
+                return proposals
         if self._mode_review is not None and self._mode_review.due():
             self._review_mode()  # before the plan: a switch changes what drafting costs (F, catch-up)
         S = self.num_spec_tokens
@@ -1121,8 +1133,9 @@ class OuroborosProposer:
         # path is on, else the best one), in flat order (proposal_layout.py). The back-off's
         # cut bounds the draft; the suffixes fill the room to S, where the suffix decision
         # sends them. Near max_model_len a row gets only what the scheduler can place: the root
-        # sits at position len - 1, so the proposal ends by max_model_len - 1.
-        room = np.maximum(self.max_model_len - 1 - lens_ctx, 0)
+        # sits at position len - 1, so the proposal ends by max_model_len - 1. Near max_tokens,
+        # only what can be emitted: the accepted draft and one token more.
+        room = np.maximum(self._len_limit[slots] - 1 - lens_ctx, 0)
         R = len(rows)
         K = min(out.suffixes.shape[1], self._last_suffix.shape[1] if self.sends_tree else 1)
         if self._tree_decision == "available" and self.cfg.tree_suffixes >= 2 and not self.sends_tree:

@@ -48,3 +48,25 @@ def test_the_proposal_ends_where_the_request_can_emit_no_more(proposer):
     assert 0 < len(out[2]) <= 43 - 1 - 40
     assert len(out[1]) > 2
     assert len(out[3]) <= 256 - 1 - 254
+
+
+def test_a_release_that_raises_still_resets_the_new_requests_slot(proposer, monkeypatch):
+    """The slot table changes before the finished requests' slots are cleaned: where that
+    cleaning raises, the new request given a freed slot must still start from its own state
+    (length limit, estimates), not the previous occupant's."""
+    proposer.set_batch(["old"], length_limit=lambda r: 60, prompt_readable=lambda r: True)
+    proposer._sync_requests(("old",))
+    slot = proposer._slot_of["old"]
+    proposer._model_est.accepted[slot] = 0.0
+    proposer.note_finished(["old", *[r for r in list(proposer._slot_of.slot_of) if r != "old"]])
+
+    def fails(slots):
+        raise RuntimeError("release failed (test)")
+
+    monkeypatch.setattr(proposer.pool, "release", fails)
+    proposer.set_batch(["new"], length_limit=lambda r: 90, prompt_readable=lambda r: True)
+    with pytest.raises(RuntimeError, match="release failed"):
+        proposer._sync_requests(("new",))
+    assert proposer._slot_of["new"] == slot
+    assert proposer._len_limit[slot] == 90
+    assert np.array_equal(proposer._model_est.accepted[slot], proposer._model_est.prior)

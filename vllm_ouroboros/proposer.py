@@ -671,32 +671,36 @@ class OuroborosProposer:
         A request absent from this batch (preempted, or left out by the token budget) keeps
         its slot: request_slots.py."""
         changes = self._slot_of.sync(req_ids)
-        if changes.released:
-            slots = changes.released
-            if self.pool is not None:  # None on a TP rank that follows the first
-                self._flush_staged()  # staged rows keep the owner they were written for
-                self.pool.release(*to_device(self.device, np.asarray(slots, np.int64)))
-            for s in slots:
-                if self.runtime is not None:
-                    self.runtime.reset_slot(s)
-                self.stats.finish(s)
-                self._last_suffix_len[s] = 0
-                self._last_main[s] = self._ctx_seen[s] = 0
-        for r, slot in changes.assigned:
-            self.stats.start(slot, r)
-            self._model_est.reset(slot)
-            self._pool_est.reset(slot)
-            self._branch_est.reset(slot)
-            self._room_cut[slot] = False
-            self._source[slot] = NO_DRAFT
-            self._last_cut[slot] = self.num_spec_tokens
-            limit = None if self._length_limit_of is None else self._length_limit_of(r)
-            self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
-            self._readable[slot] = self._prompt_readable_of is None or bool(self._prompt_readable_of(r))
-            self._draft_forwards[slot] = self.cfg.gamma
-            self._base_tokens[slot] = self._prior_tokens_per_fwd
-            self._suffix_yield[slot] = self._suffix_yield_all
-            self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
+        # The slot table changed already: a new request's state is reset even where a release
+        # raised (its step then decodes plainly), or it would inherit the previous occupant's.
+        try:
+            if changes.released:
+                slots = changes.released
+                if self.pool is not None:  # None on a TP rank that follows the first
+                    self._flush_staged()  # staged rows keep the owner they were written for
+                    self.pool.release(*to_device(self.device, np.asarray(slots, np.int64)))
+                for s in slots:
+                    if self.runtime is not None:
+                        self.runtime.reset_slot(s)
+                    self.stats.finish(s)
+                    self._last_suffix_len[s] = 0
+                    self._last_main[s] = self._ctx_seen[s] = 0
+        finally:
+            for r, slot in changes.assigned:
+                self.stats.start(slot, r)
+                self._model_est.reset(slot)
+                self._pool_est.reset(slot)
+                self._branch_est.reset(slot)
+                self._room_cut[slot] = False
+                self._source[slot] = NO_DRAFT
+                self._last_cut[slot] = self.num_spec_tokens
+                limit = None if self._length_limit_of is None else self._length_limit_of(r)
+                self._len_limit[slot] = self.max_model_len if limit is None else min(limit, self.max_model_len)
+                self._readable[slot] = self._prompt_readable_of is None or bool(self._prompt_readable_of(r))
+                self._draft_forwards[slot] = self.cfg.gamma
+                self._base_tokens[slot] = self._prior_tokens_per_fwd
+                self._suffix_yield[slot] = self._suffix_yield_all
+                self._suffix_gap[slot] = self._suffix_wait[slot] = PROBE_GAP
 
     def update_max_model_len(self, max_model_len: int) -> None:
         """vLLM fitted max_model_len to the KV memory after load (the runner patch calls this):

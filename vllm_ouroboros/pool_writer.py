@@ -12,8 +12,8 @@ ones around it.
 With graphs, an insert of N rows pads them to a bucket (BUCKETS) with masked rows, which change
 nothing (the pool's state does not depend on how many rows a call carried, pool.py), copies the
 packed rows into the bucket's static device buffer and replays the bucket's graph: one host->
-device copy, queued from pinned memory without a host wait (host_copy.py). Masked rows take recency stamps as real ones do: only the order of stamps
-matters, and that is unchanged. More rows than the largest bucket, and every insert without
+device copy, queued from pinned memory without a host wait (host_copy.py). Masked rows take
+recency stamps as real ones do: only the order of stamps matters, and that is unchanged. More rows than the largest bucket, and every insert without
 graphs (the CPU), run eagerly.
 
 A step's two sources reach the writer at different times: candidate inspiration after the

@@ -239,8 +239,9 @@ class OuroborosProposer:
         # plans and the mode review charge it beside its target tokens (None: not yet timed).
         self._pool_seconds: float | None = None
         self._last_cut = np.full(self.max_slots, S, np.int64)  # most tokens sent last step
-        # The last proposal was bounded by its room (max_model_len, max_tokens) rather than by the plan's cut:
-        # whole or cut, it says nothing of what the mode gives a row with room (mode review).
+        # The last proposal was bounded by its room (max_model_len, max_tokens) rather than by
+        # the plan's cut: whole or cut, it says nothing of what the mode gives a row with room
+        # (mode review).
         self._room_cut = np.zeros(self.max_slots, bool)
         # The most tokens each request's context can reach (prompt + max_tokens, else
         # max_model_len): what a draft cache that must catch up is weighed against, and what
@@ -1058,9 +1059,7 @@ class OuroborosProposer:
         # request; a max_tokens=1 request's whole prompt prefilled by the draft).
         last = lens_ctx >= self._len_limit[slots] - 1
         if last.any():
-            done = slots[last]
-            self._last_main[done] = self._last_suffix_len[done] = 0
-            self._source[done] = NO_DRAFT
+            self._send_nothing(slots[last])
             rows, slots, lens_ctx = rows[~last], slots[~last], lens_ctx[~last]
             if len(rows) == 0:
                 return proposals
@@ -1410,10 +1409,14 @@ class OuroborosProposer:
         """Plain decoding this step for these slots: nothing sent, nothing drafted; the draft
         catches up on the skipped tokens (chunked prefill) when speculation resumes. `counter`:
         the per-request counter that says why (backoff_steps or cache_full_steps)."""
+        self._send_nothing(slots)
+        self.stats.add(slots, **{counter: np.ones_like(slots)})
+
+    def _send_nothing(self, slots: np.ndarray) -> None:
+        """No proposal from these slots this step: nothing to verify or learn from for them."""
         self._last_main[slots] = 0
         self._last_suffix_len[slots] = 0
         self._source[slots] = NO_DRAFT
-        self.stats.add(slots, **{counter: np.ones_like(slots)})
 
     def _speculate(self, slots: np.ndarray, lens: np.ndarray,
                    load: cost_model.StepLoad = cost_model.StepLoad()) -> cost_model.SpeculationPlan:

@@ -140,9 +140,11 @@ def output_detail(out) -> dict:
             "logprobs": lps(out.outputs[0].logprobs), "prompt_logprobs": lps(out.prompt_logprobs)}
 
 
-def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
+def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=False, **engine_kw):
     """Generate with a fresh LLM (engine_kw: more LLM arguments); returns (outputs, snapshots
-    per run)."""
+    per run). save_pool: the workers write the pool (the engine's save method) after the runs,
+    so the file does not depend on the engine process handling its SIGTERM before vLLM's
+    SIGKILL at shutdown (tests of that save read the file without it)."""
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros.metrics import engine_snapshot
@@ -163,6 +165,10 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), **engine_kw):
             results[name] = [output_detail(x) for x in o] if per_request else \
                 [list(x.outputs[0].token_ids) for x in o]
             snaps[name] = engine_snapshot(llm) if spec else None
+        if save_pool:
+            from vllm_ouroboros.patches.engine_shutdown import SAVE_METHOD
+
+            assert any(llm.collective_rpc(SAVE_METHOD)), "no worker drafts with ouroboros"
         return results, snaps
     finally:
         del llm

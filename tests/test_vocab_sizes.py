@@ -52,7 +52,7 @@ def runs(padded, tmp_path_factory):
         spec = {"method": "ouroboros", "model": str(padded[name]), "num_suffixes": 3,
                 "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
                 "max_speculative_batch": 64, "pool_save_path": str(pool)}
-        ours, snaps = run_engine(padded["target"], prompts, params, spec)
+        ours, snaps = run_engine(padded["target"], prompts, params, spec, save_pool=True)
         out[name] = (ours["main"], snaps["main"], pool)
     return out
 

@@ -57,13 +57,13 @@ def test_writer_is_rate_limited_and_atomic(tmp_path):
         calls.append(1)
         return {"draft_forwards": len(calls)}
 
-    w = SnapshotWriter(str(tmp_path), interval=3600)
+    w = SnapshotWriter(str(tmp_path), interval=3600, writer=f"{os.getpid()}-a")
     w.maybe_write(snap)
     w.maybe_write(snap)  # within the interval: skipped
     assert len(calls) == 1
     w.maybe_write(snap, force=True)
     assert read_totals(str(tmp_path))["draft_forwards"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{os.getpid()}.json"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{os.getpid()}-a.json"]
     SnapshotWriter(None).maybe_write(snap)  # no directory: a no-op
     assert len(calls) == 2
 
@@ -93,12 +93,13 @@ def test_counter_files_are_current_and_win_over_their_snapshot(tmp_path):
     snapshot its gauges; a worker with a snapshot only (none mapped) gives both from it; a
     counter file of the wrong size (being created, another version's) is left out, as is a dead
     writer's (a server started by a process whose offline engines drafted: test_server.py)."""
-    from vllm_ouroboros.metrics_export import COUNTERS, CounterFile
+    from vllm_ouroboros.metrics_export import COUNTERS, CounterFile, new_writer_id
 
-    c = CounterFile(str(tmp_path))
+    writer = new_writer_id()
+    c = CounterFile(str(tmp_path), writer=writer)
     assert c.active
     stale = {"draft_forwards": 1, "accepted_tokens": 1, "pool": {"phrases": 4, "keys": 1, "memory_bytes": 9}}
-    (tmp_path / f"snapshot-{os.getpid()}.json").write_text(json.dumps(stale))
+    (tmp_path / f"snapshot-{writer}.json").write_text(json.dumps(stale))
     (tmp_path / f"snapshot-{os.getppid()}.json").write_text(json.dumps({"draft_forwards": 100, "pool": {"phrases": 1}}))
     (tmp_path / "counters-1.bin").write_bytes(b"\0" * 12)
     gone = dead_pid()
@@ -236,3 +237,28 @@ def test_engine_snapshot_takes_the_first_worker_that_drafts():
     for snaps in ([None, None], [], None):
         with pytest.raises(RuntimeError, match="does not run the ouroboros method"):
             engine_snapshot(Engine(snaps))
+
+
+def test_a_second_drafter_in_one_process_adds_to_the_exported_counters(tmp_path):
+    """An offline engine rebuilt in one process (or a new process given a dead writer's pid):
+    the second drafter writes files of its own, so its counts add to the first one's, which
+    the collector remembers (one file per pid was truncated, and the memory of its larger
+    count hid the new counts until they passed it)."""
+    from vllm_ouroboros.metrics_export import COUNTERS, CounterFile, new_writer_id
+
+    seen = {}
+    first_id, second_id = new_writer_id(), new_writer_id()
+    assert first_id != second_id and first_id.split("-")[0] == str(os.getpid())
+    first = CounterFile(str(tmp_path), writer=first_id)
+    SnapshotWriter(str(tmp_path), writer=first_id).maybe_write(lambda: {"draft_forwards": 100})
+    totals = np.zeros(len(COUNTERS), np.int64)
+    totals[list(COUNTERS).index("draft_forwards")] = 100
+    first.publish(totals)
+    assert read_totals(str(tmp_path), seen)["draft_forwards"] == 100  # counter file and snapshot: once
+    del first
+    second = CounterFile(str(tmp_path), writer=second_id)
+    totals[list(COUNTERS).index("draft_forwards")] = 30
+    second.publish(totals)
+    assert read_totals(str(tmp_path), seen)["draft_forwards"] == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"counters-{first_id}.bin", f"counters-{second_id}.bin", f"snapshot-{first_id}.json"])

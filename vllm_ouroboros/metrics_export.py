@@ -20,6 +20,7 @@ import glob
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -98,13 +99,21 @@ def ensure_dir() -> str:
     return path
 
 
+def new_writer_id() -> str:
+    """A drafting worker's name in its files, `<pid>-<random>`: a second drafter in one process
+    (an offline engine rebuilt) or a later process given a dead writer's pid starts new files
+    instead of truncating one the collector remembers larger (it would hide the new counts)."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
 class SnapshotWriter:
     """Writes a worker's aggregate counters for the collector, rate-limited. A write that fails
     (the directory removed: the offline LLM's process removes it at exit while its engine may
     still run a step; a full disk) is logged once and skipped: metrics never stop a step."""
 
-    def __init__(self, path: str | None, interval: float = 0.5):
-        self.file = os.path.join(path, f"snapshot-{os.getpid()}.json") if path else None
+    def __init__(self, path: str | None, interval: float = 0.5, writer: str | None = None):
+        """writer: the id shared with the worker's CounterFile (new_writer_id())."""
+        self.file = os.path.join(path, f"snapshot-{writer or new_writer_id()}.json") if path else None
         self.interval = interval
         self._last = -float("inf")
         self.failed_writes = 0
@@ -131,15 +140,16 @@ class SnapshotWriter:
 
 class CounterFile:
     """A worker's counters for the collector, as an int64 array in COUNTERS order memory-mapped
-    from `counters-<pid>.bin`: a step stores its totals into the mapping (the page cache, which
+    from `counters-<writer id>.bin`: a step stores its totals into the mapping (the page cache, which
     the collector's next read sees; no system call, nothing to fail once mapped). Written only
     from the rate-limited snapshot, which only a step writes, /metrics lagged by up to its
     interval and kept missing the last steps of a burst until the next request came."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, writer: str | None = None):
+        """writer: the id shared with the worker's SnapshotWriter (new_writer_id())."""
         self.values: np.ndarray | None = None
         if path:
-            name = os.path.join(path, f"counters-{os.getpid()}.bin")
+            name = os.path.join(path, f"counters-{writer or new_writer_id()}.bin")
             try:
                 self.values = np.memmap(name, np.int64, "w+", shape=(len(COUNTERS),))
             except OSError as e:
@@ -156,13 +166,15 @@ class CounterFile:
             self.values[:] = values
 
 
-def _writer_pid(name: str) -> int | None:
-    """The pid in a file name `<kind>-<pid>.<ext>`, None if there is none."""
+def _writer(name: str) -> tuple[str, int | None]:
+    """(writer id, its pid) of a file `<kind>-<pid>[-<random>].<ext>` (new_writer_id); pid None
+    if the name has none."""
     stem = os.path.splitext(os.path.basename(name))[0]
+    writer = stem.split("-", 1)[1] if "-" in stem else ""
     try:
-        return int(stem.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return None
+        return writer, int(writer.split("-", 1)[0])
+    except ValueError:
+        return writer, None
 
 
 def _alive(pid: int | None) -> bool:
@@ -185,30 +197,30 @@ def _read_counters(name: str) -> np.ndarray | None:
     return values if len(values) == len(COUNTERS) else None  # being created, or another version's
 
 
-def read_totals(path: str, seen: dict[int, np.ndarray] | None = None) -> dict[str, float] | None:
+def read_totals(path: str, seen: dict[str, np.ndarray] | None = None) -> dict[str, float] | None:
     """Sum over the workers with files in `path` of their counters (their counter file, else
     their snapshot's) and gauges (snapshot), None if there are none.
 
-    A dead writer's files are left out unless `seen` (the caller's memory, updated here: pid ->
-    the counters last read from it) holds it: the directory is inherited by whatever a process
+    A dead writer's files are left out unless `seen` (the caller's memory, updated here: writer
+    id -> the counters last read from it) holds it: the directory is inherited by whatever a process
     that set it starts, so a server started from a process whose offline engines had drafted
     would otherwise sum their counts with its own. A writer read before keeps its last counts
     in the sum once it exits (one engine of several under data parallelism: the exported
     counters would otherwise step back, which Prometheus reads as a reset and counts every
     other engine's whole total again), and a read that finds less than the last (an older
     snapshot read where the counter file was being replaced) gives the last. A restarted engine
-    is a new pid: its counters start from 0 beside the old one's."""
+    is a new writer: its counters start from 0 beside the old one's."""
     totals = {key: 0 for key in COUNTERS}
     totals.update({f"{section}_{key}": 0 for section, key in GAUGES})
     found = False
-    counts: dict[int, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
     for name in glob.glob(os.path.join(path, "counters-*.bin")):
-        pid = _writer_pid(name)
+        writer, pid = _writer(name)
         values = _read_counters(name) if _alive(pid) else None
         if values is not None:
-            counts[pid] = values
+            counts[writer] = values
     for name in glob.glob(os.path.join(path, "snapshot-*.json")):
-        pid = _writer_pid(name)
+        writer, pid = _writer(name)
         if not _alive(pid):
             continue
         try:
@@ -217,14 +229,14 @@ def read_totals(path: str, seen: dict[int, np.ndarray] | None = None) -> dict[st
         except (OSError, ValueError):
             continue  # being replaced or from a crashed writer
         found = True
-        if pid not in counts:
-            counts[pid] = np.array([snap.get(key, 0) for key in COUNTERS], np.int64)
+        if writer not in counts:
+            counts[writer] = np.array([snap.get(key, 0) for key in COUNTERS], np.int64)
         for section, key in GAUGES:
             totals[f"{section}_{key}"] += (snap.get(section) or {}).get(key, 0)
     if seen is not None:
-        for pid, values in counts.items():
-            if pid in seen:
-                counts[pid] = np.maximum(values, seen[pid])
+        for writer, values in counts.items():
+            if writer in seen:
+                counts[writer] = np.maximum(values, seen[writer])
         seen.update(counts)
         counts = seen  # the live writers as read now, and the exited ones as last read
     for values in counts.values():
@@ -239,7 +251,7 @@ class OuroborosCollector:
 
     def __init__(self, path: str):
         self.path = path
-        self._seen: dict[int, np.ndarray] = {}  # read_totals' memory of the writers read
+        self._seen: dict[str, np.ndarray] = {}  # read_totals' memory of the writers read
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

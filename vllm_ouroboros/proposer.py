@@ -33,7 +33,7 @@ from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime, DraftSettings, cache_growth_warning
 from vllm_ouroboros.host_copy import to_device
 from vllm_ouroboros.metrics import TRACE_ENV, OuroborosStats, RoundTrace
-from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter
+from vllm_ouroboros.metrics_export import ENV_DIR, CounterFile, SnapshotWriter, new_writer_id
 from vllm_ouroboros.mode_review import ModeReview
 from vllm_ouroboros.patches.distributed import TensorParallel
 from vllm_ouroboros.pool import PhrasePool
@@ -278,8 +278,9 @@ class OuroborosProposer:
         # Under tensor parallelism the first rank of the group drafts and the others take its
         # proposals (patches/distributed.py); it alone reports.
         self._tp = TensorParallel.current()
-        self._metrics = SnapshotWriter(os.environ.get(ENV_DIR) if self._tp.leads else None)
-        self._counters = CounterFile(os.environ.get(ENV_DIR) if self._tp.leads else None)
+        metrics_dir, writer = os.environ.get(ENV_DIR) if self._tp.leads else None, new_writer_id()
+        self._metrics = SnapshotWriter(metrics_dir, writer=writer)
+        self._counters = CounterFile(metrics_dir, writer=writer)
         self._trace = RoundTrace(os.environ.get(TRACE_ENV) if self._tp.leads else None)
         self.fusions: list = []  # what _choose_fusions timed at load (CUDA)
 

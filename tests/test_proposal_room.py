@@ -53,11 +53,14 @@ def test_the_proposal_ends_where_the_request_can_emit_no_more(proposer):
 def test_a_release_that_raises_still_resets_the_new_requests_slot(proposer, monkeypatch):
     """The slot table changes before the finished requests' slots are cleaned: where that
     cleaning raises, the new request given a freed slot must still start from its own state
-    (length limit, estimates), not the previous occupant's."""
+    (length limit, estimates), not the previous occupant's, and the previous occupant's
+    counts are not lost."""
     proposer.set_batch(["old"], length_limit=lambda r: 60, prompt_readable=lambda r: True)
     proposer._sync_requests(("old",))
     slot = proposer._slot_of["old"]
     proposer._model_est.accepted[slot] = 0.0
+    proposer.stats.add(np.array([slot]), accepted_tokens=np.array([7]))
+    accepted = proposer.stats.snapshot(per_request=False)["accepted_tokens"]
     proposer.note_finished(["old", *[r for r in list(proposer._slot_of.slot_of) if r != "old"]])
 
     def fails(slots):
@@ -70,3 +73,6 @@ def test_a_release_that_raises_still_resets_the_new_requests_slot(proposer, monk
     assert proposer._slot_of["new"] == slot
     assert proposer._len_limit[slot] == 90
     assert np.array_equal(proposer._model_est.accepted[slot], proposer._model_est.prior)
+    # The old request's counts stay in the totals (metrics.OuroborosStats.start finishes it).
+    assert proposer.stats.snapshot(per_request=False)["accepted_tokens"] == accepted
+    assert proposer.stats.finished["old"]["accepted_tokens"] == 7

@@ -14,7 +14,8 @@ Definitions (per request, summed for the aggregate):
                        tokens)
   generated_tokens     tokens the request produced while it had a draft slot
   guess_tokens         draft tokens taken from pool guesses (phrase drafting at work)
-  guess_lookups/hits   draft forwards that looked up guesses / took >= 1 token from one
+  guess_lookups/hits   draft forwards that looked up guesses / took >= 1 token from one (a
+                       round the back-off cut to a chain looks up none)
   inspiration_inserts, refinement_inserts: phrases written from verification output
   backoff_steps        steps in which the draft model did not draft for the request because
                        speculation would not pay for it on this device at that batch size
@@ -40,7 +41,8 @@ Definitions (per request, summed for the aggregate):
                        forward: every drafted step of the pool mode, and in the draft model's
                        mode a step the model did not draft for it (back-off, unreadable prompt,
                        full draft cache) whose pool draft paid by the pool's own estimates
-  draft_rounds         rounds that drafted a sentence draft for the request
+  draft_rounds         the draft model's rounds for the request (its sentence drafts; the pool's
+                       drafts, pool_draft_steps, are not rounds)
   sentence_draft_tokens tokens of those sentence drafts (before the suffixes and the token cap)
   stops_rule, stops_cap adaptive draft length only: rounds whose draft the acceptance rule
                        stopped (1 - prod P(accept) > h) / that max_draft_length (or
@@ -90,6 +92,9 @@ class OuroborosStats:
         self.max_batch_per_round = 0
 
     def start(self, slot: int, req_id: str) -> None:
+        # An occupant not finished first (its release raised before `finish`): its counts go
+        # to the totals, not lost under the new request.
+        self.finish(slot)
         self.req_of_slot[slot] = req_id
         self.live[slot] = 0
 

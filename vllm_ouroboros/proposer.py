@@ -1201,10 +1201,12 @@ class OuroborosProposer:
         self.stats.add(slots[cut < S], shortened_steps=np.ones(int((cut < S).sum()), np.int64))
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
+        # A round the back-off cut to a chain looked up no guesses; the pool's rows ran no round.
+        looked_up = bool(self.runtime.G) and not self.runtime.drafts_chain(int(cut_model))
         self.stats.add(slots, draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
-                       guess_lookups=out.row_forwards if self.runtime.G else np.zeros_like(slots),
-                       guess_hits=out.guess_hit_forwards, draft_rounds=np.ones_like(slots),
+                       guess_lookups=out.row_forwards * looked_up,
+                       guess_hits=out.guess_hit_forwards, draft_rounds=(~from_pool).astype(np.int64),
                        sentence_draft_tokens=out.draft_lens)
         if out.stopped_by_rule is not None:
             # The cap stopped a model row the rule did not, in a round the back-off left whole

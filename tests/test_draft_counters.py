@@ -1,0 +1,61 @@
+"""The per-request counters a real proposer (the tiny draft, on the CPU, no engine) keeps for a
+step's rows: what a round the back-off cut did and did not do, and which rows are rounds of the
+draft model. /metrics' pool hit rate (guess_hits / guess_lookups) and mean draft length
+(sentence_draft_tokens / draft_rounds) are their ratios."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the proposer's config reads vLLM's platform; vLLM is not installed here")
+
+from test_proposal_room import proposer  # noqa: E402,F401 - the module's proposer fixture
+
+from vllm_ouroboros import cost_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _step(proposer, reqs, table, lens):
+    before = proposer.stats.snapshot(per_request=False)
+    proposer.set_batch(reqs, length_limit=lambda r: 250, prompt_readable=lambda r: True)
+    out = proposer.propose([[5]] * len(reqs), lens, table)
+    after = proposer.stats.snapshot(per_request=False)
+    return out, {k: after[k] - before[k] for k in
+                 ("draft_forwards", "guess_lookups", "draft_rounds", "pool_draft_steps", "sentence_draft_tokens")}
+
+
+def test_a_round_cut_to_a_chain_looks_up_no_guesses(proposer, monkeypatch):
+    """The back-off's cut below chain_below drafts a chain (no window, no guesses): its forwards
+    count as draft forwards but not as guess lookups, which would lower the pool's hit rate
+    under load for lookups never made."""
+    rt = proposer.runtime
+    assert rt.G > 0 and rt.chain_below is not None and rt.chain_below > 2
+    table = np.random.default_rng(1).integers(2, 300, (2, 260))
+    lens = np.array([60, 70])
+    cut = {"to": proposer.num_spec_tokens}
+    monkeypatch.setattr(proposer, "_model_rows",
+                        lambda req_ids, slots, lens, readable: (np.ones(len(slots), bool), cut["to"]))
+    _, whole = _step(proposer, ["c1", "c2"], table, lens)
+    assert whole["draft_forwards"] > 0 and whole["guess_lookups"] == whole["draft_forwards"], whole
+    assert whole["draft_rounds"] == 2
+    cut["to"] = 2
+    out, chain = _step(proposer, ["c1", "c2"], table, lens + 1)
+    assert chain["draft_forwards"] >= 2 and chain["guess_lookups"] == 0, chain
+    assert chain["draft_rounds"] == 2 and all(0 < len(o) for o in out)
+
+
+def test_the_pools_rows_are_not_rounds_of_the_draft_model(proposer, monkeypatch):
+    """A step where the model drafts one row and the pool fills the other: one draft round (the
+    pool's row has no sentence draft; counted as a round it halved the mean draft length)."""
+    table = np.random.default_rng(2).integers(2, 300, (2, 260))
+    S = proposer.num_spec_tokens
+    monkeypatch.setattr(proposer, "_model_rows",
+                        lambda req_ids, slots, lens, readable: (np.arange(len(slots)) == 0, S))
+    monkeypatch.setattr(type(proposer), "_fills_from_pool", property(lambda self: True))
+    monkeypatch.setattr(proposer, "_pool_plan",
+                        lambda slots, load=None: cost_model.SpeculationPlan(np.ones(len(slots), bool), S))
+    _, step = _step(proposer, ["p1", "p2"], table, np.array([50, 55]))
+    assert step["pool_draft_steps"] == 1 and step["draft_rounds"] == 1, step
+    assert step["sentence_draft_tokens"] > 0

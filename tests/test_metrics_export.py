@@ -160,26 +160,35 @@ def test_a_request_brought_back_keeps_both_stretches():
     assert snap["per_request"]["a"] == live and snap["accepted_tokens"] == 7
 
 
-def test_the_registry_served_with_several_api_servers_has_the_collector(tmp_path, monkeypatch):
-    """With several API servers (data parallelism's default) vLLM serves a fresh multiprocess
-    registry, not the default one: the plugin's wrapper adds the collector to it, so /metrics
-    has the ouroboros series there too (it had none)."""
-    pytest.importorskip("vllm", reason="wraps vLLM's get_prometheus_registry; vLLM is not installed here")
+@pytest.mark.parametrize("servers", ["one", "several"])
+def test_metrics_served_by_vllms_routes_have_the_ouroboros_series(tmp_path, monkeypatch, servers):
+    """GET /metrics and /metrics/ on vLLM's own routes (attach_router). With several API servers
+    (data parallelism's default) vLLM serves registries built for multiprocess mode, not the
+    default one: `/metrics/` a registry built once, `/metrics` (the Instrumentator's route)
+    one built at every scrape; the series were in neither."""
+    pytest.importorskip("vllm", reason="serves vLLM's /metrics routes; vLLM is not installed here")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
     from vllm.plugins import load_general_plugins
-    from vllm.v1.metrics import prometheus
 
     load_general_plugins()
-    from vllm.entrypoints.serve.instrumentator import metrics as served
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
 
-    (tmp_path / f"snapshot-{os.getpid()}.json").write_text(json.dumps({"draft_forwards": 4}))
-    monkeypatch.setenv("VLLM_OUROBOROS_METRICS_DIR", str(tmp_path))
-    procs = tmp_path / "prom"
-    procs.mkdir()
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(procs))
-    for get in (prometheus.get_prometheus_registry, served.get_prometheus_registry):
-        text = generate_latest(get()).decode()
-        assert "vllm:ouroboros_draft_forwards_total 4.0" in text
-    assert prometheus.get_prometheus_registry.__ouroboros_original__ is not None
+    from vllm_ouroboros.metrics_export import process_collector
+
+    monkeypatch.setattr(process_collector(), "path", str(tmp_path))
+    (tmp_path / f"snapshot-{os.getpid()}-a.json").write_text(json.dumps({"draft_forwards": 4}))
+    if servers == "several":
+        procs = tmp_path / "prom"
+        procs.mkdir()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(procs))
+    app = FastAPI()
+    attach_router(app)
+    client = TestClient(app)
+    for path in ("/metrics", "/metrics/"):
+        text = client.get(path).text
+        assert "vllm:ouroboros_draft_forwards_total 4.0" in text, (servers, path)
+        assert text.count("# TYPE vllm:ouroboros_draft_forwards_total counter") == 1, (servers, path)
 
 
 def test_a_writer_that_exits_keeps_its_counts_in_the_exported_counters(tmp_path):

@@ -266,7 +266,17 @@ class OuroborosCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=totals[name])
 
 
+_collector: OuroborosCollector | None = None
 _registered = False
+
+
+def process_collector() -> OuroborosCollector:
+    """This process's collector, one for every registry that serves it (its memory of exited
+    writers is kept across scrapes: patches/metrics_registry.py)."""
+    global _collector
+    if _collector is None:
+        _collector = OuroborosCollector(ensure_dir())
+    return _collector
 
 
 def register_collector() -> None:
@@ -277,5 +287,5 @@ def register_collector() -> None:
         return
     from prometheus_client import REGISTRY
 
-    REGISTRY.register(OuroborosCollector(ensure_dir()))
+    REGISTRY.register(process_collector())
     _registered = True

@@ -78,5 +78,5 @@ def register() -> None:
     metrics_export.register_collector()
     from vllm_ouroboros.patches import metrics_registry
 
-    metrics_registry.apply(lambda: metrics_export.OuroborosCollector(metrics_export.ensure_dir()))
+    metrics_registry.apply(metrics_export.process_collector())
     _registered = True

@@ -1,47 +1,40 @@
-"""The registry vLLM's /metrics serves gets the ouroboros collector too.
+"""Every registry vLLM's /metrics serves gets the ouroboros collector too.
 
 With one API server vLLM serves prometheus_client's default registry, where
 metrics_export.register_collector puts the collector. With several (`--api-server-count`, which
-data parallelism sets to its size by default) vLLM sets PROMETHEUS_MULTIPROC_DIR, and
-`get_prometheus_registry` (v1/metrics/prometheus.py) builds a fresh registry holding only
-prometheus_client's multiprocess collector: the ouroboros series were not served at all. The
-wrapper adds a collector to every registry it builds; each API server reads the same counter
-files, so any scrape sums the same engines.
+data parallelism sets to its size by default) vLLM sets PROMETHEUS_MULTIPROC_DIR, and each
+registry it serves is a fresh one holding only prometheus_client's multiprocess collector: the
+one `get_prometheus_registry` (v1/metrics/prometheus.py) builds for the `/metrics/` mount, and
+the one the Instrumentator's `/metrics` route (attach_router,
+entrypoints/serve/instrumentator/metrics.py) builds at every scrape. The ouroboros series were
+in neither. Both are built by `MultiProcessCollector(registry)`, so its constructor (wrapped)
+adds the collector to the registry it joins. One collector object serves them all: its memory
+of exited writers (metrics_export.read_totals) must outlive each scrape's registry. Every API
+server reads the same counter files, so any scrape sums the same engines.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Callable
-
-from vllm_ouroboros.patches._util import require
-
-# The module that binds the name at import (`from ... import get_prometheus_registry`): it may
-# be imported before the plugin registers.
-_USERS = ("vllm.entrypoints.serve.instrumentator.metrics",)
+from vllm_ouroboros.patches._util import patch_method, require_params
 
 
-def apply(make_collector: Callable[[], object]) -> None:
-    """Wrap get_prometheus_registry (idempotent); make_collector() gives a collector for each
-    registry it builds other than the default one."""
-    from prometheus_client import REGISTRY
-    from vllm.v1.metrics import prometheus
+def apply(collector: object) -> None:
+    """Wrap MultiProcessCollector's constructor (idempotent): each registry it joins, other than
+    the default one (which has `collector` already), gets `collector` too."""
+    from prometheus_client import REGISTRY, multiprocess
 
-    require(prometheus, "get_prometheus_registry")
-    original = prometheus.get_prometheus_registry
-    if getattr(original, "__ouroboros_original__", None) is not None:
-        return
+    cls = multiprocess.MultiProcessCollector
+    require_params(cls.__init__, "registry")
 
-    def get_prometheus_registry():
-        registry = original()
-        if registry is not REGISTRY:  # the default one has it (register_collector)
-            registry.register(make_collector())
-        return registry
+    def make_override(original):
+        def init(self, registry, *args, **kwargs):
+            original(self, registry, *args, **kwargs)
+            if registry is not None and registry is not REGISTRY:
+                try:
+                    registry.register(collector)
+                except ValueError:  # a second multiprocess collector in one registry: it has ours
+                    pass
 
-    get_prometheus_registry.__ouroboros_original__ = original
-    get_prometheus_registry.__doc__ = original.__doc__
-    prometheus.get_prometheus_registry = get_prometheus_registry
-    for name in _USERS:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "get_prometheus_registry", None) is original:
-            module.get_prometheus_registry = get_prometheus_registry
+        return init
+
+    patch_method(cls, "__init__", make_override)

@@ -106,6 +106,29 @@ def test_a_head_for_a_draft_with_the_same_config_but_other_weights_is_refused(ti
         save_file(t, bad, metadata=m)
         with pytest.raises(AcceptanceHeadError, match="is a head file this version cannot read"):
             load_head(bad, draft)
+    # A threshold the rule could not use (never or always stopping): refused, not run unseen.
+    for h in ("nan", "1.0", "0", "-0.5"):
+        bad = str(tmp_path / "bad_threshold.safetensors")
+        save_file(tensors, bad, metadata={**meta, "threshold": h})
+        with pytest.raises(AcceptanceHeadError, match=r"threshold .* is not in \(0, 1\)"):
+            load_head(bad, draft)
+
+
+def test_a_head_saved_in_its_drafts_folder_loads_and_can_be_replaced(tiny_models, tmp_path):
+    """The weights' fingerprint leaves head files out: a head kept beside the draft's weights
+    (written after the fingerprint was taken) matched no draft, nor could a retrained one."""
+    import shutil
+
+    from vllm_ouroboros.draft.acceptance_head import draft_weights_fingerprint
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_models["draft"], draft)
+    path = str(draft / "acceptance_head.safetensors")
+    for threshold in (0.6, 0.7):  # trained, then retrained into the same file
+        fingerprint = draft_weights_fingerprint(str(draft))  # as the training script: before saving
+        acceptance_head(128).save(path, draft_identity(str(draft)), threshold, draft_weights=fingerprint)
+        assert load_head(path, str(draft)).threshold == threshold
+    assert draft_weights_fingerprint(str(draft)) == draft_weights_fingerprint(str(tiny_models["draft"]))
 
 
 # ---- the rule on hand-made probabilities ------------------------------------------------------

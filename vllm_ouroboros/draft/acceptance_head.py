@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -46,9 +48,11 @@ def draft_weights_fingerprint(draft_dir: str, samples: int = 32, chunk: int = 1 
     """A fingerprint of the draft's weights: sha256 (first 16 hex digits) over each
     *.safetensors file's name, size and `samples` chunks of `chunk` bytes spread evenly over it
     (the first holds the header). A few MiB read whatever the draft's size, and a fine-tune or
-    another perturbation changes every weight, so every chunk."""
+    another perturbation changes every weight, so every chunk. Head files kept beside the
+    weights are not the draft's: counted, a head saved there could never match its draft."""
     h = hashlib.sha256()
-    names = sorted(n for n in os.listdir(draft_dir) if n.endswith(".safetensors"))
+    names = sorted(n for n in os.listdir(draft_dir)
+                   if n.endswith(".safetensors") and not _is_head_file(os.path.join(draft_dir, n)))
     for name in names:
         path = os.path.join(draft_dir, name)
         size = os.path.getsize(path)
@@ -58,6 +62,15 @@ def draft_weights_fingerprint(draft_dir: str, samples: int = 32, chunk: int = 1 
                 f.seek(max(0, size - chunk) * i // max(samples - 1, 1))
                 h.update(f.read(chunk))
     return h.hexdigest()[:16]
+
+
+def _is_head_file(path: str) -> bool:
+    """Whether a .safetensors file is an acceptance head (its header's format; a header read)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # noqa: BLE001 - unreadable: fingerprinted as the draft's, as before
+        return False
 
 
 @dataclass(frozen=True)
@@ -136,6 +149,9 @@ def read_head(path: str) -> LoadedHead:
         head.load_state_dict(tensors, strict=True)
         loaded = LoadedHead(head, meta["draft_identity"], float(meta["threshold"]),
                             json.loads(meta.get("extra", "{}")), meta.get("draft_weights"))
+        if not (math.isfinite(loaded.threshold) and 0 < loaded.threshold < 1):
+            # The rule would never (>= 1, nan) or always (<= 0) stop: the head ignored unseen.
+            raise ValueError(f"threshold {loaded.threshold} is not in (0, 1)")
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # another version's, or damaged
         raise AcceptanceHeadError(
             f"ouroboros: 'acceptance_head' {path!r} is a head file this version cannot read "

@@ -5,6 +5,8 @@ These build vLLM's config objects only (no engine start): fast.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tiny_models import build_model, padded_vocab_copy
@@ -206,6 +208,29 @@ def test_spec_method_shorthand(tiny_models):
     assert cfg.speculative_config.method == "custom_class"
     assert cfg.speculative_config.num_speculative_tokens == 6
     assert cfg.additional_config["ouroboros"]["draft_model"] == str(tiny_models["draft"])
+
+
+def test_one_setting_given_twice_is_refused_whatever_its_spelling(tiny_models):
+    """A shorthand and the JSON's hyphenated key, or both spellings in the JSON: refused (the
+    later one silently won before keys were normalised)."""
+    pytest.importorskip("vllm", reason=NO_VLLM)
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    base = ["--model", str(tiny_models["target"]), "--dtype", "float32", "--max-model-len", "256"]
+    draft = str(tiny_models["draft"])
+    cases = {
+        "--spec-tokens and --speculative-config\['num_speculative_tokens'\] are mutually exclusive":
+            ["--spec-tokens", "4", "-sc", json.dumps({"method": "ouroboros", "model": draft,
+                                                     "num-speculative-tokens": 9})],
+        "--speculative-config gives 'num_suffixes' twice":
+            ["-sc", json.dumps({"method": "ouroboros", "model": draft, "num-suffixes": 3, "num_suffixes": 2})],
+    }
+    for message, argv in cases.items():
+        ns = parser.parse_args(base + argv)
+        with pytest.raises(ValueError, match=message):
+            EngineArgs.from_cli_args(ns).create_engine_config()
 
 
 def test_tree_sizes_the_token_cap(tiny_models):

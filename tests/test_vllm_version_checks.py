@@ -95,6 +95,33 @@ def test_patching_a_staticmethod_twice_wraps_it_once():
     assert C.f(3) == 3 and calls == [3]
 
 
+def test_patching_a_classmethod_twice_wraps_it_once_and_binds_the_caller():
+    """A class's own classmethod (a descriptor, not callable) is patched as one: the override
+    gets the class it is called through (a subclass too) and is installed once."""
+    from vllm_ouroboros.patches._util import patch_method
+
+    calls = []
+
+    class C:
+        @classmethod
+        def make(cls, x):
+            return cls, x
+
+    class D(C):
+        pass
+
+    def wrap(original):
+        def override(cls, x):
+            calls.append(cls)
+            return original(cls, x)
+        return override
+
+    patch_method(C, "make", wrap)
+    patch_method(C, "make", wrap)
+    assert C.make(1) == (C, 1) and D.make(2) == (D, 2) and D().make(3) == (D, 3)
+    assert calls == [C, D, D]
+
+
 def test_the_source_tree_fallback_range_is_setups():
     """plugin._FALLBACK_RANGE (a source tree without installed metadata) repeats setup.py's
     VLLM_RANGE, the one place the range is declared; the installed metadata carries it too."""

@@ -31,15 +31,18 @@ def patch_method(cls: type, name: str, make_override: Callable[[Callable], Calla
     """Replace `cls.name` by `make_override(original)`; idempotent."""
     require(cls, name)
     original = cls.__dict__.get(name, getattr(cls, name))
-    # A staticmethod wraps the override that carries the mark.
+    # A staticmethod or classmethod wraps the override that carries the mark.
     if getattr(getattr(original, "__func__", original), "__ouroboros_original__", None) is not None:
         return
-    override = make_override(original)
+    # The class's own classmethod is a descriptor, not callable: the override gets its function
+    # (called with the class it is called through first, as the method would be).
+    kind = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+    override = make_override(original.__func__ if kind is classmethod else original)
     override.__ouroboros_original__ = original
     override.__name__ = getattr(original, "__name__", name)
     override.__doc__ = getattr(original, "__doc__", None)
-    if isinstance(original, staticmethod):
-        override = staticmethod(override)
+    if kind is not None:
+        override = kind(override)
     setattr(cls, name, override)
     logger.debug("vllm-ouroboros patched %s.%s", cls.__qualname__, name)
 

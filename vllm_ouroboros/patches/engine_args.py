@@ -34,15 +34,23 @@ _SHORTHANDS = (("--spec-method", "method", "spec_method"), ("--spec-model", "mod
 
 
 def _shorthand_merged(args) -> dict | None:
-    """The speculative config as vLLM will see it after merging the --spec-* shorthands."""
-    spec = dict(args.speculative_config or {})
+    """The speculative config as vLLM will see it after merging the --spec-* shorthands. Keys
+    are normalised (`num-suffixes` is `num_suffixes`) before the shorthands are checked against
+    them: a key given in both spellings, or by a shorthand and the JSON in the other spelling,
+    is refused instead of the later one winning unseen."""
+    spec = {}
+    for k, v in (args.speculative_config or {}).items():
+        key = k.replace("-", "_") if isinstance(k, str) else k
+        if key in spec:
+            raise ValueError(f"--speculative-config gives '{key}' twice (as '{k}' too)")
+        spec[key] = v
     for flag, key, attr in _SHORTHANDS:
         value = getattr(args, attr)
         if value is not None:
             if key in spec:
                 raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
             spec[key] = value
-    return {k.replace("-", "_"): v for k, v in spec.items()} or None
+    return spec or None
 
 
 def _create_speculative_config(original):

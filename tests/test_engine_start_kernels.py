@@ -40,7 +40,7 @@ def test_engine_start_picks_the_kernel_on_a_gpu(attr, monkeypatch, caplog):
     for name, (other, _, _) in KERNELS.items():
         monkeypatch.setattr(other, "check_kernel", check if other is module else (lambda *a: None))
     drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=False, num_suffixes=3),
-                              set_tree_available=lambda reason: None)
+                              set_tree_available=lambda reason: None, all_ranks_ok=bool)
 
     def start(device):
         runner = SimpleNamespace(device=SimpleNamespace(type=device),
@@ -58,3 +58,28 @@ def test_engine_start_picks_the_kernel_on_a_gpu(attr, monkeypatch, caplog):
         log.removeHandler(caplog.handler)
     assert f"{warning}: the kernel failed its check: boom" in caplog.text
     assert start("cpu") == "torch" and len(asked) == 2
+
+
+def test_a_rank_that_cannot_run_a_step_kernel_turns_it_off_on_every_rank(monkeypatch):
+    """Under tensor parallelism the first rank sends trees to every rank and each walks its
+    sampled trees: where another rank's tree kernel or walk kernel failed its check (all_ranks_ok
+    False), this rank, whose passed, serves without them too (a tree it could not verify would
+    fail its step; a walk of its own could accept other tokens than the first rank's)."""
+    from vllm_ouroboros import kv_relocate
+    from vllm_ouroboros.patches import tree_attention, tree_verify
+
+    monkeypatch.setattr(tree_attention, "install", lambda runner, max_nodes: None)
+    for other, _, _ in KERNELS.values():
+        monkeypatch.setattr(other, "check_kernel", lambda *a: None)
+    decided = []
+    for everywhere in (True, False):
+        drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=True, tree_suffixes=3, num_suffixes=3),
+                                  num_spec_tokens=20, set_tree_available=decided.append,
+                                  all_ranks_ok=lambda ok, everywhere=everywhere: ok and everywhere)
+        runner = SimpleNamespace(device=SimpleNamespace(type="cuda"),
+                                 model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
+        monkeypatch.setattr(kv_relocate, "warm_move", lambda caches: None)
+        monkeypatch.setattr(tree_verify, "_kv_caches", lambda runner: [])
+        st = tree_verify.prepare(runner, drafter)
+        assert (st.reason is None, st.walk) == ((True, "triton") if everywhere else (False, "torch"))
+    assert decided[0] is None and "another tensor-parallel rank" in decided[1]

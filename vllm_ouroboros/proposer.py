@@ -711,6 +711,12 @@ class OuroborosProposer:
         np.minimum(self._len_limit, max_model_len, out=self._len_limit)
 
     # ---- tree verification switches (set by the runner patches) --------------------------
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """True on every tensor-parallel rank where every rank passes True (a collective: every
+        rank calls it at the same point). For what each rank decides by itself but all must
+        share: whether the tree runs, how a sampled tree is walked (the ranks sample alike)."""
+        return self._tp.all_ok(ok)
+
     def set_tree_available(self, reason: str | None) -> None:
         """The runner's decision (tree_verify.TreeState): None where the tree path can run on
         this engine, else why not."""

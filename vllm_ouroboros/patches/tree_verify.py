@@ -55,6 +55,10 @@ class TreeState:
             # A request's tree rows: its root and every drafted node.
             self.reason = tree_attention.install(
                 runner, max_nodes=min(tree_attention.MAX_TREE_NODES, drafter.num_spec_tokens + 1))
+            # Under tensor parallelism the first rank sends trees to all: one rank whose kernel
+            # failed its check must turn the tree off on every rank, not fail its first tree.
+            if not drafter.all_ranks_ok(self.reason is None) and self.reason is None:
+                self.reason = "the tree kernel cannot run on another tensor-parallel rank"
             if self.reason is not None:
                 logger.warning("ouroboros: tree verification unavailable, verifying the chain "
                                "draft + best suffix instead: %s", self.reason)
@@ -65,6 +69,9 @@ class TreeState:
             from vllm_ouroboros.kernels.sampled_walk import check_kernel
 
             why = check_kernel(runner.device, drafter.cfg.num_suffixes, runner.model_config.get_vocab_size())
+            # Every rank walks its sampled trees and must accept the same tokens: one walk for all.
+            if not drafter.all_ranks_ok(why is None) and why is None:
+                why = "the kernel cannot run on another tensor-parallel rank"
             if why is None:
                 self.walk = "triton"
             else:

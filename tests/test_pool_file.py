@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -423,6 +424,41 @@ def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplo
         leave.set()
         stuck.join(10)
     assert not (tmp_path / "pool.pt").exists() and "held the phrase pool" in caplog.text
+
+
+def test_a_save_at_shutdown_gives_up_on_storage_that_hangs(tmp_path, caplog, monkeypatch):
+    """SIGTERM and SIGINT are held while the pool is written at shutdown, and an in-process
+    engine has no SIGKILL to end a write that hangs (network storage): a periodic write still
+    under way, and then the shutdown's own, are each waited for SAVE_WRITE_TIMEOUT_S at most
+    (logged); the file, replaced atomically, keeps the last save."""
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME, proposer
+
+    p = saving_proposer(tmp_path / "pool.pt")
+    p._maybe_save_pool(now=True)
+    saved = (tmp_path / "pool.pt").read_bytes()
+    monkeypatch.setattr(proposer, "SAVE_WRITE_TIMEOUT_S", 0.2)
+    hang, writes = threading.Event(), []
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: (writes.append(path), hang.wait(10))))
+    logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
+    try:
+        p._last_pool_save = -float("inf")
+        p._maybe_save_pool()  # the periodic save: on its thread, hung
+        assert writes and p._save_thread.is_alive()
+        t0 = time.monotonic()
+        p.shutdown()  # waits for the hung write, gives up
+        assert time.monotonic() - t0 < 5 and "still writing after" in caplog.text
+        hang.set()
+        p._save_thread.join(10)
+        hang.clear()
+        t0 = time.monotonic()
+        p._maybe_save_pool(now=True)  # its own write hangs: given up too
+        assert time.monotonic() - t0 < 5 and "did not finish in" in caplog.text
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
+        hang.set()
+    assert (tmp_path / "pool.pt").read_bytes() == saved
 
 
 def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):

@@ -63,6 +63,9 @@ RATIO_OUTLIER = 2.0
 # step under way to leave the pool; below the engine core's RPC time-out
 # (patches/engine_shutdown.RAY_SAVE_TIMEOUT_S), so a step that hangs costs the save, not the exit.
 SAVE_LOCK_TIMEOUT_S = 20.0
+# Seconds a save made now (shutdown, exit) waits for a write still under way, then for its own:
+# storage that hangs costs the save, not the exit (an in-process engine has no SIGKILL to end it).
+SAVE_WRITE_TIMEOUT_S = 20.0
 
 
 def _holds_pool(method):
@@ -599,7 +602,10 @@ class OuroborosProposer:
         copies the pool to the host in the step and writes it on a thread: torch.save and fsync
         of a 35-64 MB file took 0.08-0.46 s on this CPU, a stall of every request in the step
         every 10 s (seconds on network storage). One write at a time: while one is under way
-        the next interval's is skipped. `now` waits for it, then writes in the caller."""
+        the next interval's is skipped. `now` waits for it, then writes and waits for that
+        write, each wait bounded by SAVE_WRITE_TIMEOUT_S: at shutdown SIGTERM and SIGINT are held
+        while the pool is written, and an in-process engine has no SIGKILL to end a write that
+        hangs (network storage); the file is replaced atomically, so one cut off leaves the last."""
         # atexit alone is not enough: vLLM may kill the engine process at shutdown before exit
         # handlers run, so the pool is also written every POOL_SAVE_INTERVAL seconds.
         if not self.cfg.pool_save_path or self.pool is None or (
@@ -609,7 +615,11 @@ class OuroborosProposer:
         if pending is not None and pending.is_alive():
             if not now:
                 return
-            pending.join()
+            pending.join(SAVE_WRITE_TIMEOUT_S)
+            if pending.is_alive():
+                logger.warning("ouroboros: the last phrase pool save is still writing after %.0f s; "
+                               "not saved again now", SAVE_WRITE_TIMEOUT_S)
+                return
         path = self.cfg.pool_save_path
         self._last_pool_save = time.monotonic()
         try:
@@ -618,12 +628,14 @@ class OuroborosProposer:
         except Exception as e:  # noqa: BLE001 - the step goes on; logged once
             self._saved(path, e)
             return
+        self._save_thread = threading.Thread(target=self._write_pool, args=(state, path),
+                                             name="ouroboros-pool-save", daemon=True)
+        self._save_thread.start()
         if now:
-            self._write_pool(state, path)
-        else:
-            self._save_thread = threading.Thread(target=self._write_pool, args=(state, path),
-                                                 name="ouroboros-pool-save", daemon=True)
-            self._save_thread.start()
+            self._save_thread.join(SAVE_WRITE_TIMEOUT_S)
+            if self._save_thread.is_alive():
+                logger.warning("ouroboros: the phrase pool save to %s did not finish in %.0f s; the "
+                               "file keeps the last save", path, SAVE_WRITE_TIMEOUT_S)
 
     def _write_pool(self, state: dict, path: str) -> None:
         try:

@@ -35,7 +35,9 @@ class DraftAttentionMetadata:
     block_rows: torch.Tensor  # [B, max_pages] int32: each row's block-table row
     page_size: int
     write_index: torch.Tensor  # [B, Q] int64: page * page_size + row of new token j's K/V
-    kv_len: int  # max(cache_lens) + Q: the tokens [0, kv_len) any row can read
+    # The caller's bound on cache_lens (max_cache_len, else their max) + Q, capped at the block
+    # table's capacity: the tokens [0, kv_len) any row can read.
+    kv_len: int
     use_kernel: bool = False  # masked_attention runs the Triton tree-attention kernel
     # The kernel's checks and launch plan (kernels.tree_attention.TreeAttentionPlan), made at the
     # first layer and reused by the others, by (dtype, heads, head dim, cache shape).

@@ -495,7 +495,8 @@ class DraftModel(nn.Module):
         """Run Q new tokens per row on top of each row's committed prefix; returns final-normed hidden.
 
         Shape: input_ids [B, Q] int64; positions [B, Q] int64 (RoPE positions, not cache indices);
-               slots [B] int64 (distinct); cache_lens [B] int64; new_mask [B, Q, Q] bool with
+               slots [B] int64 (distinct, but for padding rows whose outputs are dropped: the
+               prefill graph's share its spare slot); cache_lens [B] int64; new_mask [B, Q, Q] bool with
                new_mask[b, j, j] True; returns [B, Q, hidden_size] in the model dtype.
         Row b writes its new K/V as tokens cache_lens[b] .. cache_lens[b]+Q-1 of slot slots[b]
         (caller guarantees that slot's pages hold cache_lens[b] + Q tokens: self.kv.reserve); query

@@ -134,8 +134,9 @@ def test_more_rows_than_a_graph_takes(tiny_models, device):
     eager, graph = make(path, device, slots=n), make(path, device, graphs=True, slots=n)
     rng = np.random.default_rng(5)
     contexts = [rng.integers(3, eager.model.vocab_size, 60 + 7 * i).tolist() for i in range(n)]
+    graph.prefill_graphs.capture(pg.BATCH_BUCKETS[:5])  # as at load: a prefill timed across a capture gives no sizes
     out_e, out_g = next(rounds([eager, graph], contexts, rng, 1))
-    assert np.array_equal(out_e.drafts, out_g.drafts)
+    assert np.array_equal(out_e.drafts, out_g.drafts) and graph.prefill_graphs.captures == 5
     # the first pass: 16 rows, then 2 (padded to their buckets); later passes the rows left
     assert out_g.prefill_sizes[:2] == (16 * pg.CHUNK, 2 * pg.CHUNK)
     assert out_g.prefill_forwards == len(out_g.prefill_sizes) >= 3
@@ -255,3 +256,23 @@ def test_dropped_graphs_are_captured_again_on_use(tiny_models, device):
     for out_e, out_g in runs:
         assert np.array_equal(out_e.drafts, out_g.drafts)
     assert graph.device_round._states and graph.prefill_graphs.enabled
+
+
+def test_a_prefill_timed_across_a_capture_is_no_sample_of_its_cost(tiny_models, device):
+    """A prefill graph captured on use (the cache grew, or none captured at load) inside the
+    timed prefill: the round's prefill seconds still come off its drafting time, but the sizes
+    the catch-up cost is calibrated with are left out (a capture's seconds priced every later
+    catch-up dearer). The next prefill, replayed, is a sample again."""
+    rt = make(str(tiny_models["draft"]), device, graphs=True)
+    pgs = rt.prefill_graphs
+    rng = np.random.default_rng(3)
+    V = rt.model.vocab_size
+    slots = np.arange(1, dtype=np.int64)
+    context = rng.integers(3, V, 200)
+    out = rt.run_round(slots, context[None], slots, np.array([200]))
+    assert pgs.captures == 1 and out.prefill_forwards > 0
+    assert out.prefill_sizes == () and out.prefill_seconds > 0
+    context = np.concatenate([context, out.drafts[0, :1], rng.integers(3, V, 40)])
+    out = rt.run_round(slots, context[None], slots, np.array([len(context)]))
+    assert pgs.captures == 1 and out.prefill_forwards > 0
+    assert len(out.prefill_sizes) == out.prefill_forwards and out.prefill_seconds > 0

@@ -71,6 +71,7 @@ class PrefillGraphs:
         self.chunk = chunk
         self.enabled = True  # False after a failed capture: the runtime prefills eagerly
         self._graphs: dict[int, object] = {}
+        self.captures = 0  # captures tried, at load and on use (a prefill timed across one is no sample)
         self._inbox: dict[int, torch.Tensor] = {}
         # The cache generation of the graphs, the cache tokens a captured forward may read per
         # row (the attention's bound, fixed at capture; the round's first bound, doubled where
@@ -135,6 +136,7 @@ class PrefillGraphs:
         """Capture bucket A's chunk forward on a neutral inbox (every row padding: the spare
         slot, nothing real), which writes only the null page."""
         rt = self.rt
+        self.captures += 1
         box = self._inbox[A] = torch.zeros(A, INBOX + self.chunk, dtype=torch.long, device=rt.device)
         box[:, 0] = rt.pad_slot
         try:

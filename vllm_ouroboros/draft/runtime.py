@@ -107,7 +107,8 @@ class RoundOutput:
     # max_draft_length or max_draft_forwards); None in fixed mode.
     stopped_by_rule: np.ndarray | None = None
     # The prefill forwards' padded sizes (rows x longest, tokens) and their seconds in all
-    # (0.0 where none ran): what the back-off calibrates its catch-up cost with.
+    # (0.0 where none ran): what the back-off calibrates its catch-up cost with. Sizes are
+    # left out (no sample) where a prefill graph was captured inside the timed prefill.
     prefill_sizes: tuple[int, ...] = ()
     prefill_seconds: float = 0.0
 
@@ -340,9 +341,17 @@ class DraftRuntime:
                   each row's draft at the cut alike.
         """
         clock, sizes = DeviceClock(self.device), []
+        graphs = self.prefill_graphs
+        captures = graphs.captures if graphs is not None else 0
         out = self._round(slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes)
+        if not sizes:
+            return out
+        # A graph captured (re-captured: the cache grew) inside the timed prefill: its seconds
+        # still come off the round's, but they are no sample of what the prefill costs.
+        if graphs is not None and graphs.captures != captures:
+            sizes = []
         # The round's outputs came back to the host: the prefill's CUDA events are done.
-        return replace(out, prefill_sizes=tuple(sizes), prefill_seconds=clock.seconds()) if sizes else out
+        return replace(out, prefill_sizes=tuple(sizes), prefill_seconds=clock.seconds())
 
     def _round(self, slots, token_ids, rows, lens, forwards, max_tokens, clock, sizes) -> RoundOutput:
         B = len(slots)

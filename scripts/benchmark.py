@@ -1,7 +1,7 @@
 """Side-by-side benchmark: no speculation, vLLM's ngram and draft_model, and ouroboros with its
 ablations, on the same engine build and machine, in one run.
 
-    source scripts/env.sh && python scripts/benchmark.py            # the real pair, ~1 h on 2 CPU cores
+    source scripts/env.sh && python scripts/benchmark.py            # the real pair, 23 min on 2 CPU cores at 55e4672
     python scripts/benchmark.py --target T --draft D --quick          # plumbing check on any pair
 
 For every (method, workload, concurrency, temperature) cell: output tokens/s and the ratio to

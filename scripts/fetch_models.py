@@ -324,7 +324,7 @@ def is_complete(spec: ModelSpec, models_dir: Path) -> bool:
     return marker.is_file() and marker.read_text().strip() == spec.sha256
 
 
-# The bfloat16 safetensors of a Q8_0 GGUF take about 3x its bytes (1.5B: 1.1 GB -> 3.4 GB).
+# The bfloat16 safetensors of a Q4_K_M GGUF take about 3x its bytes (1.5B: 1.1 GB -> 3.4 GB).
 BF16_PER_GGUF_BYTE = 3.2
 
 

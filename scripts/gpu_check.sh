@@ -156,7 +156,7 @@ fi
 # time; on an H200 the kernel took 0.10x the torch walk's time at 1 request, 0.67x at 32). Then
 # a pool insert in torch with its adds as index_put_ and as scatter_add_ and through the pool's
 # Triton kernels (scripts/bench_pool_ops.py: what SCATTER_ADD_DEVICES should hold and what the
-# kernels save; bench_gpu.py's inserts section and its graph+fused+torch-inserts round time them
+# kernels save; bench_gpu.py's inserts section and its graph+fused+torch-pool round time them
 # too); then kernels/norm_gemm.py against the separate kernels (scripts/bench_norm_gemm.py). Last,
 # in what time is left, after the whole suite only.
 if [[ $PART == all ]] && (( ${#SELECTION[@]} == 0 && $(left) >= 60 )); then

@@ -307,6 +307,25 @@ def test_fewer_forwards_draft_a_prefix(tiny_models, device):
     assert dr.forwards_for_next_round() == 2
 
 
+def test_rounds_the_cut_shortened_do_not_shorten_the_next_whole_round(tiny_models, device):
+    """Without early exit F follows what recent rounds needed: a round the back-off cut ran as
+    many forwards as its cut needed, not its rows, so it says nothing of F (it set F to the cut
+    and the next whole round drafted one token of gamma). F below 1 runs one forward, said so."""
+    path = str(tiny_models["draft"])
+    rt = make(path, device, "device", **CONFIGS["decode-only"])
+    dr = rt.device_round
+    assert not dr.early_exit
+    rng = np.random.default_rng(3)
+    context = rng.integers(2, rt.model.vocab_size, 30).tolist()
+    slots = np.zeros(1, np.int64)
+    for cut in [1] * 4 + [None]:
+        out = rt.run_round(slots, np.array([context]), slots, np.array([len(context)]), None, cut)
+        context += out.drafts[0, :out.draft_lens[0]].tolist() + [int(rng.integers(2, rt.model.vocab_size))]
+    assert out.forwards == GAMMA and out.draft_lens[0] == GAMMA, (out.forwards, dr._recent)
+    out = rt.run_round(slots, np.array([context]), slots, np.array([len(context)]), 0)
+    assert out.forwards == 1 and out.row_forwards[0] == 1
+
+
 @pytest.mark.parametrize("config", ["decode-only", "window-only", "phrases", "adaptive"])
 def test_later_forwards_carry_what_one_forward_drafts(config, tiny_models, device):
     """Every forward after a round's first carries as many uncached columns as a forward may

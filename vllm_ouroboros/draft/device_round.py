@@ -300,11 +300,13 @@ class DeviceRound:
         """
         rt = self.rt
         B = len(slots)
-        F = self.forwards_for_next_round() if forwards is None else min(forwards, self.max_forwards)
+        F = self.forwards_for_next_round() if forwards is None else max(1, min(forwards, self.max_forwards))
+        cut_bound = False
         if max_tokens is not None:
             # Every forward gives each drafting row a token at least: rows cut to c tokens are
             # done after c forwards, and the rest of a fixed-F round would run with none active.
-            F = min(F, int(np.max(np.clip(max_tokens, 1, self.max_draft))))
+            cut = int(np.max(np.clip(max_tokens, 1, self.max_draft)))
+            cut_bound, F = cut < F, min(F, cut)
         A = bucket(B, BATCH_BUCKETS)
         U = self.width_bucket(int(u0.max()))
         st = self._state(A)
@@ -345,7 +347,9 @@ class DeviceRound:
         c += 7
         sfx = out[:, c:c + K * L].reshape(B, K, L)
         valid = out[:, c + K * L:c + K * L + K].astype(bool)
-        if not self.early_exit:  # forwards_for_next_round reads it only without early exit
+        if not self.early_exit and not cut_bound:
+            # What whole rounds need (forwards_for_next_round reads it only without early exit);
+            # a round the cut shortened says what the cut needed, not what the rows would.
             needed = F + 1 if act.any() else int(rf.max(initial=1))
             self._recent = (self._recent + [needed])[-8:]
         # A forward ran iff some row was drafting, and every such row counts it.

@@ -478,3 +478,32 @@ def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):
     small_pool().save(path)
     assert not old.exists() and fresh.exists() and other.exists()
     assert PhrasePool.read_state(str(path))["phrases_per_key"] == 4
+
+
+def test_the_engine_process_gets_time_to_write_its_pool(monkeypatch):
+    """vLLM's default shutdown_timeout 0 SIGKILLs the engine-core process in the millisecond of
+    its SIGTERM. Where a pool is saved, its process manager waits up to PROCESS_GRACE_S for it
+    to exit (vLLM's own rule for ROCm's teardown): only with requests aborted at once and no
+    remaining budget passed by an outer manager; otherwise as vLLM does."""
+    pytest.importorskip("vllm", reason="the patched process manager is vLLM's")
+    from vllm.v1.engine import utils as engine_utils
+
+    from vllm_ouroboros.patches import engine_shutdown
+
+    engine_shutdown.apply_process_manager()
+    waited = []
+    monkeypatch.setattr(engine_utils, "shutdown", lambda procs, timeout=None: waited.append(timeout))
+
+    def manager(request_timeout, saves):
+        m = object.__new__(engine_utils.CoreEngineProcManager)
+        m.manager_stopped = threading.Event()
+        m._finalizer = type("F", (), {"detach": lambda self: ("armed",)})()
+        m.processes, m._request_shutdown_timeout, m._ouroboros_saves_pool = [], request_timeout, saves
+        return m
+
+    cases = [((0, True), 0, engine_shutdown.PROCESS_GRACE_S), ((0, False), 0, 0), ((5, True), 0, 0),
+             ((0, True), None, None), ((0, True), 3.0, 3.0)]
+    for (request_timeout, saves), timeout, expect in cases:
+        waited.clear()
+        manager(request_timeout, saves).shutdown(timeout=timeout)
+        assert waited == [expect], (request_timeout, saves, timeout, waited)

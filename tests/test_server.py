@@ -3,6 +3,7 @@ without speculation, with the method selected by the CLI shorthands and by `-sc`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,12 +37,17 @@ def _vllm_cli() -> list[str]:
 
 
 @contextmanager
-def serve(model: Path, *extra: str, timeout: float = 240.0):
+def serve(model: Path, *extra: str, timeout: float = 240.0, stop_server_only: bool = False,
+          log_path: Path | None = None):
+    """A `vllm serve` of `model` (extra: more CLI arguments), yielding its base URL; stopped by
+    SIGTERM to its whole process group, or (stop_server_only) to the API server alone, as a
+    container runtime stops it, waiting for it to exit. Its output goes to log_path (default:
+    a file under TMPDIR)."""
     port = _free_port()
     cmd = [*_vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
            *extra]
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-serve-{port}.log", "w+")
+    log = open(log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-serve-{port}.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -60,10 +66,15 @@ def serve(model: Path, *extra: str, timeout: float = 240.0):
                 time.sleep(1)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if stop_server_only:
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # what is left of the group
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
@@ -171,17 +182,34 @@ def test_serve_speculative_config_json(tiny_models, expected, tmp_path):
     assert ours.get("vllm:ouroboros_accepted_tokens_total", 0) > 0
 
 
-def test_serve_token_tree_k3(tiny_models, expected):
+def test_serve_token_tree_k3(tiny_models, expected, tmp_path):
     """K = 3 suffixes verified as one token tree through the server (with logprobs requested,
     which the tree walk serves itself): same tokens, text and finish reasons. The close draft,
-    so that four short completions reach their suffixes whatever the CPU's rounding."""
+    so that four short completions reach their suffixes whatever the CPU's rounding.
+    Stopped by SIGTERM to the API server alone (as `docker stop` does), the engine writes its
+    pool: with vLLM's default shutdown_timeout 0 the engine process was SIGKILLed in the
+    millisecond of its SIGTERM, the save lost (the real pair's 19-64 MB pools) or left a
+    temporary file (engine_shutdown.py). The tiny pool's save can win that race: the log says
+    whether the engine was killed."""
     target, draft = tiny_models["target"], tiny_models["close_draft"]
+    pool, log = tmp_path / "pool.pt", tmp_path / "serve.log"
     spec = json.dumps({"method": "ouroboros", "model": str(draft), "num_suffixes": 3,
-                       "use_suffixes": True, "max_speculative_batch": 64})  # whole drafts: no timing
-    with serve(target, "--speculative-config", spec) as base:
+                       "use_suffixes": True, "max_speculative_batch": 64,  # whole drafts: no timing
+                       "pool_save_path": str(pool)})
+    with serve(target, "--speculative-config", spec, stop_server_only=True, log_path=log) as base:
         got = complete_all(base, target)
         text = metrics(base)
+        time.sleep(1)  # a periodic save's thread under way finishes
+        pool.unlink(missing_ok=True)  # what is there after the stop is the shutdown's
     assert got == expected
+    served = log.read_text()
+    assert "to write its phrase pool before it is killed" in served
+    assert "force killing" not in served, [line for line in served.splitlines() if "shutdown" in line]
+    assert pool.exists(), "the pool was not written at shutdown"
+    assert not list(tmp_path.glob("pool.pt.*")), "a save was cut off: " + str(list(tmp_path.iterdir()))
+    from vllm_ouroboros.pool import PhrasePool
+
+    assert (PhrasePool.read_state(str(pool))["page_key"] >= 0).any()
     ours = assert_counts_are_vllms(text)
     assert ours.get("vllm:ouroboros_suffix_accepted_total", 0) > 0, sorted(ours)
     print("tree suffix tokens accepted:", ours.get("vllm:ouroboros_tree_suffix_accepted_total"))

@@ -77,6 +77,12 @@ def _create_speculative_config(original):
         }
         self.spec_method = self.spec_model = self.spec_tokens = None
         _piecewise_graphs_for_the_tree(self, cfg)
+        if cfg.pool_save_path:
+            # This process goes on to start the engine: its process manager must let the
+            # engine core write the pool before killing it (engine_shutdown.py).
+            from vllm_ouroboros.patches import engine_shutdown
+
+            engine_shutdown.apply_process_manager()
         self.additional_config = {**(self.additional_config or {}),
                                   ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
         return original(self, target_model_config, target_parallel_config)

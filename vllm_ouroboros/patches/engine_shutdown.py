@@ -7,6 +7,14 @@
     worker's shutdown never runs. The engine core asks its workers to save through a collective
     RPC first (`SAVE_METHOD`), bounded by RAY_SAVE_TIMEOUT_S: a worker that hangs or died must
     not hold the engine's exit (the last periodic save, at most 10 s old, then stands).
+`CoreEngineProcManager.shutdown` (patched in the process that starts the engine: the API server,
+    an offline LLM's): with vLLM's default `shutdown_timeout` 0 (requests aborted at once) the
+    manager SIGTERMs the engine-core process and SIGKILLs it in the same millisecond, before
+    its shutdown can write the pool (a `vllm serve` stopped by SIGTERM left the last periodic
+    save, or a pool-sized temporary file). Where a pool is saved, the process gets up to
+    PROCESS_GRACE_S to exit first, as vLLM gives ROCm engines for their teardown
+    (`get_engine_process_shutdown_timeout`); requests are still aborted at once, and an engine
+    that exits sooner (a save takes well under a second) is waited for no longer.
 Not covered: data parallelism on Ray, whose engine-core actors vLLM `ray.kill`s too (no
 shutdown of theirs runs; the last periodic save stands).
 """
@@ -25,6 +33,9 @@ SAVE_METHOD = "ouroboros_save_pool"
 # A 35-64 MB pool file took 0.08-0.46 s to write here; vLLM SIGKILLs a multiprocess engine core
 # 5 s after its SIGTERM anyway. The bound matters for an in-process engine, which nobody kills.
 RAY_SAVE_TIMEOUT_S = 30.0
+# Seconds an engine-core process that writes a pool gets to exit after its SIGTERM where vLLM
+# would SIGKILL it at once (shutdown_timeout 0): the save's bound, not its usual time.
+PROCESS_GRACE_S = 15.0
 
 
 def save_pool(worker) -> bool:
@@ -99,18 +110,63 @@ def _saves_by_rpc(engine_core, executor) -> bool:
     waits for that one first, with no time-out). RayDistributedExecutor's steps run on the
     compiled graph's thread of each worker, beside this RPC: the proposer's save waits for a
     step under way to leave the pool (proposer._holds_pool), at most SAVE_LOCK_TIMEOUT_S."""
-    from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, is_ouroboros
-
     if (executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False)
             or getattr(executor, "shutting_down", False) or getattr(executor, "futures_queue", None)
             or (hasattr(executor, "rpc_broadcast_mq") and executor.rpc_broadcast_mq is None)
             or not _ray_running()):
         return False
-    vllm_config = getattr(engine_core, "vllm_config", None)
+    return _saves_pool(getattr(engine_core, "vllm_config", None))
+
+
+def _saves_pool(vllm_config) -> bool:
+    """Whether this engine drafts with Ouroboros and writes a pool file at shutdown."""
+    from vllm_ouroboros.patches.engine_args import ADDITIONAL_CONFIG_KEY, is_ouroboros
+
     if not is_ouroboros(getattr(vllm_config, "speculative_config", None)):
         return False
     cfg = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY) or {}
     return bool(cfg.get("pool_save_path"))
+
+
+def _proc_manager_init(original):
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        require(self, "_request_shutdown_timeout")  # what shutdown's rule reads (an instance's)
+        vllm_config = signature.bind(self, *args, **kwargs).arguments["vllm_config"]
+        self._ouroboros_saves_pool = _saves_pool(vllm_config)
+
+    return init
+
+
+def _proc_manager_shutdown(original):
+    def shutdown(self, timeout=None):
+        # vLLM's own rule for a grace window (ROCm's): only where requests are aborted at once
+        # (shutdown_timeout 0) and no outer manager passed a remaining budget of its own.
+        if (timeout == 0 and getattr(self, "_request_shutdown_timeout", None) == 0
+                and getattr(self, "_ouroboros_saves_pool", False)):
+            logger.info("ouroboros: the engine process gets up to %.0f s to write its phrase pool "
+                        "before it is killed (requests are aborted at once)", PROCESS_GRACE_S)
+            timeout = PROCESS_GRACE_S
+        return original(self, timeout)
+
+    return shutdown
+
+
+def apply_process_manager() -> None:
+    """Patch the engine-core process manager (idempotent; called where an engine that saves a
+    pool is configured, engine_args.py: the process that goes on to start it)."""
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    from vllm_ouroboros.patches._util import require_params
+
+    require_params(CoreEngineProcManager.__init__, "vllm_config")
+    require_params(CoreEngineProcManager.shutdown, "timeout")
+    patch_method(CoreEngineProcManager, "__init__", _proc_manager_init)
+    patch_method(CoreEngineProcManager, "shutdown", _proc_manager_shutdown)
 
 
 def _ray_running() -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the proposer's config reads vLLM's platform; vLLM is not installed here")
 
-from test_proposal_room import proposer  # noqa: E402,F401 - the module's proposer fixture
+from test_proposal_room import make_proposer, proposer  # noqa: E402,F401 - the module's proposer fixture
 
 from vllm_ouroboros import cost_model  # noqa: E402
 
@@ -59,3 +59,43 @@ def test_the_pools_rows_are_not_rounds_of_the_draft_model(proposer, monkeypatch)
     _, step = _step(proposer, ["p1", "p2"], table, np.array([50, 55]))
     assert step["pool_draft_steps"] == 1 and step["draft_rounds"] == 1, step
     assert step["sentence_draft_tokens"] > 0
+
+
+def test_the_cache_full_warning_is_rate_limited(proposer, caplog):
+    """Under load that fluctuates the draft cache fills again every few steps: one warning per
+    CACHE_FULL_LOG_INTERVAL_S, saying how many times it was left unsaid (a serving test logged
+    86 of them in 40 s)."""
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME, proposer as module
+
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(caplog.handler)
+    try:
+        proposer._cache_full_logged_at, proposer._cache_full_unlogged = -float("inf"), 0
+        for _ in range(3):
+            proposer._log_cache_full("64 pages", 1, 4)
+        proposer._cache_full_logged_at -= module.CACHE_FULL_LOG_INTERVAL_S + 1
+        proposer._log_cache_full("64 pages", 2, 4)
+    finally:
+        log.removeHandler(caplog.handler)
+    warnings = sorted({r.getMessage() for r in caplog.records if "could not grow" in r.getMessage()})
+    assert len(warnings) == 2, warnings
+    assert "(2 more times since the last warning)" in warnings[0] + warnings[1]
+
+
+def test_metrics_show_a_loaded_pool_before_any_step(proposer, tiny_models, tmp_path, monkeypatch):
+    """A warm start's gauges (the loaded pool's phrases) are in the metrics snapshot from load
+    on: they read 0 until the first step wrote one."""
+    import json
+
+    from vllm_ouroboros.metrics_export import ENV_DIR
+
+    pool = tmp_path / "pool.pt"
+    proposer.save_pool(str(pool))
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    monkeypatch.setenv(ENV_DIR, str(metrics))
+    make_proposer(tiny_models, pool_load_path=str(pool))
+    (snapshot,) = metrics.glob("snapshot-*.json")
+    assert json.loads(snapshot.read_text())["pool"]["phrases"] > 0

@@ -18,11 +18,11 @@ from vllm_ouroboros.proposer import OuroborosProposer  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def proposer(tiny_models):
-    # Costs as configured (no measuring) and a fixed batch cap: every request drafts.
+def make_proposer(tiny_models, **more) -> OuroborosProposer:
+    """A loaded proposer on the tiny draft, its costs as configured (no measuring) and a fixed
+    batch cap: every request drafts. more: other settings."""
     settings = {"draft_model": str(tiny_models["draft"]), "max_speculative_batch": 8,
-                "draft_cost_ms": {"1": 1, "64": 2}, "target_cost_ms": {"1": 10, "64": 12}}
+                "draft_cost_ms": {"1": 1, "64": 2}, "target_cost_ms": {"1": 10, "64": 12}, **more}
     vllm_config = SimpleNamespace(
         additional_config={ADDITIONAL_CONFIG_KEY: settings}, device_config=SimpleNamespace(device="cpu"),
         speculative_config=SimpleNamespace(num_speculative_tokens=8),
@@ -32,6 +32,11 @@ def proposer(tiny_models):
     p = OuroborosProposer(vllm_config)
     p.load_model(None)
     return p
+
+
+@pytest.fixture(scope="module")
+def proposer(tiny_models):
+    return make_proposer(tiny_models)
 
 
 def test_the_proposal_ends_where_the_request_can_emit_no_more(proposer):

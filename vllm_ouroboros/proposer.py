@@ -87,6 +87,9 @@ NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
 # that fit before growing is tried again; the wait doubles with each failure, up to this.
 MAX_CACHE_RETRY_GAP = 256
+# Seconds between warnings that the draft cache could not grow: under load that fluctuates it
+# fills again every few steps (86 warnings in 40 s in a serving test), counted in between.
+CACHE_FULL_LOG_INTERVAL_S = 60.0
 CAPTURED_BATCH = 64  # draft_round "graph": batches captured at load (larger ones on first use)
 # A bound on the tokens a round writes past a request's context (DraftRuntime's round room:
 # 72 at the defaults), for the smallest draft_cache_max_mb that can work.
@@ -264,6 +267,7 @@ class OuroborosProposer:
         # sets it (from gamma: no round yet).
         self._draft_tokens = float(self.cfg.gamma)
         self._cache_retry_gap, self._cache_retry_wait = PROBE_GAP, 0
+        self._cache_full_logged_at, self._cache_full_unlogged = -float("inf"), 0
         self._caches_dropped = 0  # absent requests' draft-cache pages released under pressure
         self._overhead = cost_model.StepOverhead(None)  # its curve is set at load
         # Suffixes on auto (cost_model.rows_sending_suffixes): per request, running means of the
@@ -336,6 +340,8 @@ class OuroborosProposer:
                     cfg.draft_model, model.dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
                     model.kv.num_pages, model.kv.page_size,
                     "" if limit is None else f" up to {cfg.draft_cache_max_mb:g} MiB")
+        # /metrics' gauges from the start (a warm start's loaded pool read 0 until a step ran).
+        self._metrics.maybe_write(lambda: self.snapshot(per_request=False), force=True)
 
     def _load_draft(self, draft_round: str, init_slots: int, init_len: int, limit: int | None) -> DraftModel:
         """The draft model with its options (fused layers, norm-in-product, the CPU's oneDNN
@@ -1303,13 +1309,7 @@ class OuroborosProposer:
             if kept.sum() < len(m):  # the rows that fit draft, the others wait
                 self._cache_retry_wait = self._cache_retry_gap
                 self._cache_retry_gap = min(2 * self._cache_retry_gap, MAX_CACHE_RETRY_GAP)
-                logger.warning(
-                    "ouroboros: the draft KV cache could not grow to %s; %d of %d requests draft, "
-                    "the others decode without a draft from the model (lossless) until growing is "
-                    "tried again in %d steps. Fewer concurrent requests (max_num_seqs) or a shorter "
-                    "max_model_len leave it room, as do a larger draft_cache_max_mb where it is the "
-                    "bound, or a lower gpu_memory_utilization where device memory is.", e, kept.sum(),
-                    len(m), self._cache_retry_wait)
+                self._log_cache_full(e, int(kept.sum()), len(m))
                 by_model = kept
                 m = np.nonzero(kept)[0]
                 if len(m) == 0:
@@ -1321,6 +1321,24 @@ class OuroborosProposer:
         self._calibrate_prefill(out)
         self._calibrate_draft(out, cut, t_draft)
         return by_model, out, t_draft
+
+    def _log_cache_full(self, error, drafting: int, wanted: int) -> None:
+        """Warn that the draft cache could not grow, at most every CACHE_FULL_LOG_INTERVAL_S
+        (the times in between counted; every request-step left out is in cache_full_steps)."""
+        now = time.monotonic()
+        if now - self._cache_full_logged_at < CACHE_FULL_LOG_INTERVAL_S:
+            self._cache_full_unlogged += 1
+            return
+        since = (f" ({self._cache_full_unlogged} more times since the last warning)"
+                 if self._cache_full_unlogged else "")
+        self._cache_full_logged_at, self._cache_full_unlogged = now, 0
+        logger.warning(
+            "ouroboros: the draft KV cache could not grow to %s%s; %d of %d requests draft, the "
+            "others decode without a draft from the model (lossless) until growing is tried again "
+            "in %d steps. Fewer concurrent requests (max_num_seqs) or a shorter max_model_len leave "
+            "it room, as do a larger draft_cache_max_mb where it is the bound, or a lower "
+            "gpu_memory_utilization where device memory is.", error, since, drafting, wanted,
+            self._cache_retry_wait)
 
     def _model_load(self, slots: np.ndarray, lens: np.ndarray, cut: int) -> cost_model.StepLoad:
         """What the draft model's rows (by slot, [R]; context lengths lens [R]) bring to this

@@ -12,9 +12,11 @@ For every request the draft model keeps its own KV cache (one slot per request).
 
 Step 3 runs one of two ways (DraftSettings.draft_round):
   "host":   this file's loop. The token tensors of each forward are built on the host and
-            copied once per forward; reading back the new tokens is one device->host sync per
-            draft forward, which sizes the next forward exactly (no padding, empty guess
-            columns trimmed, finished rows left out). Cheapest where syncs are free: the CPU.
+            copied once per forward; reading back the new tokens (and the adaptive rule's
+            verdicts) is one device->host sync per draft forward, which sizes the next forward
+            exactly (no padding, finished rows left out), and where guesses are looked up one
+            more sizes the guess columns (empty ones trimmed); the round's suffixes are one read.
+            Cheapest where syncs are free: the CPU.
   "device" / "graph": draft/device_round.py, every shape fixed before the round, no sync
             inside it, replayed from CUDA graphs with "graph"; one device->host copy per round.
             For GPUs, where a host loop leaves the device waiting on kernel launches.
@@ -42,7 +44,7 @@ from vllm_ouroboros.draft.lookahead import (
     read_output,
     row_inputs,
 )
-from vllm_ouroboros.host_copy import to_device
+from vllm_ouroboros.host_copy import to_device, to_host
 from vllm_ouroboros.pool import PhrasePool
 
 
@@ -409,7 +411,7 @@ class DraftRuntime:
         if K:
             last = self._last_tokens(token_ids, rows, lens, drafts, dlen)
             phr, valid = self.pool.lookup(*to_device(self.device, last, slots), K)
-            suffixes, suffix_valid = phr.cpu().numpy(), valid.cpu().numpy()
+            suffixes, suffix_valid = to_host(phr, valid)
         self.confirmed[slots] = lens
         return RoundOutput(drafts, dlen, suffixes, suffix_valid, forwards, prefill_forwards,
                            row_forwards, guess_tokens, guess_hit_forwards, row_prefills,
@@ -641,8 +643,11 @@ class DraftRuntime:
             valid = torch.arange(L + 1, device=dev)[None, :] < res.num_new[:, None]
             take, fired, after = stop_rule(p, valid, *to_device(dev, prod),
                                            self.s.acceptance_threshold)
-            rule = (take.cpu().numpy(), fired.cpu().numpy(), after.cpu().numpy())
-        return res.new_tokens.cpu().numpy(), res.num_new.cpu().numpy(), rule
+            # The forward's one read (a GPU waits once for all five, not once each).
+            new, num, *rule = to_host(res.new_tokens, res.num_new, take, fired, after)
+            return new, num, tuple(rule)
+        new, num = to_host(res.new_tokens, res.num_new)
+        return new, num, rule
 
     def _token_hidden(self, hidden, res, u_t, layout, guesses, gvalid) -> torch.Tensor:
         """[A, L+1, H]: the hidden state whose output is each of the forward's new tokens.

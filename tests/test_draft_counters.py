@@ -46,18 +46,21 @@ def test_a_round_cut_to_a_chain_looks_up_no_guesses(proposer, monkeypatch):
     assert chain["draft_rounds"] == 2 and all(0 < len(o) for o in out)
 
 
-def test_the_pools_rows_are_not_rounds_of_the_draft_model(proposer, monkeypatch):
-    """A step where the model drafts one row and the pool fills the other: one draft round (the
-    pool's row has no sentence draft; counted as a round it halved the mean draft length)."""
+@pytest.mark.parametrize("branches", [False, True], ids=["chain", "branches"])
+def test_the_pools_branches_are_no_sentence_draft(proposer, monkeypatch, branches):
+    """A step where the model drafts one row and the pool fills the other: the pool's chain of
+    phrases is a sentence draft (a round), its branches are none (counted as one, a pool of
+    branches read a mean draft length of 0)."""
     table = np.random.default_rng(2).integers(2, 300, (2, 260))
     S = proposer.num_spec_tokens
     monkeypatch.setattr(proposer, "_model_rows",
                         lambda req_ids, slots, lens, readable: (np.arange(len(slots)) == 0, S))
     monkeypatch.setattr(type(proposer), "_fills_from_pool", property(lambda self: True))
+    monkeypatch.setattr(type(proposer), "_pool_branches", property(lambda self: branches))
     monkeypatch.setattr(proposer, "_pool_plan",
                         lambda slots, load=None: cost_model.SpeculationPlan(np.ones(len(slots), bool), S))
     _, step = _step(proposer, ["p1", "p2"], table, np.array([50, 55]))
-    assert step["pool_draft_steps"] == 1 and step["draft_rounds"] == 1, step
+    assert step["pool_draft_steps"] == 1 and step["draft_rounds"] == (1 if branches else 2), step
     assert step["sentence_draft_tokens"] > 0
 
 

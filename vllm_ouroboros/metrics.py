@@ -41,8 +41,9 @@ Definitions (per request, summed for the aggregate):
                        forward: every drafted step of the pool mode, and in the draft model's
                        mode a step the model did not draft for it (back-off, unreadable prompt,
                        full draft cache) whose pool draft paid by the pool's own estimates
-  draft_rounds         the draft model's rounds for the request (its sentence drafts; the pool's
-                       drafts, pool_draft_steps, are not rounds)
+  draft_rounds         steps that drafted a sentence draft for the request: the draft model's, or
+                       the pool's chain of phrases where it found one; the pool's branches
+                       (pool_branches) are none
   sentence_draft_tokens tokens of those sentence drafts (before the suffixes and the token cap)
   stops_rule, stops_cap adaptive draft length only: rounds whose draft the acceptance rule
                        stopped (1 - prod P(accept) > h) / that max_draft_length (or

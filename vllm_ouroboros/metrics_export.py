@@ -61,7 +61,8 @@ COUNTERS = {
     "guess_hits": "Draft forwards in which a pool phrase gave at least one token",
     "inspiration_inserts": "Phrases inserted by candidate inspiration",
     "refinement_inserts": "Phrases rewritten by candidate refinement",
-    "draft_rounds": "Request-rounds of the draft model (sentence drafts; the pool's drafts are not rounds)",
+    "draft_rounds": "Request-steps that drafted a sentence draft (the draft model's or the pool's chain; "
+                    "the pool's branches are none)",
     "sentence_draft_tokens": "Sentence-draft tokens drafted (mean draft length = this / draft_rounds)",
     "stops_rule": "Adaptive draft length: drafts stopped by the acceptance head's rule",
     "stops_cap": "Adaptive draft length: drafts stopped by max_draft_length (or max_draft_forwards)",

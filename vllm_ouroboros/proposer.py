@@ -1226,11 +1226,14 @@ class OuroborosProposer:
         self._round_forwards = out.forwards if self._round_length is not None else 0
         self.stats.round_done(out.forwards, out.prefill_forwards, len(rows))
         # A round the back-off cut to a chain looked up no guesses; the pool's rows ran no round.
+        # A sentence draft is the model's, or the pool's chain of phrases where it found one;
+        # the pool's branches have none (counted as rounds, they read a mean draft length of 0).
         looked_up = bool(self.runtime.G) and not self.runtime.drafts_chain(int(cut_model))
         self.stats.add(slots, draft_forwards=out.row_forwards,
                        prefill_forwards=out.row_prefills, guess_tokens=out.guess_tokens,
                        guess_lookups=out.row_forwards * looked_up,
-                       guess_hits=out.guess_hit_forwards, draft_rounds=(~from_pool).astype(np.int64),
+                       guess_hits=out.guess_hit_forwards,
+                       draft_rounds=(~from_pool | (out.draft_lens > 0)).astype(np.int64),
                        sentence_draft_tokens=out.draft_lens)
         if out.stopped_by_rule is not None:
             # The cap stopped a model row the rule did not, in a round the back-off left whole

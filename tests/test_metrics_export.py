@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("prometheus_client", reason="prometheus_client (a vLLM dependency) is not installed")
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-from vllm_ouroboros.metrics_export import OuroborosCollector, SnapshotWriter, read_totals  # noqa: E402
+from vllm_ouroboros.metrics_export import OuroborosCollector, SnapshotWriter, new_writer_id, read_totals  # noqa: E402
 
 
 def dead_pid() -> int:
@@ -64,7 +64,7 @@ def test_writer_is_rate_limited_and_atomic(tmp_path):
     w.maybe_write(snap, force=True)
     assert read_totals(str(tmp_path))["draft_forwards"] == 2
     assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{os.getpid()}-a.json"]
-    SnapshotWriter(None).maybe_write(snap)  # no directory: a no-op
+    SnapshotWriter(None, writer="unused").maybe_write(snap)  # no directory: a no-op
     assert len(calls) == 2
 
 
@@ -75,7 +75,7 @@ def test_a_failed_write_is_logged_once_and_serving_goes_on(tmp_path, caplog):
 
     d = tmp_path / "metrics"
     d.mkdir()
-    w = SnapshotWriter(str(d), interval=0)
+    w = SnapshotWriter(str(d), interval=0, writer=new_writer_id())
     w.maybe_write(lambda: {"draft_forwards": 1})
     shutil.rmtree(d)
     with caplog.at_level("WARNING", logger="vllm.ouroboros"):
@@ -115,8 +115,10 @@ def test_counter_files_are_current_and_win_over_their_snapshot(tmp_path):
     values[list(COUNTERS).index("accepted_tokens")] = 31  # the next step: seen at once
     c.publish(values)
     assert read_totals(str(tmp_path))["accepted_tokens"] == 31
-    assert not CounterFile(None).active
-    CounterFile(None).publish(values)  # no directory: a no-op
+    assert not CounterFile(None, writer="unused").active
+    with pytest.raises(TypeError):  # a worker's two files are paired by the id: no default draws one per file
+        CounterFile(str(tmp_path))
+    CounterFile(None, writer="unused").publish(values)  # no directory: a no-op
 
 
 def test_exported_totals_are_the_snapshots_counters():

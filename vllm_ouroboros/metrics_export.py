@@ -112,9 +112,10 @@ class SnapshotWriter:
     (the directory removed: the offline LLM's process removes it at exit while its engine may
     still run a step; a full disk) is logged once and skipped: metrics never stop a step."""
 
-    def __init__(self, path: str | None, interval: float = 0.5, writer: str | None = None):
-        """writer: the id shared with the worker's CounterFile (new_writer_id())."""
-        self.file = os.path.join(path, f"snapshot-{writer or new_writer_id()}.json") if path else None
+    def __init__(self, path: str | None, *, writer: str, interval: float = 0.5):
+        """writer: the id shared with the worker's CounterFile (new_writer_id()); required, as
+        the collector pairs a worker's two files by it (a default drawn per file split them)."""
+        self.file = os.path.join(path, f"snapshot-{writer}.json") if path else None
         self.interval = interval
         self._last = -float("inf")
         self.failed_writes = 0
@@ -146,11 +147,11 @@ class CounterFile:
     from the rate-limited snapshot, which only a step writes, /metrics lagged by up to its
     interval and kept missing the last steps of a burst until the next request came."""
 
-    def __init__(self, path: str | None, writer: str | None = None):
+    def __init__(self, path: str | None, *, writer: str):
         """writer: the id shared with the worker's SnapshotWriter (new_writer_id())."""
         self.values: np.ndarray | None = None
         if path:
-            name = os.path.join(path, f"counters-{writer or new_writer_id()}.bin")
+            name = os.path.join(path, f"counters-{writer}.bin")
             try:
                 self.values = np.memmap(name, np.int64, "w+", shape=(len(COUNTERS),))
             except OSError as e:

@@ -592,8 +592,7 @@ def prefill_section(model: DraftModel, plan: Plan, graphs: bool, budget: Budget,
                 slots = np.arange(B, dtype=np.int64)
 
                 def prefill():
-                    for s in slots:
-                        rt.reset_slot(int(s))
+                    rt.reset_slots(slots)
                     return rt.prefill(slots, tab, rows, lens)
 
                 forwards, sizes = prefill()  # captures the graphs, takes the pages

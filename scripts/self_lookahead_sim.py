@@ -45,7 +45,7 @@ def self_lookahead(model_dir: Path, prompts: list[list[int]], max_tokens: int, g
     rt = DraftRuntime(model, pool, settings, 1, max_len, "cpu")
     forwards, texts, per_prompt, t0 = 0, [], [], time.perf_counter()
     for p in prompts:
-        rt.reset_slot(0)
+        rt.reset_slots([0])
         ctx, f0 = list(p), forwards
         while len(ctx) - len(p) < max_tokens:
             out = rt.run_round(np.zeros(1, np.int64), np.asarray([ctx], np.int64),

@@ -420,7 +420,7 @@ def test_suffix_gain_is_its_yield_times_the_chance_the_draft_is_accepted_whole()
     p._suffix_yield[:], p._suffix_yield_all = 1.0, 1.0
     p._learn = lambda *a: None
     p._round_length, p._round_forwards = None, 0
-    p._slot_of = {"a": 0}
+    p._slot_of = slot_table(16, "a")
     p._last_cut = np.full(16, 12, np.int64)  # whole drafts (12 = num_spec_tokens)
     tree = SimpleNamespace(B=1, D=8, layout=SimpleNamespace(
         n=np.array([4]), num_nodes=np.array([8]), path_len=np.array([[8]]), slen=np.array([[4]]),
@@ -454,7 +454,7 @@ def test_a_draft_the_scheduler_cut_teaches_only_its_verified_positions():
         p = _proposer()
         p._learn = lambda *a: None
         p._round_length, p._round_forwards = None, 0
-        p._slot_of = {"a": 0}
+        p._slot_of = slot_table(16, "a")
         p._last_cut = np.full(16, 12, np.int64)
         before, base = p._model_est.accepted[0].copy(), p._base_tokens[0]
         verify(p, scheduled, accepted=3)
@@ -478,6 +478,15 @@ class _Runtime(SimpleNamespace):
     chain_below = DraftRuntime.chain_below
     drafts_chain = DraftRuntime.drafts_chain
     stop_below = DraftRuntime.stop_below
+
+
+def slot_table(num_slots, *req_ids):
+    """A proposer's request table with req_ids in slots 0, 1, ... (as vLLM's first step gives)."""
+    from vllm_ouroboros.request_slots import RequestSlots
+
+    table = RequestSlots(num_slots)
+    table.sync(req_ids)
+    return table
 
 
 def _proposer(cap=None, slots=16):
@@ -1328,7 +1337,7 @@ def test_the_mode_review_measures_pool_rows_whose_branches_were_cut():
     # one sent, but the scheduler verified 2 of its 4 tokens; one sent where max_model_len left
     # room for no more.
     sent_by_row = (1, 2, 4, 1, 1)
-    p._slot_of = {r: i for i, r in enumerate("abcde")}
+    p._slot_of = slot_table(16, *"abcde")
     p._source[:5], p._branched[:5] = POOL_DRAFT, True
     p._last_cut = np.full(16, S, np.int64)
     p._last_cut[:5] = L, 3 * L, S, L, L

@@ -123,7 +123,7 @@ def drive(runtimes, rounds, rng, V, forwards_check=None, cuts=None):
             contexts[b] = contexts[b] + rng.integers(2, V, 3).tolist()
         if r == rounds // 2:  # a request ends; its slot is reused by a new one
             for rt in runtimes:
-                rt.reset_slot(slots[1])
+                rt.reset_slots([slots[1]])
                 rt.pool.release(torch.tensor([slots[1]]))
             contexts[1] = rng.integers(2, V, 40).tolist()
 

@@ -317,7 +317,7 @@ def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, 
         out, (d_old, d_other) = draft_round(rt, [1, 0], [old, other], rng)
         old = simulate_target(old, d_old, rng, greedy, V)
         other = simulate_target(other, d_other, rng, greedy, V)
-    rt.reset_slot(1)
+    rt.reset_slots([1])
     # A new request in slot 1, longer than the old one at first, then shorter.
     for new in (rng.integers(2, V, 90).tolist(), rng.integers(2, V, 4).tolist()):
         for _ in range(3):
@@ -325,7 +325,7 @@ def test_reused_slot_after_reset_drafts_for_the_new_context(draft_path, greedy, 
             check_round(out, drafts, [new, other], greedy, rt, [1, 0])
             new = simulate_target(new, drafts[0], rng, greedy, V)
             other = simulate_target(other, drafts[1], rng, greedy, V)
-        rt.reset_slot(1)
+        rt.reset_slots([1])
 
 
 def test_a_context_cut_back_and_regrown_is_drafted_from_the_new_tokens(draft_path, greedy, device):
@@ -409,9 +409,16 @@ def test_one_long_request_takes_pages_not_every_slot(draft_path, greedy, device)
     assert kv.num_pages == 65  # no growth: the long one fit in the store with the others
     used = sum(expect)
     assert kv.stats()["pages_used"] == used
-    rt.reset_slot(0)  # the long request finished: its pages are free again
+    rt.reset_slots([0])  # the long request finished: its pages are free again
     assert kv.stats()["pages_used"] == used - expect[0] and kv.held[0] == 0
     assert (kv.block_table[0] == 0).all()
+    uploads = []
+    upload = kv._upload
+    kv._upload = lambda seqs: (uploads.append(seqs.tolist()), upload(seqs))
+    rt.reset_slots([1, 3, 7])  # a step's finished requests: one upload of the table's rows
+    kv._upload = upload
+    assert uploads == [[1, 3]] and kv.held[[1, 3]].tolist() == [0, 0]
+    assert kv.stats()["pages_used"] == expect[2] and rt.kv_len[[1, 3]].tolist() == [0, 0]
     nxt = rng.integers(2, V, 300).tolist()
     out, drafts = draft_round(rt, [0, 2], [nxt, shorts[1]], rng)
     check_round(out, drafts, [nxt, shorts[1]], greedy, rt, [0, 2])
@@ -515,7 +522,7 @@ def test_pages_of_requests_out_of_the_batch_go_to_the_requests_in_it(draft_path,
     # b returns (a finished): it drafts again, from a prefill of its whole context
     p._slot_of.finished(["a"])
     p._slot_of.sync(["b", "c"])
-    rt.reset_slot(0)
+    rt.reset_slots([0])
     out, drafts = draft_round(rt, [1, 2], [ctx["b"], ctx["c"]], rng)
     check_round(out, drafts, [ctx["b"], ctx["c"]], greedy, rt, [1, 2])
     assert out.row_prefills[0] >= 1

@@ -197,7 +197,7 @@ def test_a_clock_near_the_scores_range_moves_back_keeping_the_order(monkeypatch)
     for k in range(12):
         assert get(small, k) == get(big, k), k
     assert sorted(small.page_key.tolist()) == sorted(big.page_key.tolist())  # the same keys evicted
-    # in serving: the proposer checks every POOL_SAVE_INTERVAL seconds
+    # in serving: the proposer checks every CLOCK_CHECK_INTERVAL seconds
     monkeypatch.setattr(PhrasePool, "clock_limit", lambda self: 4)
     assert small.rebase_clock() and int(small.clock) <= small.W * small.num_pages + small.num_pages + 1
     assert (small.stamp[small.stamp > 0] >= 1).all()

@@ -119,22 +119,16 @@ def test_a_save_that_fails_while_serving_does_not_fail_the_step(tmp_path, caplog
     import logging
 
     from vllm_ouroboros import LOGGER_NAME
-    from vllm_ouroboros.proposer import OuroborosProposer
 
-    p = object.__new__(OuroborosProposer)
     folder = tmp_path / "pools"
-    folder.mkdir()
-    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(folder / "pool.pt"))
-    p.pool, p._writer = PhrasePool(16, 2, 2, PhrasePool.budget_for(16, 2, 2, 4), device=DEVICE), None
-    p._last_pool_save, p._pool_save_error = -float("inf"), None
-    folder.rmdir()
+    saver = pool_saver(folder / "pool.pt", PhrasePool(16, 2, 2, PhrasePool.budget_for(16, 2, 2, 4), device=DEVICE))
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
         caplog.set_level(logging.INFO, logger=LOGGER_NAME)
         for _ in range(3):
-            p._maybe_save_pool(now=True)
+            saver.save_now()
         folder.mkdir()
-        p._maybe_save_pool(now=True)
+        saver.save_now()
     finally:
         logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
     # (a record may come twice: through our handler and through the root logger's)
@@ -161,12 +155,8 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     import threading
 
     from vllm_ouroboros import LOGGER_NAME
-    from vllm_ouroboros.proposer import OuroborosProposer
 
-    p = object.__new__(OuroborosProposer)
-    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"))
-    p.pool, p._writer = PhrasePool(16, 2, 2, PhrasePool.budget_for(16, 2, 2, 4), device=DEVICE), None
-    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    saver = pool_saver(tmp_path / "pool.pt", PhrasePool(16, 2, 2, PhrasePool.budget_for(16, 2, 2, 4), device=DEVICE))
     real = PhrasePool.write_state
     gate = threading.Event()
     writers = []
@@ -182,24 +172,31 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     monkeypatch.setattr(PhrasePool, "write_state", staticmethod(full_disk))
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
-        p._maybe_save_pool()  # the periodic save: queued on a thread, the step goes on
+        saver.maybe_save()  # the periodic save: queued on a thread, the step goes on
         assert entered.wait(10)  # the thread has reached the write (start() does not wait for it)
-        assert writers == ["ouroboros-pool-save"] and p._save_thread.is_alive()
-        p._last_pool_save = -float("inf")
-        p._maybe_save_pool()  # the next interval's, while one is under way: skipped
+        assert writers == ["ouroboros-pool-save"] and saver.writing
+        saver.last_save = -float("inf")
+        saver.maybe_save()  # the next interval's, while one is under way: skipped
         assert len(writers) == 1
         gate.set()
-        p._save_thread.join(10)
-        p._last_pool_save = -float("inf")
-        p._maybe_save_pool()
-        p._save_thread.join(10)
+        saver.join(10)
+        saver.last_save = -float("inf")
+        saver.maybe_save()
+        saver.join(10)
         monkeypatch.setattr(PhrasePool, "write_state", staticmethod(real))
-        p._maybe_save_pool(now=True)  # at exit: in the caller
+        saver.save_now()  # at exit: waited for
     finally:
         logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
     failed = {id(r) for r in caplog.records if "could not be saved" in r.getMessage()}
     assert len(failed) == 1 and "RuntimeError" in caplog.text and (tmp_path / "pool.pt").exists()
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 2
+
+
+def pool_saver(path, pool=None, lock=None):
+    """A PoolSaver of `pool` (default small_pool()) to `path`, nothing staged to flush."""
+    from vllm_ouroboros.pool_saver import PoolSaver
+
+    return PoolSaver(small_pool() if pool is None else pool, str(path), lock or threading.RLock(), lambda: None)
 
 
 def saving_proposer(path):
@@ -210,7 +207,7 @@ def saving_proposer(path):
     p._pool_lock = threading.RLock()
     p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(path))
     p.pool, p._writer = small_pool(), None
-    p._last_pool_save, p._pool_save_error = -float("inf"), None
+    p._saver = pool_saver(path, p.pool, p._pool_lock)
     return p
 
 
@@ -230,10 +227,10 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     assert getattr(Worker.shutdown, "__ouroboros_original__", None) is not None
 
     p = saving_proposer(tmp_path / "pool.pt")
-    p._maybe_save_pool()  # the first step's periodic save: 10 keys
-    p._save_thread.join(10)
+    p._saver.maybe_save()  # the first step's periodic save: 10 keys
+    p._saver.join(10)
     p.pool.insert(torch.arange(30, 40), torch.ones(10, 4, dtype=torch.long), torch.zeros(10, dtype=torch.long))
-    atexit.register(p._maybe_save_pool, True)
+    p._saver.register_exit()
 
     order = []
 
@@ -246,7 +243,7 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     engine_shutdown._worker_shutdown(teardown)(worker)
     assert order == [20], "the pool was not saved whole before the worker's teardown"
     # The exit handler is gone (it held the proposer, and would write the same pool again).
-    assert atexit.unregister(p._maybe_save_pool) is None  # unregistering twice is a no-op too
+    assert atexit.unregister(p._saver.save_now) is None  # unregistering twice is a no-op too
     calls = []
     worker.model_runner.drafter = type("Other", (), {"shutdown": lambda self: calls.append(1)})()
     engine_shutdown._worker_shutdown(teardown)(worker)  # another drafter: left alone
@@ -377,10 +374,11 @@ def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplo
     """Under vLLM's Ray executors a worker's steps run on the compiled graph's thread while the
     engine core's save RPC runs on the actor's thread: the save waits for the step to leave the
     pool (it read a pool halfway through a step's inserts). A step that holds the pool past
-    SAVE_LOCK_TIMEOUT_S costs the save (logged), not the engine's exit."""
+    SAVE_NOW_TIMEOUT_S costs the save (logged), not the engine's exit."""
     import logging
 
     from vllm_ouroboros import LOGGER_NAME, proposer
+    from vllm_ouroboros import pool_saver as pool_saver_module
 
     p = saving_proposer(tmp_path / "pool.pt")
     in_step, leave = threading.Event(), threading.Event()
@@ -409,7 +407,7 @@ def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplo
     assert len(keys[keys >= 0].unique()) == 20, "the save missed the step's inserts"
 
     # A step that never leaves: the save gives up after the bound and says so.
-    monkeypatch.setattr(proposer, "SAVE_LOCK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(pool_saver_module, "SAVE_NOW_TIMEOUT_S", 0.2)
     (tmp_path / "pool.pt").unlink()
     leave.clear()
     in_step.clear()
@@ -429,36 +427,71 @@ def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplo
 def test_a_save_at_shutdown_gives_up_on_storage_that_hangs(tmp_path, caplog, monkeypatch):
     """SIGTERM and SIGINT are held while the pool is written at shutdown, and an in-process
     engine has no SIGKILL to end a write that hangs (network storage): a periodic write still
-    under way, and then the shutdown's own, are each waited for SAVE_WRITE_TIMEOUT_S at most
-    (logged); the file, replaced atomically, keeps the last save."""
+    under way, and then the shutdown's own, are waited for SAVE_NOW_TIMEOUT_S at most (logged);
+    the file, replaced atomically, keeps the last save."""
     import logging
 
-    from vllm_ouroboros import LOGGER_NAME, proposer
+    from vllm_ouroboros import LOGGER_NAME
+    from vllm_ouroboros import pool_saver as pool_saver_module
 
     p = saving_proposer(tmp_path / "pool.pt")
-    p._maybe_save_pool(now=True)
+    p._saver.save_now()
     saved = (tmp_path / "pool.pt").read_bytes()
-    monkeypatch.setattr(proposer, "SAVE_WRITE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(pool_saver_module, "SAVE_NOW_TIMEOUT_S", 0.2)
     hang, writes = threading.Event(), []
     monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: (writes.append(path), hang.wait(10))))
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
-        p._last_pool_save = -float("inf")
-        p._maybe_save_pool()  # the periodic save: on its thread, hung
-        assert writes and p._save_thread.is_alive()
+        p._saver.last_save = -float("inf")
+        p._saver.maybe_save()  # the periodic save: on its thread, hung
+        assert writes and p._saver.writing
         t0 = time.monotonic()
         p.shutdown()  # waits for the hung write, gives up
-        assert time.monotonic() - t0 < 5 and "still writing after" in caplog.text
+        assert time.monotonic() - t0 < 5 and "still writing at the end" in caplog.text
         hang.set()
-        p._save_thread.join(10)
+        p._saver.join(10)
         hang.clear()
         t0 = time.monotonic()
-        p._maybe_save_pool(now=True)  # its own write hangs: given up too
-        assert time.monotonic() - t0 < 5 and "did not finish in" in caplog.text
+        p._saver.save_now()  # its own write hangs: given up too
+        assert time.monotonic() - t0 < 5 and "did not finish in the" in caplog.text
     finally:
         logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
         hang.set()
     assert (tmp_path / "pool.pt").read_bytes() == saved
+
+
+def test_a_save_at_shutdown_has_one_deadline_for_all_its_waits(tmp_path, caplog, monkeypatch):
+    """A step that holds the pool, then a periodic write still under way: the shutdown's waits
+    share one deadline (SAVE_NOW_TIMEOUT_S), below the engine process's grace and the Ray RPC's
+    time-out. With a bound per wait they summed to 60 s, past vLLM's SIGKILL after the 15 s
+    grace (and the RPC's 30 s), so the engine's own teardown never ran."""
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME, proposer
+    from vllm_ouroboros import pool_saver as pool_saver_module
+    from vllm_ouroboros.patches import engine_shutdown
+
+    assert pool_saver_module.SAVE_NOW_TIMEOUT_S < min(engine_shutdown.PROCESS_GRACE_S, engine_shutdown.RAY_SAVE_TIMEOUT_S)
+    p = saving_proposer(tmp_path / "pool.pt")
+    monkeypatch.setattr(pool_saver_module, "SAVE_NOW_TIMEOUT_S", 1.0)
+    hang = threading.Event()
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: hang.wait(20)))
+    p._saver.maybe_save()  # the periodic save: on its thread, hung
+    in_step = threading.Event()
+    step = threading.Thread(target=proposer._holds_pool(lambda self: (in_step.set(), time.sleep(0.8))), args=(p,))
+    step.start()
+    assert in_step.wait(10)
+    logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
+    try:
+        t0 = time.monotonic()
+        p.shutdown()  # 0.8 s for the step, then what is left of 1 s for the hung write (1.8 s with a bound per wait)
+        waited = time.monotonic() - t0
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
+        hang.set()
+        step.join(10)
+    assert 0.9 < waited < 1.6, waited
+    assert "still writing at the end" in caplog.text
 
 
 def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):

@@ -86,3 +86,24 @@ def test_absent_lists_the_slots_of_requests_out_of_the_batch_longest_absent_firs
     s.sync(["a", "d"])  # b out from here
     assert s.absent(["a", "d"]) == [2, 1]
     assert s.absent(["a", "b", "c", "d"]) == []
+
+
+def test_a_batchs_slots_are_looked_up_once_a_step_and_follow_every_sync():
+    """slots() is memoised per batch (a step reads its batch's slots several times); the same
+    batch after a sync that released and reassigned a slot reads the new table, not the old."""
+    import numpy as np
+
+    s = RequestSlots(2)
+    s.sync(["a", "b"])
+    first = s.slots(["a", "b", None, "zzz"])
+    assert first.tolist() == [0, 1, -1, -1] and first.dtype == np.int64
+    assert s.slots(("a", "b", None, "zzz")) is first  # same batch, same step: no second walk
+    with pytest.raises(ValueError):
+        first[0] = 5  # shared between the step's readers: nobody writes it
+    assert s.slots(["b"]).tolist() == [1]
+    s.finished(["a"])
+    s.sync(["c", "b"])  # c takes a's slot
+    assert s.slots(["a", "b", "c"]).tolist() == [-1, 1, 0]
+    s.finished(["b"])
+    s.sync(["b2"])  # the same key as no earlier call, the table changed under an unchanged batch
+    assert s.slots(["a", "b", "c"]).tolist() == [-1, -1, 0]

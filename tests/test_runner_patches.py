@@ -106,7 +106,7 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
     p._source = np.ones(4, np.int8)
     reset = []
     dropped = []
-    p.runtime = SimpleNamespace(reset_slot=reset.append, drop_graphs=lambda: dropped.append(1))
+    p.runtime = SimpleNamespace(reset_slots=lambda slots: reset.extend(np.asarray(slots).tolist()), drop_graphs=lambda: dropped.append(1))
     p.device = torch.device("cpu")
     calls = []
 

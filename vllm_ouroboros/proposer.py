@@ -12,7 +12,6 @@ vLLM then verifies [draft | suffix 0 | suffix 1 | ...] as one token tree in one 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
@@ -40,15 +39,17 @@ from vllm_ouroboros.pool import PhrasePool
 from vllm_ouroboros.pool_draft import (branch_gains, branch_prior, branches_under_cut, queue_pool_drafts,
                                        unsent_branch_gain)
 from vllm_ouroboros.pool_warmup import warm_pool_kernels
+from vllm_ouroboros.pool_saver import PoolSaver
 from vllm_ouroboros.pool_writer import PoolWriter
 from vllm_ouroboros.request_slots import RequestSlots
 from vllm_ouroboros.round_length import RoundLength
 
 logger = logging.getLogger(LOGGER_NAME)
 
-POOL_SAVE_INTERVAL = 10.0  # seconds
 # Steps whose drafting raised, in a row, after which drafting is off for the engine's life.
 MAX_FAILURES_IN_A_ROW = 3
+# Seconds between checks of the pool's recency clock (it is moved back before it overflows).
+CLOCK_CHECK_INTERVAL = 10.0
 POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the running mean
 # A round's or a catch-up prefill's measured / modeled ratio counts at most this many times the
 # running ratio. One stalled round (its ratio clamped at 4) moved a whole round's price from 0.8
@@ -59,13 +60,6 @@ POOL_OUTLIER = 3.0  # a pool lookup's timing counts at most this many times the 
 # low draws the rounds that measure it again, one set too high does not. A real rise of cost is
 # still followed within a few rounds (x2 a round at most).
 RATIO_OUTLIER = 2.0
-# Seconds a save from outside the step (the engine core's shutdown RPC under Ray) waits for a
-# step under way to leave the pool; below the engine core's RPC time-out
-# (patches/engine_shutdown.RAY_SAVE_TIMEOUT_S), so a step that hangs costs the save, not the exit.
-SAVE_LOCK_TIMEOUT_S = 20.0
-# Seconds a save made now (shutdown, exit) waits for a write still under way, then for its own:
-# storage that hangs costs the save, not the exit (an in-process engine has no SIGKILL to end it).
-SAVE_WRITE_TIMEOUT_S = 20.0
 
 
 def _holds_pool(method):
@@ -167,8 +161,7 @@ class OuroborosProposer:
         self._writer: PoolWriter | None = None  # the step's inserts around the round (pool_writer.py)
         self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
-        self._last_pool_save = -float("inf")
-        self._save_thread: threading.Thread | None = None  # the periodic save's write under way
+        self._saver: PoolSaver | None = None  # where the pool has a file (pool_saver.py)
         self._pool_lock = threading.RLock()  # a step's pool work vs a save from another thread
         self._last_clock_check = time.monotonic()
         # Drafting that raised (_draft_failed): steps in all, in a row, the kinds logged, and
@@ -177,7 +170,6 @@ class OuroborosProposer:
         self._failures_in_a_row = 0
         self._failure_kinds: set[str] = set()
         self._drafting_off: str | None = None
-        self._pool_save_error: str | None = None  # the last failed save's, logged once
         # What each slot was proposed last step, to read its verification (host arrays):
         # sentence-draft length, the suffixes sent after it (in flat order) and the token they
         # hang off.
@@ -332,9 +324,9 @@ class OuroborosProposer:
                 self.max_slots, self.runtime.max_slot_len)
             if warning:
                 logger.warning("ouroboros: %s", warning)
-        if cfg.pool_save_path:
-            # A backstop only: the worker's shutdown (patches/model_runner.py) saves first.
-            atexit.register(self._maybe_save_pool, True)
+        if cfg.pool_save_path and self.pool is not None:
+            self._saver = PoolSaver(self.pool, cfg.pool_save_path, self._pool_lock, self._flush_staged)
+            self._saver.register_exit()
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
                     "(%d pages of %d tokens shared by the requests; grows on demand%s)",
                     cfg.draft_model, model.dtype, cfg.pool_budget_mb, model.kv.bytes / 2**20,
@@ -571,102 +563,24 @@ class OuroborosProposer:
 
     @_holds_pool
     def save_pool(self, path: str | None = None) -> None:
-        """Write the pool (atomically: a reader never sees half a file)."""
+        """Write the pool to `path` (default pool_save_path) now, atomically."""
         path = path or self.cfg.pool_save_path
         if path and self.pool is not None:
             self._flush_staged()
             self.pool.save(path)
-            self._last_pool_save = time.monotonic()
 
     def shutdown(self) -> None:
-        """The engine is stopping (the worker's shutdown, patches/model_runner.py): write the
-        pool now. vLLM gives its engine process 5 s after SIGTERM before SIGKILL, and tears the
-        process down first (distributed state, memory), so an exit handler alone was lost on a
-        busy machine, leaving the last periodic save (up to POOL_SAVE_INTERVAL s old)."""
-        if not self.cfg.pool_save_path:
-            return
-        atexit.unregister(self._maybe_save_pool)
-        if self.pool is None:  # a TP rank that follows the first holds no pool
-            return
-        if not self._pool_lock.acquire(timeout=SAVE_LOCK_TIMEOUT_S):
-            logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
-                           "now, the last periodic save stands", SAVE_LOCK_TIMEOUT_S)
-            return
-        try:
-            self._maybe_save_pool(True)
-        finally:
-            self._pool_lock.release()
+        """The engine is stopping (the worker's shutdown, patches/engine_shutdown.py): write the
+        pool file now (pool_saver.PoolSaver.shutdown; a TP rank that follows the first holds no
+        pool)."""
+        if self._saver is not None:
+            self._saver.shutdown()
 
     def _flush_staged(self) -> None:
         """Insert the rows staged for the next round's insert (pool_writer.py) before the pool
         is read or changed by anything else."""
         if self._writer is not None:
             self._writer.flush()
-
-    def _maybe_save_pool(self, now: bool = False) -> None:
-        """Save the pool every POOL_SAVE_INTERVAL seconds, or now (at exit). The periodic save
-        copies the pool to the host in the step and writes it on a thread: torch.save and fsync
-        of a 35-64 MB file took 0.08-0.46 s on this CPU, a stall of every request in the step
-        every 10 s (seconds on network storage). One write at a time: while one is under way
-        the next interval's is skipped. `now` waits for it, then writes and waits for that
-        write, each wait bounded by SAVE_WRITE_TIMEOUT_S: at shutdown SIGTERM and SIGINT are held
-        while the pool is written, and an in-process engine has no SIGKILL to end a write that
-        hangs (network storage); the file is replaced atomically, so one cut off leaves the last."""
-        # atexit alone is not enough: vLLM may kill the engine process at shutdown before exit
-        # handlers run, so the pool is also written every POOL_SAVE_INTERVAL seconds.
-        if not self.cfg.pool_save_path or self.pool is None or (
-                not now and time.monotonic() - self._last_pool_save < POOL_SAVE_INTERVAL):
-            return
-        pending = getattr(self, "_save_thread", None)
-        if pending is not None and pending.is_alive():
-            if not now:
-                return
-            pending.join(SAVE_WRITE_TIMEOUT_S)
-            if pending.is_alive():
-                logger.warning("ouroboros: the last phrase pool save is still writing after %.0f s; "
-                               "not saved again now", SAVE_WRITE_TIMEOUT_S)
-                return
-        path = self.cfg.pool_save_path
-        self._last_pool_save = time.monotonic()
-        try:
-            self._flush_staged()
-            state = self.pool.state_dict()
-        except Exception as e:  # noqa: BLE001 - the step goes on; logged once
-            self._saved(path, e)
-            return
-        self._save_thread = threading.Thread(target=self._write_pool, args=(state, path),
-                                             name="ouroboros-pool-save", daemon=True)
-        self._save_thread.start()
-        if now:
-            self._save_thread.join(SAVE_WRITE_TIMEOUT_S)
-            if self._save_thread.is_alive():
-                logger.warning("ouroboros: the phrase pool save to %s did not finish in %.0f s; the "
-                               "file keeps the last save", path, SAVE_WRITE_TIMEOUT_S)
-
-    def _write_pool(self, state: dict, path: str) -> None:
-        try:
-            PhrasePool.write_state(state, path)
-        except Exception as e:  # noqa: BLE001 - a full disk mid-write raises RuntimeError from torch.save
-            self._saved(path, e)
-        else:
-            self._saved(path, None)
-
-    def _saved(self, path: str, error: Exception | None) -> None:
-        """Log a failed save once per kind of failure, and the first save that works after."""
-        if error is None:
-            if self._pool_save_error is not None:
-                logger.info("ouroboros: the phrase pool is saved to %s again", path)
-            self._pool_save_error = None
-            return
-        # A full or read-only disk must not fail the step (every request in it): the pool is
-        # kept in memory and saved again at the next interval. The key leaves out the message,
-        # which names a fresh temporary file each time.
-        why = f"{type(error).__name__} {getattr(error, 'errno', None)}"
-        if why != self._pool_save_error:
-            logger.warning("ouroboros: the phrase pool could not be saved to %s (%s: %s); serving "
-                           "goes on, the save is tried again every %d s",
-                           path, type(error).__name__, error, POOL_SAVE_INTERVAL)
-        self._pool_save_error = why
 
     # ---- request lifetime -------------------------------------------------------------------
     def note_finished(self, req_ids) -> None:
@@ -678,7 +592,7 @@ class OuroborosProposer:
         """Requests whose output vLLM cut back to `lens` tokens of context (the runner patch,
         from `_update_states`): what they grow next may differ from what the draft cache and
         the pool's context learning saw past there."""
-        slots = np.array([self._slot_of.get(r) for r in req_ids], np.int64)
+        slots = self._slot_of.slots(req_ids)
         lens = np.asarray(lens, np.int64)
         mine = slots >= 0
         slots, lens = slots[mine], lens[mine]
@@ -699,9 +613,9 @@ class OuroborosProposer:
                 if self.pool is not None:  # None on a TP rank that follows the first
                     self._flush_staged()  # staged rows keep the owner they were written for
                     self.pool.release(*to_device(self.device, np.asarray(slots, np.int64)))
+                if self.runtime is not None:
+                    self.runtime.reset_slots(slots)
                 for s in slots:
-                    if self.runtime is not None:
-                        self.runtime.reset_slot(s)
                     self.stats.finish(s)
                     self._last_suffix_len[s] = 0
                     self._last_main[s] = self._ctx_seen[s] = 0
@@ -779,7 +693,7 @@ class OuroborosProposer:
 
     def layouts(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """What was proposed to each request: draft length [B] and suffix lengths [B, K]."""
-        slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
+        slots = self._slot_of.slots(req_ids)
         known = slots >= 0
         s = np.where(known, slots, 0)
         n = np.where(known, self._last_main[s], 0)
@@ -799,7 +713,7 @@ class OuroborosProposer:
             return
         tree, lay = outcome.tree, outcome.tree.layout
         B = tree.B
-        slots = np.array([self._slot_of.get(r, -1) for r in req_ids[:B]], np.int64)
+        slots = self._slot_of.slots(req_ids)[:B]
         n, num_nodes, plen, slen, paths = lay.n, lay.num_nodes, lay.path_len, lay.slen, lay.paths
         num_acc, sfx_idx = outcome.num_accepted, outcome.suffix_index
         tokens, tn = outcome.tokens, outcome.target_next
@@ -1014,13 +928,13 @@ class OuroborosProposer:
         self._failures_in_a_row += 1
         kind = self._count_failure(error, "ouroboros: drafting failed (%s: %s); this step decodes "
                                           "without drafts, its requests' draft caches start afresh")
-        slots = np.array([s for s in (self._slot_of.get(r, -1) for r in req_ids) if s >= 0], np.int64)
+        slots = self._slot_of.slots(req_ids)
+        slots = slots[slots >= 0]
         self._last_main[slots] = 0
         self._last_suffix_len[slots] = 0
         self._source[slots] = NO_DRAFT
         with contextlib.suppress(Exception):  # best effort: the step goes on whatever fails here
-            for s in slots.tolist():
-                self.runtime.reset_slot(s)
+            self.runtime.reset_slots(slots)
             self.runtime.drop_graphs()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -1058,7 +972,7 @@ class OuroborosProposer:
             # engine. Its requests' ids missing from the table read as no draft below.
             self._table_update_failed(e)
         proposals, n, sl = self._tp.share(None)
-        slots = np.array([self._slot_of.get(r, -1) for r in req_ids], np.int64)
+        slots = self._slot_of.slots(req_ids)
         known = slots >= 0
         self._last_main[slots[known]] = n[known]
         self._last_suffix_len[slots[known]] = sl[known]
@@ -1073,7 +987,7 @@ class OuroborosProposer:
         proposals: list[list[int]] = [[] for _ in range(B)]
         if len(rows) == 0:
             return proposals
-        slots = np.array([self._slot_of[req_ids[i]] for i in rows], np.int64)
+        slots = self._slot_of.slots(req_ids)[rows]
         # Every decoding request's tokens of the step just verified, whether or not it drafts
         # now (counted only where it drafted, a request the back-off left out lost its tokens,
         # and draft_forwards_per_token read high under load).
@@ -1244,14 +1158,15 @@ class OuroborosProposer:
             self._trace.drafted(slots, [req_ids[i] for i in rows], out.draft_lens, n_main,
                                 out.row_forwards, out.stopped_by_rule, cut, from_pool)
         self._metrics.maybe_write(lambda: self.snapshot(per_request=False))
-        self._maybe_save_pool()
+        if self._saver is not None:
+            self._saver.maybe_save()
         self._maybe_rebase_pool_clock()
         return proposals
 
     def _maybe_rebase_pool_clock(self) -> None:
-        # Every POOL_SAVE_INTERVAL seconds, not per step: the check reads the pool's clock.
+        # Every CLOCK_CHECK_INTERVAL seconds, not per step: the check reads the pool's clock.
         now = time.monotonic()
-        if self.pool is not None and now - self._last_clock_check >= POOL_SAVE_INTERVAL:
+        if self.pool is not None and now - self._last_clock_check >= CLOCK_CHECK_INTERVAL:
             self._last_clock_check = now
             if self.pool.rebase_clock():
                 logger.info("ouroboros: the phrase pool's recency clock was moved back")
@@ -1442,8 +1357,7 @@ class OuroborosProposer:
         phrases. Returns how many slots gave pages back."""
         held = self.runtime.kv.held  # [rows of the block table]: a slot past them holds nothing
         dropped = [s for s in self._slot_of.absent(req_ids) if s < len(held) and held[s] > 0]
-        for s in dropped:
-            self.runtime.reset_slot(s)
+        self.runtime.reset_slots(dropped)
         self._caches_dropped += len(dropped)
         return len(dropped)
 

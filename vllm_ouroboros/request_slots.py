@@ -14,6 +14,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class SlotChanges:
@@ -43,6 +45,19 @@ class RequestSlots:
         self._step = 0
         self.evicted = 0  # absent requests that gave their slot up before they finished
         self.returned = 0  # requests back in a batch, to the slot they kept, after steps out
+        self._memo: tuple[tuple, np.ndarray] | None = None  # slots(): the last batch's
+
+    def slots(self, req_ids) -> np.ndarray:
+        """int64 [len(req_ids)]: each request's slot, -1 where it holds none (None rows too).
+        Read-only, and the same array for the same batch until the next `sync`: a step looks
+        its batch up several times (layouts, verification, proposals: 4 dict walks of 256
+        requests took 108 us a step here), and only `sync` changes the table."""
+        key = tuple(req_ids)
+        if self._memo is None or self._memo[0] != key:
+            out = np.fromiter((self.slot_of.get(r, -1) for r in key), np.int64, len(key))
+            out.flags.writeable = False
+            self._memo = (key, out)
+        return self._memo[1]
 
     def get(self, req_id: str, default: int = -1) -> int:
         return self.slot_of.get(req_id, default)
@@ -69,6 +84,7 @@ class RequestSlots:
         than there are."""
         out = SlotChanges()
         self._step += 1
+        self._memo = None
         live = [r for r in req_ids if r is not None]
         batch = set(live)
         if len(batch) > self.num_slots:

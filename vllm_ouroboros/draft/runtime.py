@@ -306,13 +306,17 @@ class DraftRuntime:
         if self.prefill_graphs is not None:
             self.prefill_graphs.drop_graphs()
 
-    def reset_slot(self, slot: int) -> None:
-        """Forget a finished request's slot; its cache pages go back to the free pages."""
-        if slot < self._slots:
-            self.kv_len[slot] = 0
-            self.confirmed[slot] = 0
-            self.window_ready[slot] = False
-            self.kv.release([slot])
+    def reset_slots(self, slots) -> None:
+        """Forget finished requests' slots [n] (ints); their cache pages go back to the free
+        pages, the block table's rows in one upload (a step's finished requests together)."""
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        slots = slots[slots < self._slots]
+        if len(slots) == 0:
+            return
+        self.kv_len[slots] = 0
+        self.confirmed[slots] = 0
+        self.window_ready[slots] = False
+        self.kv.release(slots)
 
     def rewind(self, slots: np.ndarray, lens: np.ndarray) -> None:
         """The context of `slots` [n] was cut back to `lens` [n] tokens, and what follows may

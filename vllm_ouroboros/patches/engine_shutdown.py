@@ -109,7 +109,7 @@ def _saves_by_rpc(engine_core, executor) -> bool:
     down (at interpreter exit), or RayExecutorV2 still holds a step's future (its RPC result
     waits for that one first, with no time-out). RayDistributedExecutor's steps run on the
     compiled graph's thread of each worker, beside this RPC: the proposer's save waits for a
-    step under way to leave the pool (proposer._holds_pool), at most SAVE_LOCK_TIMEOUT_S."""
+    step under way to leave the pool (proposer._holds_pool), within pool_saver.SAVE_NOW_TIMEOUT_S."""
     if (executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False)
             or getattr(executor, "shutting_down", False) or getattr(executor, "futures_queue", None)
             or (hasattr(executor, "rpc_broadcast_mq") and executor.rpc_broadcast_mq is None)

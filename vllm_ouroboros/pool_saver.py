@@ -1,0 +1,156 @@
+"""The phrase pool's file (`pool_save_path`): written every POOL_SAVE_INTERVAL seconds from the
+step (the write on a thread), now when the engine stops (every wait under one deadline), and on
+request. A save that fails is logged once per kind and tried again: serving never stops for it.
+No vLLM imports (the engine's shutdown hooks that call in: patches/engine_shutdown.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Callable
+
+from vllm_ouroboros import LOGGER_NAME
+from vllm_ouroboros.pool import PhrasePool
+
+logger = logging.getLogger(LOGGER_NAME)
+
+POOL_SAVE_INTERVAL = 10.0  # seconds
+# Seconds a save made now (shutdown, the engine core's RPC under Ray, exit) may take in all: the
+# wait for a step under way to leave the pool (a save from another thread), for a periodic write
+# still under way, then for its own. One deadline, below the engine process's grace and the RPC's
+# time-out (patches/engine_shutdown.PROCESS_GRACE_S, RAY_SAVE_TIMEOUT_S): a step or storage that
+# hangs costs the save, not the exit (an in-process engine has no SIGKILL to end it). Separate
+# bounds per wait summed past both (20 + 20 + 20 s against 15 and 30).
+SAVE_NOW_TIMEOUT_S = 12.0
+
+
+class PoolSaver:
+    """Writes one drafter's pool to `path`.
+
+    lock: the drafter's pool lock (a step holds it while it changes the pool; a save from
+          another thread, the engine core's RPC under Ray, waits for it: shutdown()).
+    flush: inserts the rows staged for the next round (pool_writer.py) before the pool is read.
+    """
+
+    def __init__(self, pool: PhrasePool, path: str, lock: threading.RLock, flush: Callable[[], None]):
+        self.pool, self.path, self.lock, self._flush = pool, path, lock, flush
+        self.last_save = -float("inf")  # time.monotonic() of the last save begun
+        self._thread: threading.Thread | None = None  # the periodic save's write under way
+        self._error: str | None = None  # the last failed save's kind, logged once
+
+    def register_exit(self) -> None:
+        """A backstop at interpreter exit: the worker's shutdown (patches/engine_shutdown.py)
+        saves first and removes it (it holds the pool, and would write the same pool again)."""
+        atexit.register(self.save_now)
+
+    def save(self, path: str | None = None) -> None:
+        """Write the pool now, in the caller (atomically: a reader never sees half a file). The
+        caller holds the lock."""
+        self._flush()
+        self.pool.save(path or self.path)
+        self.last_save = time.monotonic()
+
+    def shutdown(self) -> None:
+        """The engine is stopping (the worker's shutdown, or the engine core's RPC under Ray):
+        write the pool now. vLLM gives its engine process 5 s after SIGTERM before SIGKILL
+        (PROCESS_GRACE_S where a pool is saved), and tears the process down first
+        (distributed state, memory), so an exit handler alone was lost on a busy machine,
+        leaving the last periodic save (up to POOL_SAVE_INTERVAL s old)."""
+        atexit.unregister(self.save_now)
+        deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
+        if not self.lock.acquire(timeout=SAVE_NOW_TIMEOUT_S):
+            logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
+                           "now, the last periodic save stands", SAVE_NOW_TIMEOUT_S)
+            return
+        try:
+            self.save_now(deadline)
+        finally:
+            self.lock.release()
+
+    def maybe_save(self) -> None:
+        """The step's periodic save, every POOL_SAVE_INTERVAL seconds: the step copies the pool to
+        the host and a thread writes it (torch.save and fsync of a 35-64 MB file took 0.08-0.46 s
+        on this CPU, a stall of every request in the step every 10 s; seconds on network
+        storage). One write at a time: while one is under way the next interval's is skipped.
+        atexit alone is not enough: vLLM may kill the engine process before exit handlers run."""
+        if time.monotonic() - self.last_save < POOL_SAVE_INTERVAL:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._start_write()
+
+    def save_now(self, deadline: float | None = None) -> None:
+        """Wait for a write under way, then write and wait for that write, both until `deadline`
+        (time.monotonic(); default SAVE_NOW_TIMEOUT_S from now): at shutdown SIGTERM and SIGINT
+        are held while the pool is written, and an in-process engine has no SIGKILL to end a
+        write that hangs (network storage); the file is replaced atomically, so a write cut off
+        leaves the last."""
+        if deadline is None:
+            deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
+        pending = self._thread
+        if pending is not None and pending.is_alive():
+            pending.join(max(deadline - time.monotonic(), 0.0))
+            if pending.is_alive():
+                logger.warning("ouroboros: the last phrase pool save is still writing at the end of "
+                               "the %.0f s a save now may take; not saved again now", SAVE_NOW_TIMEOUT_S)
+                return
+        thread = self._start_write()
+        if thread is None:
+            return
+        thread.join(max(deadline - time.monotonic(), 0.0))
+        if thread.is_alive():
+            logger.warning("ouroboros: the phrase pool save to %s did not finish in the %.0f s a "
+                           "save now may take; the file keeps the last save", self.path, SAVE_NOW_TIMEOUT_S)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the write under way, if any."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def writing(self) -> bool:
+        """Whether a write is under way."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _start_write(self) -> threading.Thread | None:
+        """Copy the pool to the host here and write it on a thread; None where the copy failed
+        (logged)."""
+        self.last_save = time.monotonic()
+        try:
+            self._flush()
+            state = self.pool.state_dict()
+        except Exception as e:  # noqa: BLE001 - the step goes on; logged once
+            self._saved(e)
+            return None
+        self._thread = threading.Thread(target=self._write, args=(state,), name="ouroboros-pool-save",
+                                        daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def _write(self, state: dict) -> None:
+        try:
+            PhrasePool.write_state(state, self.path)
+        except Exception as e:  # noqa: BLE001 - a full disk mid-write raises RuntimeError from torch.save
+            self._saved(e)
+        else:
+            self._saved(None)
+
+    def _saved(self, error: Exception | None) -> None:
+        """Log a failed save once per kind of failure, and the first save that works after."""
+        if error is None:
+            if self._error is not None:
+                logger.info("ouroboros: the phrase pool is saved to %s again", self.path)
+            self._error = None
+            return
+        # A full or read-only disk must not fail the step (every request in it): the pool is
+        # kept in memory and saved again at the next interval. The key leaves out the message,
+        # which names a fresh temporary file each time.
+        why = f"{type(error).__name__} {getattr(error, 'errno', None)}"
+        if why != self._error:
+            logger.warning("ouroboros: the phrase pool could not be saved to %s (%s: %s); serving "
+                           "goes on, the save is tried again every %d s",
+                           self.path, type(error).__name__, error, POOL_SAVE_INTERVAL)
+        self._error = why

@@ -107,3 +107,96 @@ def test_a_batchs_slots_are_looked_up_once_a_step_and_follow_every_sync():
     s.finished(["b"])
     s.sync(["b2"])  # the same key as no earlier call, the table changed under an unchanged batch
     assert s.slots(["a", "b", "c"]).tolist() == [-1, -1, 0]
+
+
+class _Reference:
+    """RequestSlots as first written: a dict walk per request every step (the spec the
+    faster sync must match)."""
+
+    def __init__(self, num_slots):
+        import heapq
+
+        self.heapq, self.slot_of, self._free = heapq, {}, list(range(num_slots))
+        self._finished, self._last_seen, self._step, self.evicted, self.returned = set(), {}, 0, 0, 0
+
+    def finished(self, req_ids):
+        self._finished.update(req_ids)
+
+    def absent(self, req_ids):
+        batch = set(req_ids)
+        return [self.slot_of[r] for r in sorted((r for r in self.slot_of if r not in batch),
+                                                key=lambda r: self._last_seen[r])]
+
+    def sync(self, req_ids):
+        released, assigned = [], []
+        self._step += 1
+        live = [r for r in req_ids if r is not None]
+        batch = set(live)
+        for r in self._finished:
+            if r in self.slot_of:
+                released.append(self._release(r))
+        self._finished.clear()
+        for r in live:
+            if r in self.slot_of and self._last_seen[r] < self._step - 1:
+                self.returned += 1
+            if r not in self.slot_of:
+                if not self._free:
+                    absent = [a for a in self.slot_of if a not in batch]
+                    released.append(self._release(min(absent, key=lambda a: self._last_seen[a])))
+                    self.evicted += 1
+                self.slot_of[r] = self.heapq.heappop(self._free)
+                assigned.append((r, self.slot_of[r]))
+            self._last_seen[r] = self._step
+        return released, assigned
+
+    def _release(self, r):
+        slot = self.slot_of.pop(r)
+        self._last_seen.pop(r, None)
+        self.heapq.heappush(self._free, slot)
+        return slot
+
+
+def test_sync_matches_a_walk_over_every_request_on_random_steps():
+    """sync touches per request only what changed (a steady batch costs set operations, or
+    nothing where it is the last step's); slots, releases, evictions, returns and the absent
+    order match a walk over every request each step, over random batches with requests that
+    stay, leave, come back, finish and are evicted."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(40):
+        n = rng.randint(1, 8)
+        fast, ref = RequestSlots(n), _Reference(n)
+        pool = [f"r{i}" for i in range(3 * n)]
+        batch: list = []
+        for step in range(60):
+            if rng.random() < 0.3 and batch:  # some finish (vLLM says so before the next step)
+                done = rng.sample(batch, rng.randint(1, len(batch)))
+                done = [r for r in done if r is not None]
+                fast.finished(done)
+                ref.finished(done)
+                batch = [r for r in batch if r not in done]
+            if rng.random() < 0.6:  # the batch changes: some leave, some (new or back) come
+                batch = [r for r in batch if rng.random() < 0.8]
+                extra = [r for r in rng.sample(pool, rng.randint(0, n)) if r not in batch]
+                batch = (batch + extra)[:n]
+                if batch and rng.random() < 0.2:
+                    batch.insert(rng.randrange(len(batch)), None)
+            ch = fast.sync(batch)
+            assert (ch.released, ch.assigned) == ref.sync(batch), (trial, step)
+            assert fast.slot_of == ref.slot_of and fast.slots(batch).tolist() == [ref.slot_of.get(r, -1) for r in batch]
+            assert (fast.returned, fast.evicted) == (ref.returned, ref.evicted)
+            live = [r for r in batch if r is not None]
+            assert fast.absent(live) == ref.absent(live), (trial, step)
+
+
+def test_a_steady_batch_keeps_its_slots_array_across_steps():
+    s = RequestSlots(4)
+    s.sync(["a", "b"])
+    first = s.slots(["a", "b"])
+    s.sync(["a", "b"])  # nothing changed: the step reuses the array
+    assert s.slots(["a", "b"]) is first
+    s.sync(["b"])  # a out of the batch, keeps its slot: the table is unchanged too
+    assert s.slots(["a", "b"]) is first
+    s.sync(["b", "c"])  # c takes a slot: a new array
+    assert s.slots(["a", "b", "c"]).tolist() == [0, 1, 2]

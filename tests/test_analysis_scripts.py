@@ -153,3 +153,17 @@ def test_backoff_recovery_replays_the_stuck_prior_and_its_drift(monkeypatch):
     assert first is not None and first - 30 < 30
     monkeypatch.setattr(backoff_estimates, "PRIOR_DRIFT", 0.0)
     assert backoff_recovery.replay(hard_then_easy, 300, 0.9e-3)[0] is None
+
+
+def test_request_table_cost_times_both_tables(monkeypatch, capsys):
+    """scripts/request_table_cost.py (results/README.md, the request table's cost per step):
+    a row per batch and case, both tables timed where both exist."""
+    import request_table_cost
+
+    monkeypatch.setattr(request_table_cost, "per_call_us", lambda fn, setup=None, min_s=0: (
+        setup() if setup else None, fn(), 1.0)[-1])
+    monkeypatch.setattr(sys, "argv", ["request_table_cost.py", "--batch", "4"])
+    request_table_cost.main()
+    rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[1].strip() for r in rows] == ["steady batch", "one request swapped", "4 arrivals (_start_requests)"]
+    assert all(r[0].strip() == "4" and r[2].strip() for r in rows) and rows[0][3].strip() == "1.0"

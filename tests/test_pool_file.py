@@ -211,6 +211,26 @@ def saving_proposer(path):
     return p
 
 
+def test_a_save_on_request_counts_for_the_periodic_one_and_a_save_at_exit_needs_no_thread(tmp_path, monkeypatch):
+    """The save RPC (proposer.save_pool) writes now, and the step's next periodic save waits its
+    interval from there; at interpreter exit Python 3.12+ starts no thread, so the exit
+    handler's save writes in the caller."""
+    p = saving_proposer(tmp_path / "pool.pt")
+    p.save_pool()
+    assert (tmp_path / "pool.pt").exists()
+    (tmp_path / "pool.pt").unlink()
+    p._saver.maybe_save()  # within the interval of the save on request: nothing
+    p._saver.join(10)
+    assert not (tmp_path / "pool.pt").exists()
+
+    def no_thread(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    p._saver.save_now()
+    assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
+
+
 def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     """vLLM sends its engine process SIGTERM and SIGKILLs it 5 s later; the process tears down
     its distributed state and memory before exit handlers run, so a save left to atexit was

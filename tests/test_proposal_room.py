@@ -64,6 +64,7 @@ def test_a_release_that_raises_still_resets_the_new_requests_slot(proposer, monk
     proposer._sync_requests(("old",))
     slot = proposer._slot_of["old"]
     proposer._model_est.accepted[slot] = 0.0
+    proposer._last_main[slot], proposer._ctx_seen[slot] = 5, 40
     proposer.stats.add(np.array([slot]), accepted_tokens=np.array([7]))
     accepted = proposer.stats.snapshot(per_request=False)["accepted_tokens"]
     proposer.note_finished(["old", *[r for r in list(proposer._slot_of.slot_of) if r != "old"]])
@@ -78,6 +79,8 @@ def test_a_release_that_raises_still_resets_the_new_requests_slot(proposer, monk
     assert proposer._slot_of["new"] == slot
     assert proposer._len_limit[slot] == 90
     assert np.array_equal(proposer._model_est.accepted[slot], proposer._model_est.prior)
+    # Nor the old one's proposal or context seen (the next verification would read them).
+    assert proposer._last_main[slot] == 0 and proposer._ctx_seen[slot] == 0
     # The old request's counts stay in the totals (metrics.OuroborosStats.start finishes it).
     assert proposer.stats.snapshot(per_request=False)["accepted_tokens"] == accepted
     assert proposer.stats.finished["old"]["accepted_tokens"] == 7

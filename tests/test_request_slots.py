@@ -200,3 +200,15 @@ def test_a_steady_batch_keeps_its_slots_array_across_steps():
     assert s.slots(["a", "b"]) is first
     s.sync(["b", "c"])  # c takes a slot: a new array
     assert s.slots(["a", "b", "c"]).tolist() == [0, 1, 2]
+
+
+def test_absent_of_part_of_the_batch_counts_the_rest_as_seen_now():
+    """absent() of ids that leave out some of the last sync's batch: those count as seen this
+    step (after every request out longer), whatever an earlier absence of theirs recorded."""
+    s = RequestSlots(4)
+    s.sync(["a", "b", "c"])
+    s.sync(["a"])  # b and c out from this step
+    s.sync(["a", "b"])  # b back
+    assert s.absent(["a", "b"]) == [2]
+    assert s.absent(["a"]) == [2, 1]  # c out since step 2, b in the batch: seen now
+    assert s.absent([]) == [2, 0, 1]  # a and b alike: in the order they took slots

@@ -117,7 +117,7 @@ class PoolSaver:
 
     def _start_write(self) -> threading.Thread | None:
         """Copy the pool to the host here and write it on a thread; None where the copy failed
-        (logged)."""
+        (logged) or no thread could start (written here then)."""
         self.last_save = time.monotonic()
         try:
             self._flush()
@@ -125,10 +125,14 @@ class PoolSaver:
         except Exception as e:  # noqa: BLE001 - the step goes on; logged once
             self._saved(e)
             return None
-        self._thread = threading.Thread(target=self._write, args=(state,), name="ouroboros-pool-save",
-                                        daemon=True)
-        self._thread.start()
-        return self._thread
+        thread = threading.Thread(target=self._write, args=(state,), name="ouroboros-pool-save", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # at interpreter exit (the exit handler) Python >= 3.12 starts no thread
+            self._write(state)
+            return None
+        self._thread = thread
+        return thread
 
     def _write(self, state: dict) -> None:
         try:

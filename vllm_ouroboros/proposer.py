@@ -564,8 +564,9 @@ class OuroborosProposer:
     @_holds_pool
     def save_pool(self, path: str | None = None) -> None:
         """Write the pool to `path` (default pool_save_path) now, atomically."""
-        path = path or self.cfg.pool_save_path
-        if path and self.pool is not None:
+        if self._saver is not None:
+            self._saver.save(path)  # the next periodic save counts from this one
+        elif path and self.pool is not None:
             self._flush_staged()
             self.pool.save(path)
 
@@ -609,16 +610,18 @@ class OuroborosProposer:
         # raised (its step then decodes plainly), or it would inherit the previous occupant's.
         try:
             if changes.released:
-                slots = changes.released
+                slots = np.asarray(changes.released, np.int64)
+                # The host's own state first (nothing here raises): a device release that
+                # raises below must not leave a reused slot its old request's proposal.
+                for s in changes.released:
+                    self.stats.finish(s)
+                self._last_suffix_len[slots] = 0
+                self._last_main[slots] = self._ctx_seen[slots] = 0
                 if self.pool is not None:  # None on a TP rank that follows the first
                     self._flush_staged()  # staged rows keep the owner they were written for
-                    self.pool.release(*to_device(self.device, np.asarray(slots, np.int64)))
+                    self.pool.release(*to_device(self.device, slots))
                 if self.runtime is not None:
                     self.runtime.reset_slots(slots)
-                for s in slots:
-                    self.stats.finish(s)
-                    self._last_suffix_len[s] = 0
-                    self._last_main[s] = self._ctx_seen[s] = 0
         finally:
             if changes.assigned:
                 self._start_requests(changes.assigned)

@@ -74,10 +74,12 @@ class RequestSlots:
         return req_id in self.slot_of
 
     def absent(self, req_ids) -> list[int]:
-        """Slots of the requests that hold one but are not in this batch, longest absent first."""
+        """Slots of the requests that hold one but are not in `req_ids`, longest absent first (one
+        of the last sync's batch left out here counts as seen this step)."""
         batch = set(req_ids)
         out = [r for r in self.slot_of if r not in batch]
-        return [self.slot_of[r] for r in sorted(out, key=lambda r: self._last_seen[r])]
+        return [self.slot_of[r] for r in sorted(
+            out, key=lambda r: self._step if r in self._batch else self._last_seen[r])]
 
     def finished(self, req_ids) -> None:
         """Requests vLLM finished or aborted (released at the next `sync`)."""

@@ -140,6 +140,12 @@ class Plan:
         return [(s, b, m) for s, b in order for m in modes
                 if (m not in ONE_REQUEST_MODES or b == small) and (m != PADDED_STEPS or ROUND_SETTINGS[s][1] == 0)]
 
+    def target_cases(self, cases: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+        """The rounds timed before the target step, the kernel table and the prefill: those of
+        the target groups but the padded-steps comparison (two more graph-round captures ahead
+        of the issue's other figures, at one request and at the most)."""
+        return [c for c in cases if c[:2] in self.target_groups() and c[2] != PADDED_STEPS]
+
     def target_groups(self) -> list[tuple[str, int]]:
         """The (setting, requests) the issue's targets read: decode and W=G=4 at one request
         and at the most requests."""
@@ -1703,7 +1709,7 @@ def measure(args, plan: Plan, device: torch.device, dtype: torch.dtype, res: dic
     cases = [] if "rounds" in args.skip else plan.round_cases(modes)
     if "rounds" in args.skip:
         skipped["rounds"] = "skipped: --skip rounds"
-    first = [c for c in cases if c[:2] in plan.target_groups()]
+    first = plan.target_cases(cases)
 
     def rounds(part: list) -> None:
         if part:

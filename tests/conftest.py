@@ -37,6 +37,9 @@ def _test_device() -> str:
 
 
 DEVICE = _test_device()
+# A CPU device with a GPU's copies (vllm_ouroboros/host_copy.py, COPY_ON_CPU): scripts/test.sh
+# runs the draft side's tests so too, after the suite.
+CPU_COPIES = os.environ.get("OUROBOROS_TEST_CPU_COPIES") == "1"
 # The lent GPU machine has no vLLM: tests that start an engine skip there (the algorithm,
 # draft and kernel tests still run).
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -44,7 +47,17 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 def pytest_report_header(config):
     name = f" ({torch.cuda.get_device_name()})" if DEVICE == "cuda" else ""
-    return [f"ouroboros test device: {DEVICE}{name}; vLLM {'installed' if HAVE_VLLM else 'absent'}"]
+    copies = "; host copies as on a GPU (OUROBOROS_TEST_CPU_COPIES)" if CPU_COPIES else ""
+    return [f"ouroboros test device: {DEVICE}{name}; vLLM {'installed' if HAVE_VLLM else 'absent'}{copies}"]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_copies(monkeypatch):
+    if CPU_COPIES:
+        from vllm_ouroboros import host_copy
+
+        monkeypatch.setattr(host_copy, "COPY_ON_CPU", True)
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

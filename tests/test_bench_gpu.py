@@ -344,6 +344,9 @@ def test_round_cases_put_the_targets_first():
     # Padded steps differ from the graph round only without guesses: decode-only, every batch.
     padded = [c for c in cases if c[2] == bench_gpu.PADDED_STEPS]
     assert padded == [("decode-only", b, bench_gpu.PADDED_STEPS) for b in (1, 32, 8)]
+    # ... timed after the target step and the kernel table: not among the rounds timed before.
+    ahead = plan.target_cases(cases)
+    assert ahead and not set(ahead) & set(padded) and {c[:2] for c in ahead} == set(plan.target_groups())
     cases = [c for c in cases if c not in padded]
     assert cases[:3] == [("decode-only", 1, "graph"), ("decode-only", 1, "graph+fused"),
                          ("decode-only", 1, "graph-fixed")]

@@ -83,3 +83,35 @@ def test_a_rank_that_cannot_run_a_step_kernel_turns_it_off_on_every_rank(monkeyp
         st = tree_verify.prepare(runner, drafter)
         assert (st.reason is None, st.walk) == ((True, "triton") if everywhere else (False, "torch"))
     assert decided[0] is None and "another tensor-parallel rank" in decided[1]
+
+
+def test_a_start_up_check_that_raises_is_a_reason_every_rank_hears(monkeypatch, caplog):
+    """A check that raises (the tree's install reading an unexpected cache, a kernel's compile)
+    is read as its reason: the rank still reaches the collective that shares the verdicts (it
+    raised past it, and the other tensor-parallel ranks waited there), and serves without it."""
+    from vllm_ouroboros import kv_relocate
+    from vllm_ouroboros.patches import tree_attention, tree_verify
+
+    def boom(*a, **k):
+        raise RuntimeError("unexpected cache layout (test)")
+
+    monkeypatch.setattr(tree_attention, "install", boom)
+    monkeypatch.setattr(sampled_walk, "check_kernel", boom)
+    monkeypatch.setattr(kv_move, "check_kernel", lambda *a: None)
+    monkeypatch.setattr(kv_relocate, "warm_move", boom)
+    heard, decided = [], []
+    drafter = SimpleNamespace(cfg=SimpleNamespace(tree_verification=True, tree_suffixes=3, num_suffixes=3),
+                              num_spec_tokens=20, set_tree_available=decided.append,
+                              all_ranks_ok=lambda ok: heard.append(ok) or ok)
+    runner = SimpleNamespace(device=SimpleNamespace(type="cuda"),
+                             model_config=SimpleNamespace(get_vocab_size=lambda: 151936))
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(caplog.handler)
+    try:
+        st = tree_verify.prepare(runner, drafter)
+    finally:
+        log.removeHandler(caplog.handler)
+    assert heard == [False, False], "a rank skipped the collective"
+    assert "raised RuntimeError: unexpected cache layout (test)" in st.reason and decided == [st.reason]
+    assert (st.walk, st.kv_move) == ("torch", "triton")  # the move's warm-up runs only with the tree
+    assert "sampled steps walk their trees in torch: its check raised RuntimeError" in caplog.text

@@ -36,12 +36,33 @@ def test_copy_into_fills_the_buffer(device):
     assert np.array_equal(dst.cpu().numpy(), src)
 
 
-def test_cpu_wraps_without_copying():
+def test_cpu_wraps_without_copying(monkeypatch):
     """The CPU path costs what it did: the tensor is the array's memory."""
+    from vllm_ouroboros import host_copy
+
+    monkeypatch.setattr(host_copy, "COPY_ON_CPU", False)
     a = np.arange(10)
     (t,) = to_device("cpu", a)
     a[0] = 99
     assert t[0].item() == 99
+
+
+def test_copy_on_cpu_copies_as_a_gpu_does(monkeypatch):
+    """COPY_ON_CPU (OUROBOROS_TEST_CPU_COPIES=1 in the tests): an upload is no view of its array
+    and a read is the tensors' values when it was queued, as on a GPU, so a CPU run of the draft
+    side's tests catches code that reads through the CPU's sharing."""
+    from vllm_ouroboros import host_copy
+
+    monkeypatch.setattr(host_copy, "COPY_ON_CPU", True)
+    a = np.arange(10)
+    (t,) = to_device("cpu", a)
+    a[0] = 99
+    assert t[0].item() == 0 and t.dtype == torch.int64 and t.shape == (10,)
+    x = torch.arange(4)
+    read = host_copy.PendingRead(x)
+    x += 10  # work queued after the read: not in it
+    (got,) = read.arrays()
+    assert got.tolist() == [0, 1, 2, 3]
 
 
 @needs_cuda

@@ -809,7 +809,7 @@ def test_target_layer_check_and_fallback(monkeypatch):
         bits=torch.tensor([1, 3], device=DEVICE), block_table=torch.zeros(1, 3, dtype=torch.int32,
                                                                           device=DEVICE),
         write_local=torch.tensor([1], device=DEVICE), write_rows=torch.tensor([2], device=DEVICE),
-        max_rows=2)
+        max_rows=2, max_prefix=5)
     out = torch.zeros(3, 4 * 32, device=DEVICE)
     pta.set_active(step)
     try:

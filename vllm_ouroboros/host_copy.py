@@ -11,12 +11,19 @@ bookkeeping here, and the numpy array may change as soon as the call returns.
 On a CPU device the arrays are wrapped, not copied (what `.to("cpu")` of `from_numpy` gives):
 the CPU path stays as fast as it was. The way back (`to_host`) packs a step's small results the
 same way: one device-to-host copy per dtype, one wait. No vLLM imports.
+
+COPY_ON_CPU (tests: OUROBOROS_TEST_CPU_COPIES=1, tests/conftest.py) gives a CPU device the copies
+a GPU makes: the tensor uploaded is no view of the array, the array read back no view of the
+tensor (snapshotted when the read is queued). Code that read through that sharing on a CPU would
+read stale or newer values on a GPU, where no CPU test saw it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+COPY_ON_CPU = False
 
 
 def to_device(device: torch.device | str, *arrays: np.ndarray) -> list[torch.Tensor]:
@@ -29,7 +36,7 @@ def to_device(device: torch.device | str, *arrays: np.ndarray) -> list[torch.Ten
     device = torch.device(device)
     out = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     if device.type == "cpu":
-        return out
+        return packed_copy(out, device, pin=False) if COPY_ON_CPU else out
     return packed_copy(out, device, pin=True)
 
 
@@ -82,7 +89,7 @@ class PendingRead:
     def __init__(self, *tensors: torch.Tensor):
         self._event = None
         if all(t.device.type == "cpu" for t in tensors):
-            self._host = [t.detach() for t in tensors]
+            self._host = [t.detach().clone() if COPY_ON_CPU else t.detach() for t in tensors]
             return
 
         def move(group: list[torch.Tensor]) -> torch.Tensor:

@@ -39,7 +39,9 @@ class TreeAttentionStep:
     write_local: torch.Tensor  # [W] int64, rows of q_rows to write back
     write_rows: torch.Tensor   # [W] int64, their query rows
     max_rows: int
-    max_prefix: int = 0        # max(prefix_lens), known on the host: sizes the split-KV grid
+    # max(prefix_lens), known on the host: sizes the split-KV grid, and bounds the torch path's
+    # prefix (required: a default of 0 would drop every prefix there).
+    max_prefix: int
     # The kernel's checks and launch plan, made at the first layer of the forward and reused by
     # the others (kernels.tree_attention.TreeAttentionPlan), by the layer's shapes and backend.
     plans: dict = field(default_factory=dict)

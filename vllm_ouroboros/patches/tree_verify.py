@@ -53,8 +53,8 @@ class TreeState:
             self.reason = "fewer than 2 suffixes: the chain is the tree"
         else:
             # A request's tree rows: its root and every drafted node.
-            self.reason = tree_attention.install(
-                runner, max_nodes=min(tree_attention.MAX_TREE_NODES, drafter.num_spec_tokens + 1))
+            self.reason = _verdict(tree_attention.install, runner,
+                                   max_nodes=min(tree_attention.MAX_TREE_NODES, drafter.num_spec_tokens + 1))
             # Under tensor parallelism the first rank sends trees to all: one rank whose kernel
             # failed its check must turn the tree off on every rank, not fail its first tree.
             if not drafter.all_ranks_ok(self.reason is None) and self.reason is None:
@@ -68,7 +68,8 @@ class TreeState:
             # compiled and compared with the torch walk at the engine's shapes.
             from vllm_ouroboros.kernels.sampled_walk import check_kernel
 
-            why = check_kernel(runner.device, drafter.cfg.num_suffixes, runner.model_config.get_vocab_size())
+            why = _verdict(check_kernel, runner.device, drafter.cfg.num_suffixes,
+                           runner.model_config.get_vocab_size())
             # Every rank walks its sampled trees and must accept the same tokens: one walk for all.
             if not drafter.all_ranks_ok(why is None) and why is None:
                 why = "the kernel cannot run on another tensor-parallel rank"
@@ -81,14 +82,24 @@ class TreeState:
             from vllm_ouroboros.kernels.kv_move import check_kernel as check_kv_move
             from vllm_ouroboros.kv_relocate import warm_move
 
-            why = check_kv_move(runner.device)
+            why = _verdict(check_kv_move, runner.device)
             if why is None and self.reason is None:
                 # The engine's own caches' variant, compiled now (a move runs only with the tree).
-                why = warm_move(_kv_caches(runner))
+                why = _verdict(lambda: warm_move(_kv_caches(runner)))
             if why is None:
                 self.kv_move = "triton"
             else:
                 logger.warning("ouroboros: a winning suffix's KV is moved in torch: %s", why)
+
+
+def _verdict(check, *args, **kwargs) -> str | None:
+    """A start-up check's reason (None: it passed), an exception read as a reason: under tensor
+    parallelism every rank must reach the collective that shares the verdicts (all_ranks_ok),
+    and one rank raising left the others waiting there; alone, the path serves without it."""
+    try:
+        return check(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure means: serve without this kernel
+        return f"its check raised {type(e).__name__}: {e}"
 
 
 def _kv_caches(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:

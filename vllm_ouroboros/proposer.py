@@ -639,10 +639,9 @@ class OuroborosProposer:
         self._room_cut[new] = False
         self._source[new] = NO_DRAFT
         self._last_cut[new] = self.num_spec_tokens
-        limit_of = self._length_limit_of
-        limits = [None] * len(req_ids) if limit_of is None else list(map(limit_of, req_ids))
-        self._len_limit[new] = [self.max_model_len if limit is None else min(limit, self.max_model_len)
-                                for limit in limits]
+        limit_of, cap = self._length_limit_of, self.max_model_len
+        self._len_limit[new] = cap if limit_of is None else [
+            cap if limit is None else min(limit, cap) for limit in map(limit_of, req_ids)]
         readable = self._prompt_readable_of
         self._readable[new] = True if readable is None else [bool(readable(r)) for r in req_ids]
         self._draft_forwards[new] = self.cfg.gamma

@@ -231,6 +231,70 @@ def test_a_save_on_request_counts_for_the_periodic_one_and_a_save_at_exit_needs_
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
 
 
+def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
+    """The periodic save copies the pool, then writes on its thread; a save on request made
+    while that write is under way wrote the newer pool first, and the thread's rename, landing
+    after it, put the older copy back in the file."""
+    p = saving_proposer(tmp_path / "pool.pt")
+    real, gate, entered = PhrasePool.write_state, threading.Event(), threading.Event()
+
+    def slow(state, path):
+        if threading.current_thread().name == "ouroboros-pool-save":
+            entered.set()
+            gate.wait(10)
+        real(state, path)
+
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(slow))
+    p._saver.maybe_save()  # the periodic save: its copy of the pool has no key 11
+    assert entered.wait(10)
+    p.pool.insert(torch.tensor([11]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long))
+    request = threading.Thread(target=p.save_pool)
+    request.start()
+    time.sleep(0.3)  # the save on request is under way (without the wait, written by now)
+    gate.set()
+    request.join(10)
+    p._saver.join(10)
+    assert not request.is_alive()
+    assert int(PhrasePool.read_state(str(tmp_path / "pool.pt"))["key_to_page"][11]) >= 0, \
+        "the older copy replaced the save on request"
+
+
+def test_a_second_load_leaves_the_first_pools_exit_handler_out(tiny_models, tmp_path, monkeypatch):
+    """Exit handlers run newest first: a second load_model's saver wrote the new pool at exit,
+    then the first saver's handler wrote its own, older pool over it."""
+    import atexit
+
+    pytest.importorskip("vllm", reason="the proposer's config reads vLLM's platform; vLLM is not installed here")
+    from test_proposal_room import make_proposer
+
+    from vllm_ouroboros.pool_saver import PoolSaver
+
+    saves = []  # the savers whose exit handler is registered
+    register, unregister = atexit.register, atexit.unregister
+
+    def registered(fn, *a, **kw):
+        if getattr(fn, "__func__", None) is PoolSaver.save_now:
+            saves.append(fn.__self__)
+        return register(fn, *a, **kw)
+
+    def unregistered(fn):
+        if getattr(fn, "__func__", None) is PoolSaver.save_now and fn.__self__ in saves:
+            saves.remove(fn.__self__)
+        return unregister(fn)
+
+    monkeypatch.setattr(atexit, "register", registered)
+    monkeypatch.setattr(atexit, "unregister", unregistered)
+    p = make_proposer(tiny_models, pool_save_path=str(tmp_path / "pool.pt"))
+    first = p._saver
+    try:
+        assert saves == [first]
+        p.load_model(None)
+        assert p._saver is not first and saves == [p._saver]
+    finally:
+        first.close()
+        p._saver.close()
+
+
 def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     """vLLM sends its engine process SIGTERM and SIGKILLs it 5 s later; the process tears down
     its distributed state and memory before exit handlers run, so a save left to atexit was

@@ -46,11 +46,26 @@ class PoolSaver:
         saves first and removes it (it holds the pool, and would write the same pool again)."""
         atexit.register(self.save_now)
 
+    def close(self) -> None:
+        """This saver is replaced (a second load_model): its exit handler would write its own,
+        older pool over the new one's file (exit handlers run newest first)."""
+        atexit.unregister(self.save_now)
+
     def save(self, path: str | None = None) -> None:
         """Write the pool now, in the caller (atomically: a reader never sees half a file). The
-        caller holds the lock."""
+        caller holds the lock. A periodic write to the same file still under way is waited for
+        first (up to SAVE_NOW_TIMEOUT_S): it holds an older copy of the pool, and its rename,
+        landing after this one, would put that copy back."""
+        path = path or self.path
+        pending = self._thread
+        if path == self.path and pending is not None and pending.is_alive():
+            pending.join(SAVE_NOW_TIMEOUT_S)
+            if pending.is_alive():
+                logger.warning("ouroboros: a periodic phrase pool save to %s is still writing after "
+                               "%.0f s; this save may be replaced by its older copy when it ends",
+                               path, SAVE_NOW_TIMEOUT_S)
         self._flush()
-        self.pool.save(path or self.path)
+        self.pool.save(path)
         self.last_save = time.monotonic()
 
     def shutdown(self) -> None:

@@ -324,6 +324,9 @@ class OuroborosProposer:
                 self.max_slots, self.runtime.max_slot_len)
             if warning:
                 logger.warning("ouroboros: %s", warning)
+        if self._saver is not None:  # a second load: its pool is gone
+            self._saver.close()
+            self._saver = None
         if cfg.pool_save_path and self.pool is not None:
             self._saver = PoolSaver(self.pool, cfg.pool_save_path, self._pool_lock, self._flush_staged)
             self._saver.register_exit()

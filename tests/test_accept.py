@@ -224,7 +224,10 @@ def test_sampled_placeholder_token_ids_are_rejected_not_indexed():
     # which raises, or wraps to the last token id and may accept it).
     tree = one_tree([5, -1, 7], [[1, 2]])
     probs = torch.full((1, tree.N + 1, 8), 1 / 8, device=DEVICE)
-    probs[0, 1, 7] = 10.0  # after node 0 the last id is likely: a wrapped -1 would be accepted
+    probs[0, 0, 5] = 1000.0  # node 0 accepted (all but surely), so node 1 (-1) is tried
+    # After node 0 the first and last ids are likely: a -1 clamped to 0, or wrapped to the last
+    # id, would be accepted.
+    probs[0, 1, 0] = probs[0, 1, 7] = 1000.0
     for seed in range(20):
         res = accept_sampled(tree, probs, gen(seed))
         e = emitted(res)
@@ -266,8 +269,10 @@ def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
         assert emitted(got.result, b) == emitted(want, b)
     assert emitted(got.result, 0) == [5, 6, 7, 8, 9, 77] and emitted(got.result, 2) == [5, 6, 7, 3, 4, 11]
     assert np.array_equal(got.target_next, np.array(paths)) and got.token_ids.dtype == np.int32
-    # Row 1 was sampled from its processed distribution: a real token, not the greedy 9 forced.
-    assert all(0 <= t < V for t in emitted(got.result, 1))
+    # Row 1 was sampled from its processed distribution (random logits over 80 ids, these
+    # seeds): a real token, not the greedy 9 its raw logits force.
+    row1 = emitted(got.result, 1)
+    assert all(0 <= t < V for t in row1) and row1 != [9], row1
 
 
 

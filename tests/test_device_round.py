@@ -178,15 +178,24 @@ def test_device_round_with_the_round_kernels(config, tiny_models, device, reques
     assert prepared, "no forward went through the prepared inputs"
 
 
-def test_round_kernels_refuse_where_triton_cannot_run(tiny_models, device):
-    """round_kernels='triton' where Triton cannot run raises, saying why; 'auto' on a CPU and
-    'torch' keep the torch path; a bad name is refused."""
+def test_round_kernels_refuse_where_triton_cannot_run(tiny_models, device, monkeypatch):
+    """round_kernels='triton' where Triton cannot run raises, saying why (the pool's kernels
+    too); 'auto' on a CPU and 'torch' keep the torch path; a bad name is refused."""
+    from vllm_ouroboros.kernels import triton_runtime
+
     path = str(tiny_models["draft"])
     assert make(path, device, "device", round_kernels="torch").device_round.kernels == "torch"
     if device == "cpu":
         assert make(path, device, "device").device_round.kernels == "torch"
     with pytest.raises(ValueError, match="round_kernels must be"):
         make(path, device, "device", round_kernels="cuda")
+    # Where Triton cannot run (no triton, or no interpreter): asked for, refused rather than
+    # quietly left on the torch path.
+    monkeypatch.setattr(triton_runtime, "pick_kernel", lambda *a: (None, "no triton (test)"))
+    with pytest.raises(ValueError, match="round_kernels.*cannot run here: no triton"):
+        make(path, device, "device", round_kernels="triton")
+    with pytest.raises(ValueError, match="cannot run here: no triton"):
+        PhrasePool(20, 2, 2, PhrasePool.budget_for(20, 2, 2, 4), device=device, kernels="triton")
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

@@ -351,7 +351,10 @@ def test_a_context_cut_back_and_regrown_is_drafted_from_the_new_tokens(draft_pat
         else:
             assert same
             check_round(out, drafts, [regrown], greedy, rt, [0])
+    before = mended.confirmed.copy()
     mended.rewind(np.array([5]), np.array([0]))  # a slot the cache never grew to: nothing
+    mended.rewind(np.array([5, 0]), np.array([0, 30]))  # beside one it holds: that one alone
+    assert before[0] > 30 and mended.confirmed[0] == 30 and np.array_equal(mended.confirmed[1:], before[1:])
 
 
 def test_cache_bytes_and_the_growth_warning(draft_path, device):

@@ -59,18 +59,43 @@ def test_when_every_slot_is_taken_the_absent_request_seen_longest_ago_gives_its_
     assert s.slot_of == {"b": 1, "d": 2, "c": 0}
 
 
+_RANK = """
+import random, sys
+from vllm_ouroboros.request_slots import RequestSlots
+rng, s, out = random.Random(0), RequestSlots(6), []
+ids = [f"req-{i}" for i in range(40)]
+live = []
+for step in range(200):
+    done = set(rng.sample(live, min(len(live), rng.randint(0, 2))))
+    live = [r for r in live if r not in done]
+    live += rng.sample([r for r in ids if r not in live and r not in done], rng.randint(0, 2))
+    s.finished(done)
+    ch = s.sync(rng.sample(live, min(len(live), 6)))
+    out.append((ch.released, ch.assigned))
+print(repr((out, sorted(s.slot_of.items()))))
+"""
+
+
 def test_the_same_calls_give_the_same_slots():
-    """Tensor-parallel ranks replay the same scheduler outputs: their slots must agree."""
+    """Tensor-parallel ranks replay the same scheduler outputs: their slots must agree. Ranks
+    are processes with their own string hashing (PYTHONHASHSEED), so nothing may follow a set's
+    or a hash's order: the ranks are run as processes with different seeds, over steps where
+    evictions tie (requests last seen in the same step)."""
+    import os
+    import subprocess
+    import sys
+
     calls = [(["a", "b", "c"], ()), (["c", "d"], {"a"}), (["e", "f", "d"], {"c"}), (["b", "g", "h"], ())]
-
-    def run():
-        s, out = RequestSlots(4), []
-        for batch, done in calls:
-            s.finished(done)
-            out.append(s.sync(batch))
-        return out, dict(s.slot_of)
-
-    assert run() == run()
+    s = RequestSlots(4)
+    for batch, done in calls:
+        s.finished(done)
+        s.sync(batch)
+    # Step 4: d, e and f were all last seen in step 3; g and h take the slots of d and e, the
+    # first to have taken theirs.
+    assert s.slot_of == {"b": 1, "f": 3, "g": 0, "h": 2}, s.slot_of
+    runs = {subprocess.run([sys.executable, "-c", _RANK], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(runs) == 1 and runs.pop().count("req-") > 100
 
 
 def test_a_batch_larger_than_the_slots_is_an_error():
@@ -132,7 +157,7 @@ class _Reference:
         self._step += 1
         live = [r for r in req_ids if r is not None]
         batch = set(live)
-        for r in self._finished:
+        for r in sorted(self._finished, key=lambda r: self.slot_of.get(r, -1)):  # by slot
             if r in self.slot_of:
                 released.append(self._release(r))
         self._finished.clear()

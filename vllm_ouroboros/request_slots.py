@@ -20,8 +20,8 @@ import numpy as np
 
 @dataclass
 class SlotChanges:
-    """What one `sync` changed: slots to reset (their requests ended or were evicted) and the
-    new requests' slots, both in the order they happened."""
+    """What one `sync` changed: slots to reset (finished requests' by slot, then the evicted in
+    the order they gave way) and the new requests' slots in the order they took them."""
 
     released: list[int] = field(default_factory=list)
     assigned: list[tuple[str, int]] = field(default_factory=list)
@@ -30,8 +30,9 @@ class SlotChanges:
 class RequestSlots:
     """Slots 0..num_slots-1 for requests; absent requests keep theirs (see the module docstring).
 
-    Deterministic for a given sequence of calls, so every tensor-parallel rank that replays the
-    same scheduler outputs holds the same slots.
+    Deterministic for a given sequence of calls, also across processes (no set or hash order
+    decides anything), so every tensor-parallel rank that replays the same scheduler outputs
+    holds the same slots and reports the same changes.
     """
 
     def __init__(self, num_slots: int):
@@ -101,9 +102,9 @@ class RequestSlots:
             raise ValueError(f"{len(batch)} requests in one batch, but only {self.num_slots} "
                              "draft slots (max_num_seqs)")
         if self._finished:
-            for r in self._finished:
-                if r in self.slot_of:
-                    out.released.append(self._release(r))
+            # By slot, not in the set's order (string hashing differs between processes).
+            for r in sorted(self._finished & self.slot_of.keys(), key=self.slot_of.__getitem__):
+                out.released.append(self._release(r))
             self._finished.clear()
         for r in self._batch - batch:  # out of the batch from this step: last seen the step before
             if r in self.slot_of:

@@ -35,6 +35,7 @@ import argparse
 import gzip
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# Where scripts/setup.sh put the models (--models-dir there), as the other scripts read it.
+MODELS = Path(os.environ.get("OUROBOROS_MODELS_DIR") or REPO / "models")
 
 from vllm_ouroboros.draft.acceptance_head import (  # noqa: E402
     AcceptanceHead, HeadParams, draft_identity, draft_weights_fingerprint)
@@ -264,11 +267,11 @@ def rule_length(h: float):
     return policy
 
 
-def main() -> int:
+def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default=str(REPO / "models" / "qwen2.5-coder-0.5b-instruct"))
-    ap.add_argument("--target", default=str(REPO / "models" / "qwen2.5-coder-1.5b-instruct"))
-    ap.add_argument("--models-dir", default=str(REPO / "models"), help="where data/ lies")
+    ap.add_argument("--draft", default=str(MODELS / "qwen2.5-coder-0.5b-instruct"))
+    ap.add_argument("--target", default=str(MODELS / "qwen2.5-coder-1.5b-instruct"))
+    ap.add_argument("--models-dir", default=str(MODELS), help="where data/ lies ($OUROBOROS_MODELS_DIR)")
     ap.add_argument("--humaneval", type=int, default=100, help="HumanEval tasks 0..N-1")
     ap.add_argument("--mtbench", type=int, default=30, help="MT-Bench first turns (chat set)")
     ap.add_argument("--gen-tokens", type=int, default=48)
@@ -290,11 +293,15 @@ def main() -> int:
                     help="a draft forward's cost in target forwards, for picking h")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "models" / "acceptance_head.safetensors"))
-    ap.add_argument("--data-cache", default=str(REPO / "models" / "acceptance_head_data.npz"),
+    ap.add_argument("--out", default=str(MODELS / "acceptance_head.safetensors"))
+    ap.add_argument("--data-cache", default=str(MODELS / "acceptance_head_data.npz"),
                     help="features cache ('' to disable)")
     ap.add_argument("--metrics", default=str(REPO / "results" / "acceptance_head.json"))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = arg_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()

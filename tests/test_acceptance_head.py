@@ -366,3 +366,23 @@ def test_training_features_for_a_draft_with_another_vocabulary_size(tiny_models,
 class _NoBar:
     def update(self, n):
         pass
+
+
+def test_the_trainer_reads_the_models_where_setup_put_them(tmp_path, monkeypatch):
+    """scripts/setup.sh --models-dir puts the pair elsewhere ($OUROBOROS_MODELS_DIR, which every
+    other script reads): the trainer's defaults, its output among them, follow it."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train_acceptance_head as tah
+
+    monkeypatch.setenv("OUROBOROS_MODELS_DIR", str(tmp_path))
+    try:
+        args = importlib.reload(tah).arg_parser().parse_args([])
+        for path in (args.draft, args.target, args.models_dir, args.out, args.data_cache):
+            assert Path(path).parent == tmp_path or Path(path) == tmp_path, path
+    finally:
+        monkeypatch.undo()
+        importlib.reload(tah)

@@ -69,6 +69,9 @@ def test_valid_config_becomes_custom_class_with_settings(tiny_models):
     ({"use_lookahead": "yes"}, "'use_lookahead' must be true or false"),
     ({"use_suffixes": 1}, "'use_suffixes' must be true or false .or null: auto."),
     ({"use_draft": "no"}, "'use_draft' must be true or false .or null: auto."),
+    ({"use_draft": False, "use_lookahead": False}, "use_draft=false drafts from the pool alone, with no "
+                                                   "draft forward, so 'use_lookahead' .* would be ignored"),
+    ({"use_draft": False, "use_lookahead": True, "use_guesses": True}, "'use_lookahead' and 'use_guesses'"),
     ({"mode_review_steps": -1}, "'mode_review_steps'=-1 is out of range >= 0"),
     ({"draft_fused_ops": "on"}, "'draft_fused_ops' must be true or false .or null: auto."),
     ({"draft_norm_gemm": "on"}, "'draft_norm_gemm' must be true or false .or null: auto."),

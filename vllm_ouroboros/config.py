@@ -256,6 +256,12 @@ def validate(cfg: OuroborosConfig, target_vocab_size: int | None = None,
             f"which needs num_suffixes >= 2 with tree_verification and use_suffixes not false (got "
             f"num_suffixes={cfg.num_suffixes}, tree_verification={cfg.tree_verification}, "
             f"use_suffixes={cfg.use_suffixes}); leave pool_branches on auto or false")
+    pinned = [k for k in ("use_lookahead", "use_guesses") if getattr(cfg, k) is not None]
+    if cfg.use_draft is False and pinned:
+        raise OuroborosConfigError(
+            f"ouroboros: use_draft=false drafts from the pool alone, with no draft forward, so "
+            f"{' and '.join(repr(k) for k in pinned)} (the draft model's phrase drafting) would be "
+            "ignored; drop them, or drop use_draft (a pin of them keeps the draft model)")
     if cfg.num_guesses > cfg.window_size:
         raise OuroborosConfigError(
             f"ouroboros: num_guesses={cfg.num_guesses} exceeds window_size={cfg.window_size}; "

@@ -1,5 +1,6 @@
 """Device clocks (no sync of their own) and the runner patch that times the target's forward."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -67,14 +68,23 @@ def test_no_reading_from_a_forward_captured_in_a_graph(device):
 class _Runner:
     """What the patched _model_forward reads of a model runner."""
 
-    def __init__(self, drafter):
-        self.drafter = drafter
+    def __init__(self, drafter, busy=None):
+        self.drafter, self.busy = drafter, busy
         self.calls = []
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **kwargs):
         self.calls.append((input_ids, positions, inputs_embeds, kwargs))
+        if self.busy is not None:
+            self.busy()
         return "hidden"
+
+
+def _busy(device):
+    """About 20 ms of the device's time, or more (a stand-in forward's work)."""
+    if device == "cuda":
+        return lambda: torch.cuda._sleep(int(1e8))  # 10^8 cycles: 50 ms at 2 GHz
+    return lambda: time.sleep(0.02)
 
 
 def _taken(clock, device):
@@ -88,13 +98,13 @@ def _taken(clock, device):
 def test_patched_forward_times_the_target_with_its_token_count(device):
     forward = model_runner._model_forward(_Runner._model_forward)
     drafter = SimpleNamespace(is_ouroboros=True, target_clock=ForwardClock(device))
-    runner = _Runner(drafter)
+    runner = _Runner(drafter, busy=_busy(device))
     ids, pos = torch.zeros(5, dtype=torch.long), torch.arange(5)
     assert forward(runner, input_ids=ids, positions=pos, intermediate_tensors=None,
                    inputs_embeds=None, extra=1) == "hidden"
     assert runner.calls[-1][0] is ids and runner.calls[-1][1] is pos and runner.calls[-1][3] == {"extra": 1}
     tokens, seconds = _taken(drafter.target_clock, device)
-    assert tokens == 5 and seconds >= 0
+    assert tokens == 5 and seconds >= 0.015, seconds  # the forward's own time, no less
     # M-RoPE positions are [3, n]; embeddings instead of ids.
     forward(runner, input_ids=None, positions=torch.zeros(3, 9, dtype=torch.long),
             inputs_embeds=torch.zeros(9, 4))

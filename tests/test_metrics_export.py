@@ -64,8 +64,18 @@ def test_writer_is_rate_limited_and_atomic(tmp_path):
     w.maybe_write(snap, force=True)
     assert read_totals(str(tmp_path))["draft_forwards"] == 2
     assert [p.name for p in tmp_path.iterdir()] == [f"snapshot-{os.getpid()}-a.json"]
+    # A write cut off before its rename (a full disk, the process killed) leaves the last
+    # snapshot whole: the file is replaced, never written in place.
+    from unittest import mock
+
+    from vllm_ouroboros import metrics_export
+
+    with mock.patch.object(metrics_export.os, "replace", side_effect=OSError(28, "No space left")):
+        w.maybe_write(snap, force=True)
+    assert len(calls) == 3 and w.failed_writes == 1
+    assert read_totals(str(tmp_path))["draft_forwards"] == 2
     SnapshotWriter(None, writer="unused").maybe_write(snap)  # no directory: a no-op
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_a_failed_write_is_logged_once_and_serving_goes_on(tmp_path, caplog):
@@ -101,7 +111,8 @@ def test_counter_files_are_current_and_win_over_their_snapshot(tmp_path):
     stale = {"draft_forwards": 1, "accepted_tokens": 1, "pool": {"phrases": 4, "keys": 1, "memory_bytes": 9}}
     (tmp_path / f"snapshot-{writer}.json").write_text(json.dumps(stale))
     (tmp_path / f"snapshot-{os.getppid()}.json").write_text(json.dumps({"draft_forwards": 100, "pool": {"phrases": 1}}))
-    (tmp_path / "counters-1.bin").write_bytes(b"\0" * 12)
+    # Of another size (being created, or another version's counters): left out, whatever it holds.
+    (tmp_path / "counters-1.bin").write_bytes(np.full(len(COUNTERS) + 1, 7, np.int64).tobytes())
     gone = dead_pid()
     (tmp_path / f"counters-{gone}.bin").write_bytes(np.full(len(COUNTERS), 5, np.int64).tobytes())
     (tmp_path / f"snapshot-{gone}.json").write_text(json.dumps({"pool": {"phrases": 70}}))

@@ -248,9 +248,19 @@ def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path,
     p._saver.maybe_save()  # the periodic save: its copy of the pool has no key 11
     assert entered.wait(10)
     p.pool.insert(torch.tensor([11]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long))
+    waiting = threading.Event()  # the save on request waits for the periodic write
+    join = threading.Thread.join
+
+    def joined(thread, timeout=None):
+        if threading.current_thread() is request:
+            waiting.set()
+        return join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", joined)
     request = threading.Thread(target=p.save_pool)
     request.start()
-    time.sleep(0.3)  # the save on request is under way (without the wait, written by now)
+    while not waiting.is_set() and request.is_alive():  # without the wait: written by then
+        waiting.wait(0.01)
     gate.set()
     request.join(10)
     p._saver.join(10)
@@ -479,14 +489,27 @@ def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplo
     runner = threading.Thread(target=proposer._holds_pool(step), args=(p,))
     runner.start()
     assert in_step.wait(10)
+    trying = threading.Event()  # the save has asked for the pool's lock
+
+    class Lock:
+        def acquire(self, *a, **kw):
+            trying.set()
+            return p._pool_lock.acquire(*a, **kw)
+
+        def release(self):
+            p._pool_lock.release()
+
+    real_lock, p._saver.lock = p._saver.lock, Lock()
     saver = threading.Thread(target=lambda: (p.shutdown(), order.append("saved")))
     saver.start()
-    saver.join(0.3)
+    while not trying.is_set() and saver.is_alive():  # no sleep to guess how long a start takes
+        trying.wait(0.01)
     assert saver.is_alive() and order == ["step starts"], "the save did not wait for the step"
     leave.set()
     runner.join(10)
     saver.join(10)
     assert order == ["step starts", "step ends", "saved"]
+    p._saver.lock = real_lock
     keys = PhrasePool.read_state(str(tmp_path / "pool.pt"))["page_key"]
     assert len(keys[keys >= 0].unique()) == 20, "the save missed the step's inserts"
 

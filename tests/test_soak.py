@@ -42,6 +42,9 @@ def test_short_soak_loses_nothing(tiny_models, tmp_path):
         assert row["completed"] >= 60, (name, row)
     assert s["greedy_identical"] >= 25 and not s["greedy_diffs"]
     assert s["ouroboros_counters"]["drafted_tokens_total"] > 0
+    # The memory check read something (soak.py fails where it could not).
+    r = s["rows"]["ouroboros"]
+    assert all(v > 0 for v in r["rss_mb"]) and all(v for v in r["pool_bytes"][1:]), r
     assert s["ouroboros_counters"]["suffix_accepted_total"] > 0
     # Preempted requests came back to the draft slot (and cache) they kept: request_slots.py.
     assert s["ouroboros_counters"]["requests_returned_total"] > 0

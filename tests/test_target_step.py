@@ -74,6 +74,30 @@ def test_planted_paths_are_accepted_and_later_suffixes_moved(device):
     assert torch.equal(k_cache[dst], before[0].flatten(0, 1)[src])
 
 
+def test_a_prefill_chunk_in_the_batch_keeps_logit_rows_and_query_rows_apart(device):
+    """A request prefilling a chunk (no drafts) takes its chunk's query rows but one logit row:
+    the drafting requests' logits start at 1 + drafts per request before them (row_start), their
+    roots at their first query row (root_rows). Without a chunk the two are equal, so the walk
+    read the wrong rows or the KV moved the wrong slots, unseen by the planted step alone."""
+    (c, n, sl, qs, comp, ids, L), logits, emitted = planted_step(device, B=3)
+    chunk, K = 5, sl.shape[1]
+    inputs = (np.concatenate([[0], c]), np.concatenate([[0], n]), np.concatenate([np.zeros((1, K), np.int64), sl]),
+              np.concatenate([[0], qs + chunk]), np.concatenate([[0], comp]), ids, L)
+    logits = torch.cat([torch.nn.functional.one_hot(torch.tensor([7]), V).float().to(device), logits])
+    caches = [tuple(torch.randn(16, 8, 1, 2, device=device) for _ in range(2))]
+    before = caches[0][0].clone()
+    slot_mapping = torch.arange(int(qs[-1]) + chunk, device=device) + 5
+    step, v, src, dst = run_step(inputs, logits, caches, slot_mapping)
+    assert step.row_start.tolist() == [0, 1, 1 + c[0] + 1, 1 + 2 * (c[0] + 1)]
+    assert step.root_rows.tolist() == [0, chunk, chunk + c[0] + 1, chunk + 2 * (c[0] + 1)]
+    assert [v.token_ids[b, :v.result.num_emitted[b]].tolist() for b in range(4)] == [[7]] + emitted
+    d = int(n[0])
+    want_src = [int(step.root_rows[b]) + 1 + d + k * L + j for b, k in ((2, 1), (3, 2)) for j in range(L)]
+    want_dst = [int(step.root_rows[b]) + 1 + d + j for b in (2, 3) for j in range(L)]
+    assert (src - 5).tolist() == want_src and (dst - 5).tolist() == want_dst
+    assert torch.equal(caches[0][0].flatten(0, 1)[dst], before.flatten(0, 1)[src])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations: needs a CUDA device")
 def test_target_step_synchronises_once():
     """Plan, trees, walk, relocation and KV move of a step wait for the GPU once: the walk's

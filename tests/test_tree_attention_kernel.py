@@ -14,6 +14,7 @@ import itertools
 import logging
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -790,7 +791,15 @@ def test_target_layer_check_and_fallback(monkeypatch):
     monkeypatch.setattr(ta, "_pick_kernel", lambda device: (_Launch(lambda *a, **k: 1 / 0), None))
     reason = pta.check_layer_kernel(layer, max_nodes=4)
     assert "ZeroDivisionError" in reason
-    pta._wrap(layer.impl, "torch")
+    # install() on a CUDA runner (a stand-in): the check's verdict picks the layers' path.
+    runner = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1), uses_mrope=False,
+        compilation_config=SimpleNamespace(static_forward_context={"layers.0.attn": layer}),
+        device=SimpleNamespace(type="cuda"), kv_cache_config=SimpleNamespace(kv_cache_groups=[None]),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(block_size=16)]))
+    for verdict, backend in ((None, "auto"), (reason, "torch")):
+        monkeypatch.setattr(pta, "check_layer_kernel", lambda layer, max_nodes, verdict=verdict: verdict)
+        assert pta.install(runner) is None and layer.impl._ouroboros_backend == backend
     backends, calls = [], []
 
     class Spy:  # a plan per step and layer shape, called by every layer

@@ -569,9 +569,8 @@ class OuroborosProposer:
         """Write the pool to `path` (default pool_save_path) now, atomically."""
         if self._saver is not None:
             self._saver.save(path)  # the next periodic save counts from this one
-        elif path and self.pool is not None:
-            self._flush_staged()
-            self.pool.save(path)
+        elif path and self.pool is not None:  # no pool_save_path: a one-off writer to `path`
+            PoolSaver(self.pool, path, self._pool_lock, self._flush_staged).save()
 
     def shutdown(self) -> None:
         """The engine is stopping (the worker's shutdown, patches/engine_shutdown.py): write the

@@ -94,7 +94,12 @@ def test_metrics_show_a_loaded_pool_before_any_step(proposer, tiny_models, tmp_p
 
     from vllm_ouroboros.metrics_export import ENV_DIR
 
+    import torch
+
     pool = tmp_path / "pool.pt"
+    # Phrases of its own, not the earlier tests' (which may not have run: pytest -k).
+    L = proposer.pool.L
+    proposer.pool.insert(torch.tensor([3]), torch.arange(4, 4 + L)[None], torch.zeros(1, dtype=torch.long))
     proposer.save_pool(str(pool))
     metrics = tmp_path / "metrics"
     metrics.mkdir()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="the proposer's config reads vLLM's platform; vLLM is not installed here")
 
@@ -59,6 +60,11 @@ def test_the_pools_branches_are_no_sentence_draft(proposer, monkeypatch, branche
     monkeypatch.setattr(type(proposer), "_pool_branches", property(lambda self: branches))
     monkeypatch.setattr(proposer, "_pool_plan",
                         lambda slots, load=None: cost_model.SpeculationPlan(np.ones(len(slots), bool), S))
+    # A phrase after the pool-filled row's last token (not the earlier tests' phrases, which
+    # may not be there: pytest -k, another order).
+    L = proposer.pool.L
+    proposer.pool.insert(torch.tensor([int(table[1, 54])]), torch.arange(7, 7 + L)[None],
+                         torch.full((1,), -1, dtype=torch.long))
     _, step = _step(proposer, ["p1", "p2"], table, np.array([50, 55]))
     assert step["pool_draft_steps"] == 1 and step["draft_rounds"] == (1 if branches else 2), step
     assert step["sentence_draft_tokens"] > 0
@@ -93,8 +99,6 @@ def test_metrics_show_a_loaded_pool_before_any_step(proposer, tiny_models, tmp_p
     import json
 
     from vllm_ouroboros.metrics_export import ENV_DIR
-
-    import torch
 
     pool = tmp_path / "pool.pt"
     # Phrases of its own, not the earlier tests' (which may not have run: pytest -k).

@@ -140,14 +140,23 @@ def output_detail(out) -> dict:
             "logprobs": lps(out.outputs[0].logprobs), "prompt_logprobs": lps(out.prompt_logprobs)}
 
 
-def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=False, **engine_kw):
+def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=False, failures_ok=False,
+               **engine_kw):
     """Generate with a fresh LLM (engine_kw: more LLM arguments); returns (outputs, snapshots
     per run). save_pool: the workers write the pool (the engine's save method) after the runs,
     so the file does not depend on the engine process handling its SIGTERM before vLLM's
-    SIGKILL at shutdown (tests of that save read the file without it)."""
+    SIGKILL at shutdown (tests of that save read the file without it). Unless failures_ok,
+    no drafting step may have failed: a step whose drafting raises decodes plainly, which
+    every identity check would pass (three in a row turn drafting off for good)."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ouroboros.metrics import engine_snapshot
+    from vllm_ouroboros.metrics import engine_snapshot as snapshot
+
+    def engine_snapshot(llm):
+        snap = snapshot(llm)
+        assert failures_ok or (snap["draft_failures"] == 0 and snap["drafting_off"] is None), \
+            (snap["draft_failures"], snap["drafting_off"])
+        return snap
 
     llm = LLM(model=str(target), dtype="float32", enforce_eager=True, seed=0, max_num_seqs=32,
               speculative_config=spec, **{"max_model_len": 1024, **engine_kw})
@@ -266,6 +275,12 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     # (counted, logged once per reason); none in the main batch.
     assert snaps["main"]["chain_fallback_steps"] == 0, snaps["main"]["chain_fallback_steps"]
     assert snaps["features"]["chain_fallback_steps"] > 0, snaps["features"]
+    # logit_bias and min_p go through the tree walk (no chain step in that batch), and both
+    # batches drafted (the snapshots' counters run on from batch to batch).
+    assert snaps["bias"]["chain_fallback_steps"] == snaps["features"]["chain_fallback_steps"], snaps["bias"]
+    for run in (runs[2], snaps):
+        for before, batch in (("main", "features"), ("features", "bias")):
+            assert run[batch]["accepted_tokens"] > run[before]["accepted_tokens"], (K, batch)
     for name, label, got in (("mixed", "mixed, K=1", ours), ("features", "features, K=1", ours),
                              ("features", f"features, K={K}", tree), ("bias", "bias, K=1", ours),
                              ("bias", f"bias, K={K}", tree)):
@@ -355,6 +370,10 @@ def test_pool_saved_at_engine_exit(runs, pool_file):
     last = snaps["bias"]["pool"]
     assert pool.num_phrases() == last["phrases"] > 0 and pool.num_keys() == last["keys"], (
         pool.num_phrases(), pool.num_keys(), last)
+    # Lookups rise every drafting step (phrases may not, once the text repeats): the file is the
+    # pool after the last step, not a periodic save before it.
+    counters = PhrasePool.read_state(str(pool_file))["counters"]
+    assert int(counters[0]) == last["lookups"] > 0, (counters, last)
 
 
 @pytest.fixture(scope="module")
@@ -632,6 +651,8 @@ def test_requests_run_to_max_model_len_greedy_identical(scenario, tiny_models):
           s["settings"]["drafting_mode"], s["settings"].get("mode_review"))
     assert full and all(n == max_len for n in full), full
     assert s["accepted_tokens"] > 0, s
+    # No proposal past the room left: vLLM's scheduler would cut it (lossless, so unseen above).
+    assert s["scheduler_cut_steps"] == 0, s
 
 
 # The cost curves this CPU measured for the real pair (ms per forward by tokens), as configured:
@@ -732,7 +753,8 @@ def test_drafting_failures_decode_plainly_greedy_identical(runs, scenario, tiny_
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "draft_round": "host",
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64}
     try:
-        ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec)
+        ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
+                                 failures_ok=True)
     finally:
         # The in-process engine left its environment cache and process groups in this process.
         cleanup_dist_env_and_memory()

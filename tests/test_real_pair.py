@@ -52,6 +52,10 @@ def test_identical_to_no_speculation(rows):
     for name, r in rows.items():
         assert r["identical"], f"{name}: greedy output differs from no speculation"
         assert r["tokens"] > 0, f"{name}: no tokens"
+        if name != "no-spec":  # identical output also where nothing was drafted, or no tree sent
+            assert r["counters"]["accepted_tokens"] > 0, (name, r["counters"])
+    for name in ("ouroboros-k2", "ouroboros-k3"):
+        assert rows[name]["settings"]["tree_verification"] == "available", rows[name]["settings"]
 
 
 def test_phrase_drafting_cuts_draft_forwards(rows):
@@ -88,7 +92,7 @@ def test_token_tree_accepts_later_suffixes(rows):
 
 def test_serve_token_tree_identical(rows):
     """`vllm serve` with K = 3 on the real pair: the same tokens as the server without speculation."""
-    from test_server import complete, serve
+    from test_server import assert_counts_are_vllms, complete, metrics, serve
 
     gen = _generate_module()
     root = gen.models_dir()
@@ -100,4 +104,9 @@ def test_serve_token_tree_identical(rows):
     for extra in ((), ("--speculative-config", spec)):
         with serve(target, "--max-num-seqs", "5", *extra, timeout=600) as base:
             results.append([complete(base, target, p, max_tokens=32) for p in prompts])
+            text = metrics(base)
     assert results[1] == results[0]
+    # Drafted, accepted, and verified as a tree (no step fell back to the chain).
+    ours = assert_counts_are_vllms(text)
+    assert ours["vllm:ouroboros_accepted_tokens_total"] > 0, ours
+    assert ours["vllm:ouroboros_chain_fallback_steps_total"] == 0, ours

@@ -14,8 +14,10 @@ tree. At T = 0.6 with gamma = 2 a later suffix was accepted 1 to 12 times per 40
 machine whose rounding changed the samples could see none (a CI failure); at T = 0.3 with a
 one-token minimum draft it is ~240 times per 1200 requests, and the test asks for >= 50.
 
-The chain path (K = 1, verified by vLLM's rejection sampler) is tested the same way with the
-adaptive draft length (SpecDec++) on: drafts of varying length must not bias the samples.
+The chain path (K = 1, through the same walk) is tested the same way with the adaptive draft
+length (SpecDec++) on: drafts of varying length must not bias the samples. So is vLLM's own
+rejection sampler, which verifies the chain (draft + best suffix) in steps whose batch has a
+sampling feature the walk does not apply (a repetition penalty here, in both runs compared).
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def two_sample_p(a: list[int], b: list[int]) -> float:
     return chi2_sf(stat, len(ca) - 1)
 
 
-def sample(target, spec, temperatures):
+def sample(target, spec, temperatures, **params):
+    """N samples of PROMPT at each temperature (params: more SamplingParams), and the engine's
+    snapshot (None without speculation)."""
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros.metrics import engine_snapshot
@@ -70,7 +74,7 @@ def sample(target, spec, temperatures):
     try:
         runs = {}
         for t in temperatures:
-            sp = SamplingParams(temperature=t, max_tokens=POSITIONS, ignore_eos=True)
+            sp = SamplingParams(temperature=t, max_tokens=POSITIONS, ignore_eos=True, **params)
             out = llm.generate([PROMPT] * N, sp, use_tqdm=False)
             runs[t] = [list(o.outputs[0].token_ids) for o in out]
         return runs, (engine_snapshot(llm) if spec else None)
@@ -79,15 +83,17 @@ def sample(target, spec, temperatures):
         gc.collect()
 
 
+def tree_spec(target) -> dict:
+    """The target drafts for itself with drafts of >= 1 token and 2-token suffixes, so that
+    sampled requests get past the draft into the suffixes often enough to test them."""
+    return {"method": "ouroboros", "model": str(target), "num_suffixes": 3, "gamma": 1, "beta": 3,
+            "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 1024, "use_suffixes": True}
+
+
 @pytest.fixture(scope="module")
 def samples(tiny_models):
     base, _ = sample(tiny_models["target"], None, (T, T_POWER))
-    # The target drafts for itself with drafts of >= 1 token and 2-token suffixes, so that sampled
-    # requests get past the draft into the suffixes often enough to test them.
-    spec = {"method": "ouroboros", "model": str(tiny_models["target"]), "num_suffixes": 3,
-            "gamma": 1, "beta": 3, "use_lookahead": True, "use_guesses": True,
-            "max_speculative_batch": 1024, "use_suffixes": True}
-    tree, snap = sample(tiny_models["target"], spec, (T,))
+    tree, snap = sample(tiny_models["target"], tree_spec(tiny_models["target"]), (T,))
     return base, tree[T], snap
 
 
@@ -117,8 +123,8 @@ def test_the_check_has_power(samples):
 
 @pytest.fixture(scope="module")
 def chain_adaptive(tiny_models, tmp_path_factory):
-    """The chain path (K = 1: vLLM's rejection sampler verifies it) with SpecDec++'s adaptive
-    draft length: the target drafts for itself, drafts cut by a fixed-weight acceptance head."""
+    """The chain path (K = 1, the tree walk on a chain) with SpecDec++'s adaptive draft length:
+    the target drafts for itself, drafts cut by a fixed-weight acceptance head."""
     from tiny_models import acceptance_head_file
 
     head = acceptance_head_file(tiny_models["target"], tmp_path_factory.mktemp("head") / "head.st", 0.5)
@@ -142,5 +148,26 @@ def test_chain_sampling_with_adaptive_length_matches_the_target(samples, chain_a
     assert snap["stops_rule"] >= 100 and snap["accepted_tokens"] >= 1000, snap
     p = per_position_p(chain, base[T])
     print(f"p-values per position (adaptive chain vs no speculation, T={T}):",
+          [f"{x:.3g}" for x in p])
+    assert min(p) > ALPHA, p
+
+
+# A penalty the walk does not apply (patches/tree_verify.unsupported_sampling): every step of
+# such a batch goes to vLLM's rejection sampler, on the chain view of the tree. Barely above 1,
+# so that the tokens still repeat enough for drafts to be accepted.
+PENALTY = {"repetition_penalty": 1.01}
+
+
+def test_vllms_rejection_sampler_on_our_chains_matches_the_target(tiny_models):
+    """Steps with a sampling feature the walk does not apply send the draft and its best suffix
+    as a chain to vLLM's rejection sampler (counted in chain_fallback_steps): its samples must
+    be the target's too, against no speculation with the same penalty."""
+    base, _ = sample(tiny_models["target"], None, (T,), **PENALTY)
+    ours, snap = sample(tiny_models["target"], tree_spec(tiny_models["target"]), (T,), **PENALTY)
+    print({k: snap[k] for k in ("chain_fallback_steps", "accepted_tokens", "drafted_tokens", "suffix_accepted")})
+    assert snap["chain_fallback_steps"] > 0 and snap["tree_suffix_accepted"] == 0, snap
+    assert snap["accepted_tokens"] >= 1000, snap
+    p = per_position_p(ours[T], base[T])
+    print(f"p-values per position (vLLM's sampler on our chains vs no speculation, T={T}):",
           [f"{x:.3g}" for x in p])
     assert min(p) > ALPHA, p

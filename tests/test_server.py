@@ -213,3 +213,6 @@ def test_serve_token_tree_k3(tiny_models, expected, tmp_path):
     ours = assert_counts_are_vllms(text)
     assert ours.get("vllm:ouroboros_suffix_accepted_total", 0) > 0, sorted(ours)
     print("tree suffix tokens accepted:", ours.get("vllm:ouroboros_tree_suffix_accepted_total"))
+    # The tree was sent, not the chain: available at load and never fallen back from.
+    assert "tree verification unavailable" not in served
+    assert ours["vllm:ouroboros_chain_fallback_steps_total"] == 0, ours

@@ -48,7 +48,8 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 def pytest_report_header(config):
     name = f" ({torch.cuda.get_device_name()})" if DEVICE == "cuda" else ""
     copies = "; host copies as on a GPU (OUROBOROS_TEST_CPU_COPIES)" if CPU_COPIES else ""
-    return [f"ouroboros test device: {DEVICE}{name}; vLLM {'installed' if HAVE_VLLM else 'absent'}{copies}"]
+    order = "; in reverse order (OUROBOROS_TEST_REVERSE)" if REVERSE else ""
+    return [f"ouroboros test device: {DEVICE}{name}; vLLM {'installed' if HAVE_VLLM else 'absent'}{copies}{order}"]
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,14 @@ def _cpu_copies(monkeypatch):
     yield
 
 
+# The tests in reverse order (OUROBOROS_TEST_REVERSE=1): a test that passes only after another
+# has run (a module's shared proposer or pool filled by earlier tests) fails there.
+REVERSE = os.environ.get("OUROBOROS_TEST_REVERSE") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
+    if REVERSE:
+        items.reverse()
     if HAVE_VLLM:
         return
     skip = pytest.mark.skip(reason="starts a vLLM engine; vLLM is not installed here "

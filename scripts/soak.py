@@ -469,7 +469,7 @@ def print_report(s: dict, args) -> list[str]:
     for n in names:
         r = s["rows"][n]
         print(f"{n}: RSS MiB start/middle/end " + " / ".join(f"{v:.0f}" for v in r["rss_mb"])
-              + ("; pool bytes " + " / ".join(f"{v:.0f}" for v in r["pool_bytes"])
+              + ("; pool bytes " + " / ".join("?" if v is None else f"{v:.0f}" for v in r["pool_bytes"])
                  if r["pool_bytes"][2] is not None else "")
               + ("; draft KV pages MiB " + " / ".join(f"{v:.0f}" for v in r["draft_cache_mb"])
                  if r["draft_cache_mb"][2] is not None else ""))

@@ -261,7 +261,11 @@ def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
     V = 80
     logits = torch.nn.functional.one_hot(T(paths), V).float().view(-1, V) * 5
     noise = gen(1)
-    process = lambda x, req: torch.randn(x.shape, generator=noise, device=DEVICE)  # noqa: E731 (what sampling would see)
+    def process(x, req):  # what sampling would see: random logits, with 9 (row 1's greedy token) ruled out
+        out = torch.randn(x.shape, generator=noise, device=DEVICE)
+        out[..., 9] = -float("inf")
+        return out
+
     greedy = T([1, 0, 1, 1]).bool()
     got = verify(tree, logits, np.arange(4) * 10, greedy, process, generator=gen(2))
     want = accept_greedy(tree, T(paths))
@@ -269,8 +273,8 @@ def test_verify_walks_greedy_rows_of_a_sampled_batch_greedily():
         assert emitted(got.result, b) == emitted(want, b)
     assert emitted(got.result, 0) == [5, 6, 7, 8, 9, 77] and emitted(got.result, 2) == [5, 6, 7, 3, 4, 11]
     assert np.array_equal(got.target_next, np.array(paths)) and got.token_ids.dtype == np.int32
-    # Row 1 was sampled from its processed distribution (random logits over 80 ids, these
-    # seeds): a real token, not the greedy 9 its raw logits force.
+    # Row 1 was sampled from its processed distribution, in which 9 cannot be drawn: a real
+    # token, not the greedy 9 its raw logits force.
     row1 = emitted(got.result, 1)
     assert all(0 <= t < V for t in row1) and row1 != [9], row1
 

@@ -76,7 +76,8 @@ def test_pool_mode_where_a_draft_forward_costs_what_the_target_does():
     assert cost_model.drafting_mode_costs(FLAT, None, 4, 4, 4, 9)["pool"] == float("inf")
     assert _mode(FLAT, None) != "pool"
     # A pin of the draft's own switches (on or off) keeps the draft model; use_draft False is
-    # the pool mode whatever they say.
+    # the pool mode whatever they say (config.validate refuses the two together; the rule's
+    # answer, were they given, is still the pool).
     assert _mode(FLAT, FLAT, use_lookahead=True) == "phrases"
     assert _mode(FLAT, FLAT, use_guesses=False) == "chain"
     assert _mode(FLAT, FLAT, use_draft=True) == "phrases"

@@ -269,6 +269,39 @@ def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path,
         "the older copy replaced the save on request"
 
 
+def test_a_replaced_saver_waits_for_its_periodic_write(tmp_path, monkeypatch):
+    """A second load_model's saver starts with no write of its own under way: the replaced
+    saver's periodic write, renamed after the new saver's first save, would put the old pool
+    back. close() waits for it."""
+    saver = pool_saver(tmp_path / "pool.pt")
+    real, gate, entered = PhrasePool.write_state, threading.Event(), threading.Event()
+
+    def slow(state, path):
+        entered.set()
+        gate.wait(10)
+        real(state, path)
+
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(slow))
+    saver.maybe_save()
+    assert entered.wait(10)
+    waiting, join = threading.Event(), threading.Thread.join
+
+    def joined(thread, timeout=None):
+        if threading.current_thread() is closer:
+            waiting.set()
+        return join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", joined)
+    closer = threading.Thread(target=saver.close)
+    closer.start()
+    while not waiting.is_set() and closer.is_alive():
+        waiting.wait(0.01)
+    assert waiting.is_set() and closer.is_alive(), "close() did not wait for the write under way"
+    gate.set()
+    join(closer, 10)
+    assert not saver.writing and (tmp_path / "pool.pt").exists()
+
+
 def test_a_second_load_leaves_the_first_pools_exit_handler_out(tiny_models, tmp_path, monkeypatch):
     """Exit handlers run newest first: a second load_model's saver wrote the new pool at exit,
     then the first saver's handler wrote its own, older pool over it."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -48,8 +49,12 @@ class PoolSaver:
 
     def close(self) -> None:
         """This saver is replaced (a second load_model): its exit handler would write its own,
-        older pool over the new one's file (exit handlers run newest first)."""
+        older pool over the new one's file (exit handlers run newest first), and so would a
+        periodic write of its still under way, renamed after the new saver's first save: waited
+        for (SAVE_NOW_TIMEOUT_S at most)."""
         atexit.unregister(self.save_now)
+        if self._thread is not None:
+            self._thread.join(SAVE_NOW_TIMEOUT_S)
 
     def save(self, path: str | None = None) -> None:
         """Write the pool now, in the caller (atomically: a reader never sees half a file). The
@@ -58,7 +63,7 @@ class PoolSaver:
         landing after this one, would put that copy back."""
         path = path or self.path
         pending = self._thread
-        if path == self.path and pending is not None and pending.is_alive():
+        if os.path.abspath(path) == os.path.abspath(self.path) and pending is not None and pending.is_alive():
             pending.join(SAVE_NOW_TIMEOUT_S)
             if pending.is_alive():
                 logger.warning("ouroboros: a periodic phrase pool save to %s is still writing after "

@@ -231,6 +231,24 @@ def test_a_save_on_request_counts_for_the_periodic_one_and_a_save_at_exit_needs_
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
 
 
+def started_until_it_waits(monkeypatch, target) -> tuple[threading.Thread, bool]:
+    """`target` on a thread, returned once it waits for another thread (Thread.join) or has
+    ended, with whether it waited: an event, not a sleep a slow thread start would outlast."""
+    waiting, join = threading.Event(), threading.Thread.join
+
+    def joined(thread, timeout=None):
+        if threading.current_thread() is runner:
+            waiting.set()
+        return join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", joined)
+    runner = threading.Thread(target=target)
+    runner.start()
+    while not waiting.is_set() and runner.is_alive():
+        waiting.wait(0.01)
+    return runner, waiting.is_set()
+
+
 def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
     """The periodic save copies the pool, then writes on its thread; a save on request made
     while that write is under way wrote the newer pool first, and the thread's rename, landing
@@ -248,19 +266,7 @@ def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path,
     p._saver.maybe_save()  # the periodic save: its copy of the pool has no key 11
     assert entered.wait(10)
     p.pool.insert(torch.tensor([11]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long))
-    waiting = threading.Event()  # the save on request waits for the periodic write
-    join = threading.Thread.join
-
-    def joined(thread, timeout=None):
-        if threading.current_thread() is request:
-            waiting.set()
-        return join(thread, timeout)
-
-    monkeypatch.setattr(threading.Thread, "join", joined)
-    request = threading.Thread(target=p.save_pool)
-    request.start()
-    while not waiting.is_set() and request.is_alive():  # without the wait: written by then
-        waiting.wait(0.01)
+    request, _ = started_until_it_waits(monkeypatch, p.save_pool)  # without the wait: written by then
     gate.set()
     request.join(10)
     p._saver.join(10)
@@ -284,21 +290,10 @@ def test_a_replaced_saver_waits_for_its_periodic_write(tmp_path, monkeypatch):
     monkeypatch.setattr(PhrasePool, "write_state", staticmethod(slow))
     saver.maybe_save()
     assert entered.wait(10)
-    waiting, join = threading.Event(), threading.Thread.join
-
-    def joined(thread, timeout=None):
-        if threading.current_thread() is closer:
-            waiting.set()
-        return join(thread, timeout)
-
-    monkeypatch.setattr(threading.Thread, "join", joined)
-    closer = threading.Thread(target=saver.close)
-    closer.start()
-    while not waiting.is_set() and closer.is_alive():
-        waiting.wait(0.01)
-    assert waiting.is_set() and closer.is_alive(), "close() did not wait for the write under way"
+    closer, waited = started_until_it_waits(monkeypatch, saver.close)
+    assert waited and closer.is_alive(), "close() did not wait for the write under way"
     gate.set()
-    join(closer, 10)
+    closer.join(10)
     assert not saver.writing and (tmp_path / "pool.pt").exists()
 
 

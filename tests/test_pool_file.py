@@ -650,9 +650,10 @@ def test_a_save_removes_the_temporaries_of_saves_killed_long_ago(tmp_path):
 
 def test_the_engine_process_gets_time_to_write_its_pool(monkeypatch):
     """vLLM's default shutdown_timeout 0 SIGKILLs the engine-core process in the millisecond of
-    its SIGTERM. Where a pool is saved, its process manager waits up to PROCESS_GRACE_S for it
-    to exit (vLLM's own rule for ROCm's teardown): only with requests aborted at once and no
-    remaining budget passed by an outer manager; otherwise as vLLM does."""
+    its SIGTERM, and an offline LLM's finalizer 5 s after it (None: vLLM's 5 s). Where a pool is
+    saved and requests are aborted at once, its process manager gives it at least
+    PROCESS_GRACE_S to exit; a longer wait stands, and so does a draining deadline
+    (shutdown_timeout > 0), as vLLM has them."""
     pytest.importorskip("vllm", reason="the patched process manager is vLLM's")
     from vllm.v1.engine import utils as engine_utils
 
@@ -669,8 +670,9 @@ def test_the_engine_process_gets_time_to_write_its_pool(monkeypatch):
         m.processes, m._request_shutdown_timeout, m._ouroboros_saves_pool = [], request_timeout, saves
         return m
 
-    cases = [((0, True), 0, engine_shutdown.PROCESS_GRACE_S), ((0, False), 0, 0), ((5, True), 0, 0),
-             ((0, True), None, None), ((0, True), 3.0, 3.0)]
+    grace = engine_shutdown.PROCESS_GRACE_S
+    cases = [((0, True), 0, grace), ((0, True), None, grace), ((0, True), 5, grace), ((0, True), 60, 60),
+             ((0, False), 0, 0), ((0, False), None, None), ((0, False), 5, 5), ((5, True), 0, 0), ((5, True), 5, 5)]
     for (request_timeout, saves), timeout, expect in cases:
         waited.clear()
         manager(request_timeout, saves).shutdown(timeout=timeout)

@@ -11,10 +11,11 @@
     an offline LLM's): with vLLM's default `shutdown_timeout` 0 (requests aborted at once) the
     manager SIGTERMs the engine-core process and SIGKILLs it in the same millisecond, before
     its shutdown can write the pool (a `vllm serve` stopped by SIGTERM left the last periodic
-    save, or a pool-sized temporary file). Where a pool is saved, the process gets up to
-    PROCESS_GRACE_S to exit first, as vLLM gives ROCm engines for their teardown
-    (`get_engine_process_shutdown_timeout`); requests are still aborted at once, and an engine
-    that exits sooner (a save takes well under a second) is waited for no longer.
+    save, or a pool-sized temporary file); an offline LLM's finalizer gives it 5 s
+    (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), which a loaded machine ran past. Where a pool is
+    saved and requests are aborted at once, the process gets at least PROCESS_GRACE_S to exit,
+    as vLLM gives ROCm engines for their teardown (`get_engine_process_shutdown_timeout`); an
+    engine that exits sooner (a save takes well under a second) is waited for no longer.
 Not covered: data parallelism on Ray, whose engine-core actors vLLM `ray.kill`s too (no
 shutdown of theirs runs; the last periodic save stands).
 """
@@ -144,12 +145,18 @@ def _proc_manager_init(original):
 
 def _proc_manager_shutdown(original):
     def shutdown(self, timeout=None):
-        # vLLM's own rule for a grace window (ROCm's): only where requests are aborted at once
-        # (shutdown_timeout 0) and no outer manager passed a remaining budget of its own.
-        if (timeout == 0 and getattr(self, "_request_shutdown_timeout", None) == 0
-                and getattr(self, "_ouroboros_saves_pool", False)):
-            logger.info("ouroboros: the engine process gets up to %.0f s to write its phrase pool "
-                        "before it is killed (requests are aborted at once)", PROCESS_GRACE_S)
+        # Only where requests are aborted at once (shutdown_timeout 0): there the process's
+        # time is teardown alone, which the save is part of. vLLM's 0 (`vllm serve`), 5 s where
+        # none is given and an offline LLM's finalizer (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS):
+        # on a loaded 2-core machine the engine core and its worker were SIGKILLed 5 s after
+        # the SIGTERM, and a worker that had not reached its save by then lost the pool. A
+        # positive shutdown_timeout is a draining deadline vLLM enforces with this timeout: kept.
+        if (getattr(self, "_request_shutdown_timeout", None) == 0 and getattr(self, "_ouroboros_saves_pool", False)
+                and (timeout is None or timeout < PROCESS_GRACE_S)):
+            if not getattr(self, "_ouroboros_grace_logged", False):  # vLLM's client calls this twice
+                self._ouroboros_grace_logged = True
+                logger.info("ouroboros: the engine process gets up to %.0f s to write its phrase "
+                            "pool before it is killed (requests are aborted at once)", PROCESS_GRACE_S)
             timeout = PROCESS_GRACE_S
         return original(self, timeout)
 

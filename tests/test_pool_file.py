@@ -249,20 +249,27 @@ def started_until_it_waits(monkeypatch, target) -> tuple[threading.Thread, bool]
     return runner, waiting.is_set()
 
 
-def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
-    """The periodic save copies the pool, then writes on its thread; a save on request made
-    while that write is under way wrote the newer pool first, and the thread's rename, landing
-    after it, put the older copy back in the file."""
-    p = saving_proposer(tmp_path / "pool.pt")
+def periodic_write_held(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the periodic save's write (on its thread) until `gate` is set; `entered` is set once
+    it is under way. Writes from any other thread pass. Returns (gate, entered)."""
     real, gate, entered = PhrasePool.write_state, threading.Event(), threading.Event()
 
-    def slow(state, path):
+    def held(state, path):
         if threading.current_thread().name == "ouroboros-pool-save":
             entered.set()
             gate.wait(10)
         real(state, path)
 
-    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(slow))
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(held))
+    return gate, entered
+
+
+def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
+    """The periodic save copies the pool, then writes on its thread; a save on request made
+    while that write is under way wrote the newer pool first, and the thread's rename, landing
+    after it, put the older copy back in the file."""
+    p = saving_proposer(tmp_path / "pool.pt")
+    gate, entered = periodic_write_held(monkeypatch)
     p._saver.maybe_save()  # the periodic save: its copy of the pool has no key 11
     assert entered.wait(10)
     p.pool.insert(torch.tensor([11]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long))
@@ -280,14 +287,7 @@ def test_a_replaced_saver_waits_for_its_periodic_write(tmp_path, monkeypatch):
     saver's periodic write, renamed after the new saver's first save, would put the old pool
     back. close() waits for it."""
     saver = pool_saver(tmp_path / "pool.pt")
-    real, gate, entered = PhrasePool.write_state, threading.Event(), threading.Event()
-
-    def slow(state, path):
-        entered.set()
-        gate.wait(10)
-        real(state, path)
-
-    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(slow))
+    gate, entered = periodic_write_held(monkeypatch)
     saver.maybe_save()
     assert entered.wait(10)
     closer, waited = started_until_it_waits(monkeypatch, saver.close)

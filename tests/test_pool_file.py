@@ -573,22 +573,22 @@ def test_a_save_at_shutdown_gives_up_on_storage_that_hangs(tmp_path, caplog, mon
     p._saver.save_now()
     saved = (tmp_path / "pool.pt").read_bytes()
     monkeypatch.setattr(pool_saver_module, "SAVE_NOW_TIMEOUT_S", 0.2)
-    hang, writes = threading.Event(), []
-    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: (writes.append(path), hang.wait(10))))
+    hang, entered = threading.Event(), threading.Event()
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: (entered.set(), hang.wait(60))))
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
         p._saver.last_save = -float("inf")
         p._saver.maybe_save()  # the periodic save: on its thread, hung
-        assert writes and p._saver.writing
+        assert entered.wait(10) and p._saver.writing
         t0 = time.monotonic()
-        p.shutdown()  # waits for the hung write, gives up
-        assert time.monotonic() - t0 < 5 and "still writing at the end" in caplog.text
+        p.shutdown()  # waits for the hung write, gives up (not the hang's 60 s)
+        assert time.monotonic() - t0 < 30 and "still writing at the end" in caplog.text
         hang.set()
         p._saver.join(10)
         hang.clear()
         t0 = time.monotonic()
         p._saver.save_now()  # its own write hangs: given up too
-        assert time.monotonic() - t0 < 5 and "did not finish in the" in caplog.text
+        assert time.monotonic() - t0 < 30 and "did not finish in the" in caplog.text
     finally:
         logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
         hang.set()
@@ -599,33 +599,46 @@ def test_a_save_at_shutdown_has_one_deadline_for_all_its_waits(tmp_path, caplog,
     """A step that holds the pool, then a periodic write still under way: the shutdown's waits
     share one deadline (SAVE_NOW_TIMEOUT_S), below the engine process's grace and the Ray RPC's
     time-out. With a bound per wait they summed to 60 s, past vLLM's SIGKILL after the 15 s
-    grace (and the RPC's 30 s), so the engine's own teardown never ran."""
+    grace (and the RPC's 30 s), so the engine's own teardown never ran. On a clock of its own:
+    with real sleeps a loaded machine's pause made the lock wait time out."""
     import logging
+    from types import SimpleNamespace
 
-    from vllm_ouroboros import LOGGER_NAME, proposer
+    from vllm_ouroboros import LOGGER_NAME
     from vllm_ouroboros import pool_saver as pool_saver_module
     from vllm_ouroboros.patches import engine_shutdown
 
-    assert pool_saver_module.SAVE_NOW_TIMEOUT_S < min(engine_shutdown.PROCESS_GRACE_S, engine_shutdown.RAY_SAVE_TIMEOUT_S)
+    limit = pool_saver_module.SAVE_NOW_TIMEOUT_S
+    assert limit < min(engine_shutdown.PROCESS_GRACE_S, engine_shutdown.RAY_SAVE_TIMEOUT_S)
     p = saving_proposer(tmp_path / "pool.pt")
-    monkeypatch.setattr(pool_saver_module, "SAVE_NOW_TIMEOUT_S", 1.0)
-    hang = threading.Event()
-    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: hang.wait(20)))
-    p._saver.maybe_save()  # the periodic save: on its thread, hung
-    in_step = threading.Event()
-    step = threading.Thread(target=proposer._holds_pool(lambda self: (in_step.set(), time.sleep(0.8))), args=(p,))
-    step.start()
-    assert in_step.wait(10)
+    clock, waits = [100.0], []
+    monkeypatch.setattr(pool_saver_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+
+    class StepHoldsThePool:  # the step leaves the pool 0.8 limits later
+        def acquire(self, timeout):
+            waits.append(("lock", timeout))
+            clock[0] += 0.8 * limit
+            return True
+
+        def release(self):
+            pass
+
+    class WriteUnderWay:  # the periodic write never ends
+        def is_alive(self):
+            return True
+
+        def join(self, timeout=None):
+            waits.append(("write", timeout))
+            clock[0] += timeout or 0.0
+
+    p._saver.lock, p._saver._thread = StepHoldsThePool(), WriteUnderWay()
     logging.getLogger(LOGGER_NAME).addHandler(caplog.handler)
     try:
-        t0 = time.monotonic()
-        p.shutdown()  # 0.8 s for the step, then what is left of 1 s for the hung write (1.8 s with a bound per wait)
-        waited = time.monotonic() - t0
+        p.shutdown()
     finally:
         logging.getLogger(LOGGER_NAME).removeHandler(caplog.handler)
-        hang.set()
-        step.join(10)
-    assert 0.9 < waited < 1.6, waited
+    assert waits == [("lock", limit), ("write", pytest.approx(0.2 * limit))], waits
+    assert clock[0] == pytest.approx(100.0 + limit)
     assert "still writing at the end" in caplog.text
 
 

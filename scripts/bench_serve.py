@@ -18,6 +18,7 @@ dataset reader; scripts/setup.sh installs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,25 +54,41 @@ def start_server(target: Path, extra: list[str], log_path: Path, max_num_seqs: i
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"vllm serve exited ({proc.returncode}); log: {log_path}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return proc, base
-        except OSError:
-            if time.time() > deadline:
-                stop_server(proc)
-                sys.exit(f"vllm serve not healthy after {timeout:.0f} s; log: {log_path}")
-            time.sleep(1)
+    try:
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"vllm serve exited ({proc.returncode}); log: {log_path}")
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                return proc, base
+            except OSError:
+                if time.time() > deadline:
+                    sys.exit(f"vllm serve not healthy after {timeout:.0f} s; log: {log_path}")
+                time.sleep(1)
+    except BaseException:  # also SIGTERM (stop_on_sigterm) while it starts: no server left behind
+        stop_server(proc)
+        raise
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to the server's process group (its own session), SIGKILL after 60 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # also what is left of a server whose leader exited
+    except ProcessLookupError:
+        return
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends this script through its `finally` blocks, which stop the servers it
+    started: they run in sessions of their own, so a signal to this script's process group
+    (a test's time-out) never reaches them, and SIGTERM's default action skips the blocks."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def main() -> int:
@@ -84,6 +101,7 @@ def main() -> int:
     ap.add_argument("--spec", default="{}", help="extra ouroboros keys as JSON, e.g. '{\"num_suffixes\": 3}'")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "ouroboros-bench-serve")
     args = ap.parse_args()
+    stop_on_sigterm()
     target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
     draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_serve import start_server, stop_server
+from bench_serve import start_server, stop_on_sigterm, stop_server
 from generate import humaneval_prompts, models_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -561,6 +561,7 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    stop_on_sigterm()
     t_start = time.monotonic()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="ouroboros-soak-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -167,3 +167,45 @@ def test_request_table_cost_times_both_tables(monkeypatch, capsys):
     rows = [ln.split("|")[1:-1] for ln in capsys.readouterr().out.splitlines()[2:]]
     assert [r[1].strip() for r in rows] == ["steady batch", "one request swapped", "4 arrivals (_start_requests)"]
     assert all(r[0].strip() == "4" and r[2].strip() for r in rows) and rows[0][3].strip() == "1.0"
+
+
+def test_a_serving_script_stopped_by_sigterm_stops_its_server(tmp_path):
+    """bench_serve.py and soak.py start `vllm serve` in a session of its own; SIGTERM to the
+    script (tests/test_soak.py's time-out) ended it without its `finally` blocks and left the
+    server running. Here a stand-in server that never becomes healthy, the script stopped
+    while it waits for /health."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    stand_in = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'scripts')!r})\n"
+        "from pathlib import Path\n"
+        "import bench_serve\n"
+        f"bench_serve.vllm_cli = lambda: [sys.executable, '-c', {stand_in!r}]\n"
+        "bench_serve.stop_on_sigterm()\n"
+        f"bench_serve.start_server(Path('target'), [], Path({str(tmp_path / 'serve.log')!r}), 1)\n")
+    script = subprocess.Popen([sys.executable, str(driver)])
+    server = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert script.poll() is None and time.monotonic() < deadline, "the stand-in never started"
+            time.sleep(0.05)
+        server = int(pid_file.read_text())
+        script.send_signal(signal.SIGTERM)
+        assert script.wait(timeout=90) == 128 + signal.SIGTERM
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            server = None
+        assert server is None, "the server outlived the script"
+    finally:
+        script.kill()
+        if server is not None:
+            os.kill(server, signal.SIGKILL)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,9 +14,12 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
+
+from vllm_ouroboros.patches.engine_shutdown import PROCESS_GRACE_S  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -36,8 +40,24 @@ def _vllm_cli() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
+def _seconds_from_sigterm_to_kill(log: str) -> float | None:
+    """Seconds between vLLM's SIGTERM to the engine process and its SIGKILL, from a serve
+    log's timestamps (whole seconds); None where it was not killed."""
+    def when(marker):
+        line = next((x for x in log.splitlines() if marker in x), None)
+        if line is None:
+            return None
+        return datetime.strptime(re.search(r"\d\d-\d\d \d\d:\d\d:\d\d", line).group(0), "%m-%d %H:%M:%S")
+
+    term, kill = when("send sigterm to process EngineCore"), when("force killing remaining process")
+    if kill is None:
+        return None
+    assert term is not None, "killed without a SIGTERM logged"
+    return (kill - term).total_seconds()
+
+
 @contextmanager
-def serve(model: Path, *extra: str, timeout: float = 240.0, stop_server_only: bool = False,
+def serve(model: Path, *extra: str, timeout: float = 600.0, stop_server_only: bool = False,
           log_path: Path | None = None):
     """A `vllm serve` of `model` (extra: more CLI arguments), yielding its base URL; stopped by
     SIGTERM to its whole process group, or (stop_server_only) to the API server alone, as a
@@ -204,7 +224,11 @@ def test_serve_token_tree_k3(tiny_models, expected, tmp_path):
     assert got == expected
     served = log.read_text()
     assert "to write its phrase pool before it is killed" in served
-    assert "force killing" not in served, [line for line in served.splitlines() if "shutdown" in line]
+    # Killed, if at all, after the grace (a loaded machine's teardown may outlast it), not in
+    # the millisecond of the SIGTERM as vLLM's shutdown_timeout 0 does.
+    waited = _seconds_from_sigterm_to_kill(served)
+    assert waited is None or waited >= PROCESS_GRACE_S - 1, \
+        [line for line in served.splitlines() if "shutdown" in line]
     assert pool.exists(), "the pool was not written at shutdown"
     assert not list(tmp_path.glob("pool.pt.*")), "a save was cut off: " + str(list(tmp_path.iterdir()))
     from vllm_ouroboros.pool import PhrasePool

@@ -124,7 +124,9 @@ def test_a_rank_that_cannot_prepare_a_point_falls_back_with_the_others(fail_rank
     products' all-reduce (or, before that fix, raised: a failed engine start where a lone rank
     falls back). Every rank now learns it before the products and all fall back (None)."""
     import multiprocessing
+    import queue
     import socket
+    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,8 +136,19 @@ def test_a_rank_that_cannot_prepare_a_point_falls_back_with_the_others(fail_rank
     procs = [ctx.Process(target=_tp_rank, args=(r, port, fail_rank, out)) for r in range(2)]
     for p in procs:
         p.start()
+    got = {}
     try:
-        got = dict(out.get(timeout=120) for _ in procs)
+        # Each rank imports vLLM first (~9 s alone here): 600 s, not a tight bound, to tell a
+        # rank left waiting in an all-reduce from a slow start on a loaded machine.
+        deadline = time.monotonic() + 600
+        while len(got) < len(procs):
+            try:
+                rank, curve = out.get(timeout=5)
+                got[rank] = curve
+            except queue.Empty:
+                died = {p.name: p.exitcode for p in procs if p.exitcode not in (None, 0)}
+                assert not died, f"a rank died: {died}"
+                assert time.monotonic() < deadline, f"ranks still timing after 600 s; reported: {got}"
     finally:
         for p in procs:
             p.join(10)

@@ -679,7 +679,7 @@ def test_the_engine_process_gets_time_to_write_its_pool(monkeypatch):
     def manager(request_timeout, saves):
         m = object.__new__(engine_utils.CoreEngineProcManager)
         m.manager_stopped = threading.Event()
-        m._finalizer = type("F", (), {"detach": lambda self: ("armed",)})()
+        m._finalizer = type("F", (), {"detach": lambda self: ("armed",), "alive": True})()
         m.processes, m._request_shutdown_timeout, m._ouroboros_saves_pool = [], request_timeout, saves
         return m
 
@@ -690,3 +690,36 @@ def test_the_engine_process_gets_time_to_write_its_pool(monkeypatch):
         waited.clear()
         manager(request_timeout, saves).shutdown(timeout=timeout)
         assert waited == [expect], (request_timeout, saves, timeout, waited)
+
+
+def test_the_engine_process_gets_time_to_write_its_pool_at_interpreter_exit(monkeypatch):
+    """An offline script that ends with its LLM alive: the process manager's own finalizer
+    (vLLM's module-level shutdown(processes), 5 s, which the manager's shutdown method never
+    sees) runs first at exit. Where a pool is saved and requests are aborted at once it gives
+    the engine process PROCESS_GRACE_S; otherwise it is vLLM's."""
+    import weakref
+
+    pytest.importorskip("vllm", reason="the patched process manager is vLLM's")
+    from vllm.v1.engine import utils as engine_utils
+
+    from vllm_ouroboros.patches import engine_shutdown
+
+    calls = []
+    monkeypatch.setattr(engine_utils, "shutdown", lambda procs, timeout=None: calls.append(("grace", timeout)))
+    monkeypatch.setattr(engine_shutdown, "_saves_pool", lambda saves: saves)
+
+    class Manager:
+        pass
+
+    def vllms_init(self, vllm_config, request_timeout):  # what CoreEngineProcManager.__init__ leaves
+        self.processes, self._request_shutdown_timeout = [], request_timeout
+        self._finalizer = weakref.finalize(self, lambda procs: calls.append(("vllm's", None)), self.processes)
+
+    init = engine_shutdown._proc_manager_init(vllms_init)
+    for saves, request_timeout, expect in ((True, 0, ("grace", engine_shutdown.PROCESS_GRACE_S)),
+                                           (False, 0, ("vllm's", None)), (True, 5, ("vllm's", None))):
+        calls.clear()
+        m = Manager()
+        init(m, saves, request_timeout)
+        m._finalizer()  # as at exit (atexit runs the live finalizers)
+        assert calls == [expect], (saves, request_timeout, calls)

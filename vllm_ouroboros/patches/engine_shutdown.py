@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.patches._util import patch_method, require
@@ -136,9 +137,17 @@ def _proc_manager_init(original):
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        require(self, "_request_shutdown_timeout")  # what shutdown's rule reads (an instance's)
+        # What shutdown's rule reads, and the finalizer replaced below (an instance's).
+        require(self, "_request_shutdown_timeout", "_finalizer", "processes")
         vllm_config = signature.bind(self, *args, **kwargs).arguments["vllm_config"]
         self._ouroboros_saves_pool = _saves_pool(vllm_config)
+        if self._ouroboros_saves_pool and self._request_shutdown_timeout == 0 and self._finalizer.detach():
+            # vLLM's finalizer calls its module's shutdown(processes) directly: 5 s, past this
+            # class's shutdown. It is what runs at interpreter exit (an offline script that
+            # ends with its LLM alive): made after the client's, it runs before it.
+            from vllm.v1.engine import utils as engine_utils
+
+            self._finalizer = weakref.finalize(self, engine_utils.shutdown, self.processes, PROCESS_GRACE_S)
 
     return init
 
@@ -153,8 +162,7 @@ def _proc_manager_shutdown(original):
         # positive shutdown_timeout is a draining deadline vLLM enforces with this timeout: kept.
         if (getattr(self, "_request_shutdown_timeout", None) == 0 and getattr(self, "_ouroboros_saves_pool", False)
                 and (timeout is None or timeout < PROCESS_GRACE_S)):
-            if not getattr(self, "_ouroboros_grace_logged", False):  # vLLM's client calls this twice
-                self._ouroboros_grace_logged = True
+            if self._finalizer.alive:  # else stopped already (vLLM's client calls this twice)
                 logger.info("ouroboros: the engine process gets up to %.0f s to write its phrase "
                             "pool before it is killed (requests are aborted at once)", PROCESS_GRACE_S)
             timeout = PROCESS_GRACE_S

@@ -118,7 +118,19 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
             {"temperature": 0.8, "min_p": 1.0, "seed": 2},
             {"temperature": 1.2, "min_p": 1.0, "top_k": 5, "seed": 3, "logit_bias": {60: 1.0}}]):
         biased[i].update(extra)
-    return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased)}
+    # Logprobs of chosen token ids through the walk, also where top-k logprobs are asked beside
+    # them (vLLM's Sampler then gives the ids); then beside a penalty, which leaves the batch
+    # to vLLM's rejection sampler, which drops them (tree_verify.root_sample). vLLM gives the
+    # whole batch the ids' format, padded to the longest list, while one request asks: a
+    # request's entries then depend on which others share its step, which speculation
+    # changes; here nobody else asks for logprobs, and both lists have one length.
+    ids = [dict(p) for p in mixed]
+    ids[0].update(logprob_token_ids=[5, 6, 7])
+    ids[1].update(logprobs=3, logprob_token_ids=[5, 6, 7])  # vLLM: logprobs = the ids' count
+    ids_penalty = [dict(p) for p in ids]
+    ids_penalty[3].update(repetition_penalty=1.3)
+    return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased), "ids": (ps, ids),
+            "ids_penalty": (ps, ids_penalty)}
 
 
 BIAS = {40: 3.0, 148: 2.0, 211: -100.0}  # tokens of the tiny vocabulary (384)
@@ -194,7 +206,8 @@ def runs(scenario, tiny_models, pool_file):
     one = ([scenario["prompts"][5]], {"temperature": 0.0, "max_tokens": 48})
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight), ("mixed", scenario["mixed"]),
-             ("features", scenario["features"]), ("bias", scenario["bias"]))
+             ("features", scenario["features"]), ("bias", scenario["bias"]), ("ids", scenario["ids"]),
+             ("ids_penalty", scenario["ids_penalty"]))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
@@ -214,7 +227,8 @@ def tree_run(request, scenario, tiny_models):
             "use_lookahead": True, "use_guesses": True, "use_suffixes": True,
             "max_speculative_batch": 8 if request.param == 2 else 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
-                             (("features", scenario["features"]), ("bias", scenario["bias"])))
+                             (("features", scenario["features"]), ("bias", scenario["bias"]),
+                              ("ids", scenario["ids"]), ("ids_penalty", scenario["ids_penalty"])))
     return request.param, ours, snaps
 
 
@@ -302,6 +316,25 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     assert biased[2]["tokens"] == plain[2]["tokens"]  # min_p = 1 at T = 0.8: the greedy tokens
 
 
+def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, scenario):
+    """logprob_token_ids: vLLM's rejection sampler ignored them (the requests' logprobs went
+    missing) and, beside `logprobs`, killed the engine. Through the walk (K = 1 chains, K = 2
+    and 3 trees), and beside a penalty (the drafts rejected, the roots sampled by vLLM's plain
+    sampler): every greedy request's tokens and logprobs, one entry per token, as without
+    speculation."""
+    base, ours, _ = runs
+    K, tree, snaps = tree_run
+    for name in ("ids", "ids_penalty"):
+        params = scenario[name][1]
+        for label, got in ((f"{name}, K=1", ours), (f"{name}, K={K}", tree)):
+            assert_greedy_requests_identical(base[name], got[name], params, label)
+            for i in (0, 1):
+                assert len(got[name][i]["logprobs"]) == len(got[name][i]["tokens"][0]), (label, i)
+                assert all(set(d) >= {5, 6, 7} for d in got[name][i]["logprobs"]), (label, i)
+    # The walk verified the ids batch: drafts were accepted there.
+    assert snaps["ids"]["accepted_tokens"] > snaps["bias"]["accepted_tokens"], K
+
+
 def test_greedy_identical_to_no_speculation(runs, scenario):
     base, ours, snaps = runs
     assert snaps["loaded"]["settings"]["tree_verification"] == "fewer than 2 suffixes: the chain is the tree"
@@ -367,7 +400,7 @@ def test_pool_saved_at_engine_exit(runs, pool_file):
     _, _, snaps = runs
     assert pool_file.exists(), "pool_save_path was not written at shutdown"
     pool = PhrasePool.load(str(pool_file))
-    last = snaps["bias"]["pool"]
+    last = snaps[list(snaps)[-1]]["pool"]  # the last batch's
     assert pool.num_phrases() == last["phrases"] > 0 and pool.num_keys() == last["keys"], (
         pool.num_phrases(), pool.num_keys(), last)
     # Lookups rise every drafting step (phrases may not, once the text repeats): the file is the

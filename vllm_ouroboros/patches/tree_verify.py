@@ -6,11 +6,14 @@ Per step, for the ouroboros proposer:
                 (tree_attention.py) and build the TokenTree for the acceptance walk.
   sample()      instead of vLLM's rejection sampler: the tree walk (verify.py; chains too), then the
                 KV of an accepted suffix k >= 1 is moved behind the draft (kv_relocate.py). Where the walk
-                cannot honour the batch's sampling features (logprobs of chosen ids, penalties,
-                bad words, min_tokens, allowed tokens, custom logits processors), the tree is
-                read as the chain draft + suffix 0 by vLLM's own rejection sampler: still one
-                forward, still lossless, and the other suffixes still feed the pool. logit_bias
-                and min_p go to every verified row, on either path (bias_min_p.py).
+                cannot honour the batch's sampling features (penalties, bad words, min_tokens,
+                allowed tokens, custom logits processors), the tree is read as the chain draft +
+                suffix 0 by vLLM's own rejection sampler: still one forward, still lossless, and
+                the other suffixes still feed the pool. logit_bias and min_p go to every verified
+                row, on either path (bias_min_p.py). Where that sampler would get the batch
+                wrong too (logprobs of chosen token ids beside such a feature, logprobs of the
+                whole vocabulary: it drops the first and fails on both), every draft of the
+                step is rejected and the roots are sampled as without speculation (root_sample).
 """
 
 from __future__ import annotations
@@ -164,8 +167,8 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
                                                         MinPLogitsProcessor,
                                                         MinTokensLogitsProcessor)
 
-    if sm.logprob_token_ids:
-        return "logprobs of chosen token ids"
+    if sm.max_num_logprobs == -1:
+        return "logprobs of the whole vocabulary"
     if sm.max_num_logprobs is not None and logprobs_mode not in ("raw_logprobs", "raw_logits"):
         return f"logprobs_mode {logprobs_mode}"
     if not sm.no_penalties:
@@ -186,6 +189,18 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
                 return "min_tokens"
         else:
             return f"logits processor {type(p).__name__}"
+    return None
+
+
+def rejection_sampler_fails(sm) -> str | None:
+    """What vLLM 0.32's rejection sampler gets wrong in this batch, or None: it ignores
+    logprob_token_ids (the requests' logprobs went missing, and beside `logprobs` its bonus
+    rows came in the ids' shape and killed the engine), and `logprobs` -1 (the whole
+    vocabulary) fails in its top-k. Its plain sampler, without speculation, serves both."""
+    if sm.logprob_token_ids:
+        return "logprobs of chosen token ids"
+    if sm.max_num_logprobs == -1:
+        return "logprobs of the whole vocabulary"
     return None
 
 
@@ -230,14 +245,17 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         if src.numel() and not _SKIP_RELOCATION:
             move_kv(_kv_caches(runner), src, dst, backend=_state(runner).kv_move)
         logprobs = None
-        if sm.max_num_logprobs is not None:
-            logprobs = _path_logprobs(runner.sampler, mode, raw, step, v, sm.max_num_logprobs)
+        if sm.max_num_logprobs is not None or sm.logprob_token_ids:
+            logprobs = _path_logprobs(runner.sampler, mode, raw, step, v, sm)
         (token_ids,) = to_device(logits.device, v.token_ids)
         out = SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=logprobs)
         return out, StepOutcome(step.tree, v.tokens, v.target_next, v.result.num_accepted,
                                 v.result.suffix_index)
 
-    if step.plan.has_tree:
+    if np.any(spec_meta.num_draft_tokens) and (why := rejection_sampler_fails(sm)) is not None:
+        _log_once(runner, why)
+        out = root_sample(runner, original_sample, logits, step)
+    elif step.plan.has_tree:
         out = _chain_view_sample(runner, logits, spec_meta, step, sm)
     elif not np.any(spec_meta.num_draft_tokens):
         # No request drafted (all backed off, or fresh from prefill): a plain decoding step,
@@ -276,8 +294,29 @@ def emitted_choices(target_next: np.ndarray, sampled: np.ndarray, greedy: np.nda
     return out
 
 
-def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int):
-    """vLLM's LogprobsTensors for the emitted tokens, one row per emitted slot [B * (N + 1)].
+def root_sample(runner, original_sample, logits, step: TargetStep):
+    """Every draft of the step rejected: each request's root row sampled by vLLM's plain
+    sampler, as without speculation (one token per request, SamplerOutput [B, 1]). Lossless
+    at any temperature (the token comes from the target's distribution after the context);
+    the drafted rows' forward is spent for nothing, so only for batches that need it."""
+    (roots,) = to_device(logits.device, np.asarray(step.row_start, np.int64))
+    return original_sample(runner, logits[roots], None)
+
+
+def _log_once(runner, why: str) -> None:
+    seen = runner.__dict__.setdefault("_ouroboros_root_sample_reasons", set())
+    if why not in seen:
+        seen.add(why)
+        logger.info("ouroboros: a batch with %s beside a sampling feature the tree walk leaves to "
+                    "vLLM's rejection sampler, which gets it wrong: such steps reject their drafts "
+                    "and sample as without speculation", why)
+
+
+def _path_logprobs(sampler, mode, logits, step: TargetStep, v, sm):
+    """vLLM's LogprobsTensors for the emitted tokens, one row per emitted slot [B * (N + 1)]:
+    the top `sm.max_num_logprobs`, or where a request asks for chosen token ids
+    (`sm.logprob_token_ids`, {request index: ids}) those, for the whole batch as vLLM's
+    sampler gives them.
 
     Emitted token j of a request was predicted after the root (j = 0) or after accepted node
     j - 1: those logit rows, not consecutive ones as on a chain. Padding slots read row 0 and
@@ -291,7 +330,11 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, num_logprobs: int
     rows_t, tok = to_device(logits.device, rows, np.maximum(v.token_ids.reshape(-1), 0).astype(np.int64))
     x = logits[rows_t].float()
     lp = x if mode == "raw_logits" else sampler.compute_logprobs(x)
-    return sampler.gather_logprobs(lp, num_logprobs, tok)
+    if sm.logprob_token_ids:  # vLLM's Sampler prefers them to the top-k where both are asked
+        require(sampler, "gather_specific_token_logprobs")
+        ids = {i * N1 + j: t for i, t in sm.logprob_token_ids.items() for j in range(N1)}
+        return sampler.gather_specific_token_logprobs(lp, ids, tok)
+    return sampler.gather_logprobs(lp, sm.max_num_logprobs, tok)
 
 
 def row_processing(sm, B: int, min_p=None):

@@ -6,7 +6,7 @@ drafted, why it stopped, and what the target accepted of it.
 
 One engine per setting (fixed gamma, and the acceptance head at each threshold h; speculation
 pinned on, as benchmark.py's rows), the same HumanEval prompts (from --offset: past the head's
-training tasks), each round written by the proposer's RoundTrace (VLLM_OUROBOROS_TRACE). Prints
+training tasks), each round written by the proposer's RoundTrace (OUROBOROS_TRACE). Prints
 and writes results/draft_length_traces.{md,json}: per setting the rounds, mean draft length,
 mean accepted draft tokens, draft tokens rejected per round (draft forwards spent for nothing
 when phrase drafting is off), rounds accepted in full; and per draft length, how many rounds

@@ -84,6 +84,6 @@ def test_without_relocation_outputs_diverge(setting):
     """Negative control: the same run with the KV left in place is wrong (so the test above
     really depends on the relocation)."""
     target, base, spec = setting
-    ours, _, snap = _generate(target, spec, {"VLLM_OUROBOROS_DEBUG_SKIP_KV_RELOCATION": "1"})
+    ours, _, snap = _generate(target, spec, {"OUROBOROS_DEBUG_SKIP_KV_RELOCATION": "1"})
     assert snap["tree_suffix_accepted"] > 0
     assert ours != base

@@ -136,3 +136,22 @@ def test_the_source_tree_fallback_range_is_setups():
     declared = re.search(r'^VLLM_RANGE = "([^"]+)"', setup, re.M).group(1)
     assert plugin._FALLBACK_RANGE == declared
     assert plugin.supported_vllm_range() == str(SpecifierSet(declared))
+
+
+@pytest.mark.parametrize("name", ["OUROBOROS_DISABLE", "VLLM_OUROBOROS_DISABLE"])
+def test_the_plugin_can_be_turned_off(name):
+    """OUROBOROS_DISABLE=1 (and the old VLLM_OUROBOROS_DISABLE) leave vLLM unpatched: checked
+    in a fresh process, where the registration has not run yet."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from vllm_ouroboros import plugin; plugin.register()\n"
+            "from vllm.sampling_params import SamplingParams\n"
+            "print(hasattr(SamplingParams._validate_spec_decode, '__ouroboros_original__'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("OUROBOROS_DISABLE")}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, name: "1"}, capture_output=True, text=True,
+                         timeout=300)
+    assert on.stdout.split()[-1:] == ["True"], on.stderr[-2000:]
+    assert off.stdout.split()[-1:] == ["False"], off.stderr[-2000:]

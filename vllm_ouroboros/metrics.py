@@ -186,13 +186,13 @@ def engine_snapshot(llm) -> dict:
     return snaps[0]
 
 
-TRACE_ENV = "VLLM_OUROBOROS_TRACE"
+TRACE_ENV = "OUROBOROS_TRACE"
 
 
 class RoundTrace:
     """One JSON line per request and round, for studying draft lengths: what the round drafted
     and what the target accepted of it. Off, at no cost, unless the environment variable
-    VLLM_OUROBOROS_TRACE names a file (appended to; one writer process: the drafting rank).
+    OUROBOROS_TRACE names a file (appended to; one writer process: the drafting rank).
 
     Fields: req (vLLM's request id), draft (sentence-draft tokens drafted), sent (of those, sent
     after the token cap), cut (the most tokens the back-off let the row send: its shorter draft

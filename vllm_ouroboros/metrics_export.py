@@ -31,7 +31,7 @@ from vllm_ouroboros import LOGGER_NAME
 
 logger = logging.getLogger(LOGGER_NAME)
 
-ENV_DIR = "VLLM_OUROBOROS_METRICS_DIR"
+ENV_DIR = "OUROBOROS_METRICS_DIR"
 PREFIX = "vllm:ouroboros_"
 
 COUNTERS = {

@@ -2,7 +2,9 @@
 
 It checks the installed vLLM against the supported range declared in setup.py (read back from
 this package's metadata, so the range lives in one place), then applies the patches. Calling it
-twice is harmless. `VLLM_OUROBOROS_DISABLE=1` turns the plugin off.
+twice is harmless. `OUROBOROS_DISABLE=1` turns the plugin off (no variable of ours starts with
+`VLLM_`: vLLM warns about every such name it does not know, and refuses to start with them under
+`--fail-on-environ-validation`; the old `VLLM_OUROBOROS_DISABLE` still works).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def check_vllm_version(version: str | None = None) -> str:
     if not ok:
         raise RuntimeError(
             f"vllm-ouroboros supports vLLM {spec} (tested: 0.32.0 CPU build); "
-            f"found vLLM {version}. Install a supported vLLM or set VLLM_OUROBOROS_DISABLE=1."
+            f"found vLLM {version}. Install a supported vLLM or set OUROBOROS_DISABLE=1."
         )
     return version
 
@@ -65,8 +67,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    if os.environ.get("VLLM_OUROBOROS_DISABLE", "0") == "1":
-        logger.info("vllm-ouroboros disabled by VLLM_OUROBOROS_DISABLE=1")
+    disabled = [n for n in ("OUROBOROS_DISABLE", "VLLM_OUROBOROS_DISABLE") if os.environ.get(n, "0") == "1"]
+    if disabled:
+        logger.info("vllm-ouroboros disabled by %s=1", disabled[0])
         _registered = True
         return
     check_vllm_version()

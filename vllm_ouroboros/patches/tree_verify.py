@@ -36,7 +36,7 @@ logger = logging.getLogger(LOGGER_NAME)
 
 # Debugging aid (tests/test_tree_relocation.py): leave the accepted branch's KV where it is, to
 # show that outputs go wrong without the move. Never set it in production.
-_SKIP_RELOCATION = os.environ.get("VLLM_OUROBOROS_DEBUG_SKIP_KV_RELOCATION", "0") == "1"
+_SKIP_RELOCATION = os.environ.get("OUROBOROS_DEBUG_SKIP_KV_RELOCATION", "0") == "1"
 
 
 class TreeState:

@@ -155,3 +155,27 @@ def test_the_plugin_can_be_turned_off(name):
                          timeout=300)
     assert on.stdout.split()[-1:] == ["True"], on.stderr[-2000:]
     assert off.stdout.split()[-1:] == ["False"], off.stderr[-2000:]
+
+
+def test_batches_vllms_rejection_sampler_gets_wrong_are_named():
+    """Chosen token ids go through the walk; beside a feature that leaves the batch to vLLM's
+    rejection sampler (which drops them), and for logprobs -1 (which fails in its top-k), the
+    step samples its roots as without speculation (tree_verify.root_sample)."""
+    from types import SimpleNamespace
+
+    from vllm_ouroboros.patches.tree_verify import rejection_sampler_fails, unsupported_sampling
+
+    def batch(**kw):
+        fields = dict(logprob_token_ids=None, max_num_logprobs=None, no_penalties=True, bad_words_token_ids={},
+                      allowed_token_ids_mask=None, thinking_budget_state_holder=None,
+                      logitsprocs=SimpleNamespace(all=[]))
+        return SimpleNamespace(**{**fields, **kw})
+
+    ids = batch(logprob_token_ids={0: [5, 6]})
+    assert unsupported_sampling(ids) is None and rejection_sampler_fails(ids) == "logprobs of chosen token ids"
+    both = batch(logprob_token_ids={0: [5, 6]}, no_penalties=False)
+    assert unsupported_sampling(both) == "penalties" and rejection_sampler_fails(both)
+    whole = batch(max_num_logprobs=-1)
+    assert unsupported_sampling(whole) == rejection_sampler_fails(whole) == "logprobs of the whole vocabulary"
+    top = batch(max_num_logprobs=3, no_penalties=False)
+    assert unsupported_sampling(top) == "penalties" and rejection_sampler_fails(top) is None

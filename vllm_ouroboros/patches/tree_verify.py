@@ -307,9 +307,9 @@ def _log_once(runner, why: str) -> None:
     seen = runner.__dict__.setdefault("_ouroboros_root_sample_reasons", set())
     if why not in seen:
         seen.add(why)
-        logger.info("ouroboros: a batch with %s beside a sampling feature the tree walk leaves to "
-                    "vLLM's rejection sampler, which gets it wrong: such steps reject their drafts "
-                    "and sample as without speculation", why)
+        logger.info("ouroboros: a batch with %s that the tree walk cannot take and vLLM's "
+                    "rejection sampler gets wrong: such steps reject their drafts and sample as "
+                    "without speculation", why)
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, sm):

@@ -127,10 +127,13 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
     ids = [dict(p) for p in mixed]
     ids[0].update(logprob_token_ids=[5, 6, 7])
     ids[1].update(logprobs=3, logprob_token_ids=[5, 6, 7])  # vLLM: logprobs = the ids' count
+    # The penalty's request joins after 4 steps, when the others have drafted (those drafts are
+    # rejected unjudged, its roots sampled plainly), and ends after 8 tokens: nobody drafts
+    # while it runs, and drafting resumes after it.
     ids_penalty = [dict(p) for p in ids]
-    ids_penalty[3].update(repetition_penalty=1.3)
+    ids_penalty[3].update(repetition_penalty=1.3, max_tokens=8)
     return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased), "ids": (ps, ids),
-            "ids_penalty": (ps, ids_penalty)}
+            "ids_penalty": (ps, ids_penalty, 3, 4)}
 
 
 BIAS = {40: 3.0, 148: 2.0, 211: -100.0}  # tokens of the tiny vocabulary (384)
@@ -179,10 +182,10 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=Fals
         results = {"main": [(list(o.outputs[0].token_ids), o.outputs[0].text,
                              o.outputs[0].finish_reason) for o in outs]}
         snaps = {"loaded": loaded, "main": engine_snapshot(llm) if spec else None}
-        for name, (ps, sp) in extra_runs:  # sp: one request's settings for all, or a list
+        for name, (ps, sp, *late) in extra_runs:  # sp: one request's settings for all, or a list
             per_request = isinstance(sp, list)
             sps = [SamplingParams(**p) for p in sp] if per_request else SamplingParams(**sp)
-            o = llm.generate(ps, sps, use_tqdm=False)
+            o = generate_joining(llm, ps, sps, *late) if late else llm.generate(ps, sps, use_tqdm=False)
             results[name] = [output_detail(x) for x in o] if per_request else \
                 [list(x.outputs[0].token_ids) for x in o]
             snaps[name] = engine_snapshot(llm) if spec else None
@@ -194,6 +197,24 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=Fals
     finally:
         del llm
         gc.collect()
+
+
+def generate_joining(llm, prompts, params, late: int, after_steps: int):
+    """llm.generate's outputs, but request `late` joins the batch after `after_steps` engine
+    steps, when the others decode (and draft): a request that changes how the batch samples
+    arrives in the middle, as on a server."""
+    engine, done = llm.llm_engine, {}
+    order = [i for i in range(len(prompts)) if i != late]
+    for i in order:
+        engine.add_request(str(i), prompts[i], params[i])
+    steps = 0
+    while engine.has_unfinished_requests() or str(late) not in done:
+        if steps == after_steps:
+            assert len(done) < len(order), "every request ended before the late one joined"
+            engine.add_request(str(late), prompts[late], params[late])
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+    return [done[str(i)] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +352,14 @@ def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, sce
             for i in (0, 1):
                 assert len(got[name][i]["logprobs"]) == len(got[name][i]["tokens"][0]), (label, i)
                 assert all(set(d) >= {5, 6, 7} for d in got[name][i]["logprobs"]), (label, i)
-    # The walk verified the ids batch: drafts were accepted there.
+    # The walk verified the ids batch: drafts were accepted there, and nobody paused.
     assert snaps["ids"]["accepted_tokens"] > snaps["bias"]["accepted_tokens"], K
+    assert snaps["ids"]["sampling_pause_steps"] == 0, K
+    # Beside the penalty: the drafts made before it joined were rejected (nothing accepted
+    # in its steps), nobody drafted while it ran, and drafting resumed after it.
+    ids, pen = snaps["ids"], snaps["ids_penalty"]
+    assert pen["sampling_pause_steps"] > 0, K
+    assert pen["accepted_tokens"] > ids["accepted_tokens"], K
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

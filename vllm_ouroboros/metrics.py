@@ -34,6 +34,9 @@ Definitions (per request, summed for the aggregate):
   unreadable_prompt_steps steps in which the draft model did not draft for the request because
                        its prompt came as embeddings (prompt_embeds), which it cannot read; the
                        pool may have drafted instead
+  sampling_pause_steps steps in which nothing was drafted for the request because a request in
+                       the batch sampled with settings neither the tree walk nor vLLM's
+                       rejection sampler verifies drafts for (tree_verify.rejection_sampler_fails)
   scheduler_cut_steps  steps in which vLLM's scheduler verified fewer of the request's proposed
                        tokens than it was sent (max_num_batched_tokens taken by other requests'
                        prefill or drafts): a tree cut to its first tokens
@@ -66,7 +69,7 @@ PER_REQUEST = (
     "suffix_accepted", "tree_suffix_accepted", "tree_gain", "generated_tokens", "guess_tokens", "guess_lookups", "guess_hits",
     "inspiration_inserts", "refinement_inserts", "backoff_steps", "shortened_steps", "branches_cut", "cache_full_steps", "suffix_skipped",
     "scheduler_cut_steps", "unreadable_prompt_steps", "draft_rounds", "sentence_draft_tokens", "stops_rule", "stops_cap",
-    "pool_draft_steps",
+    "pool_draft_steps", "sampling_pause_steps",
 )
 _COL = {name: i for i, name in enumerate(PER_REQUEST)}
 # /metrics' counters (metrics_export.COUNTERS order): those summed over requests, by position.

@@ -184,6 +184,10 @@ class OuroborosProposer:
         self._tree_decision: str | None = None
         self._tree_ok_structured = True
         self._tree_ok_sampling = True
+        # Why nothing is drafted now (a request samples with settings no verifier of drafts
+        # applies: set_drafting_allowed_for_sampling), None while drafting runs; reasons logged.
+        self._sampling_pause: str | None = None
+        self._pause_reasons: set[str] = set()
         # Drafting steps that sent chains where the tree was on (a request in the batch needs
         # what the tree path does not do), and the reasons logged so far.
         self._chain_steps = 0
@@ -683,6 +687,26 @@ class OuroborosProposer:
         if not ok:
             self._log_chain_reason(reason or "a sampling setting the tree walk does not apply")
 
+    def set_drafting_allowed_for_sampling(self, reason: str | None) -> None:
+        """`reason` (tree_verify.rejection_sampler_fails) while a request in the batch samples
+        with a setting that neither the tree walk applies nor vLLM's rejection sampler gets
+        right: that step's drafts were all rejected and its roots sampled plainly, so every
+        request decodes without drafts until it leaves (counted in sampling_pause_steps), not
+        drafting for nothing; None resumes drafting."""
+        self._sampling_pause = reason
+        if reason is not None and reason not in self._pause_reasons:
+            self._pause_reasons.add(reason)
+            logger.info("ouroboros: while a request with %s is in the batch, no verifier of drafts "
+                        "samples it as vLLM would (the tree walk does not apply to the batch, vLLM's "
+                        "rejection sampler gets it wrong): its steps decode without drafts, sampled "
+                        "as without speculation; drafting resumes after it (counted in "
+                        "sampling_pause_steps)", reason)
+
+    @property
+    def drafting_paused(self) -> bool:
+        """Whether set_drafting_allowed_for_sampling holds drafting off now."""
+        return self._sampling_pause is not None
+
     def _log_chain_reason(self, why: str) -> None:
         """Say once per reason that steps send chains while such a request is in the batch."""
         if self._tree_decision != "available" or self.cfg.tree_suffixes < 2 or why in self._chain_reasons:
@@ -740,6 +764,14 @@ class OuroborosProposer:
             plen, slen = n[:, None], np.zeros((B, 1), np.int64)
         sel = np.nonzero(ok)[0]
         s = slots[sel]
+
+        def learn():
+            return self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
+                               tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+
+        if not outcome.drafts_judged:  # the target's tokens hold; the rejections were not earned
+            learn()
+            return
         # A draft cut to c tokens by the back-off says how far the full draft would have been
         # accepted up to c only: the estimates of its first c positions learn from it. So does
         # a draft that vLLM's scheduler cut to fewer tokens than proposed (the token budget went
@@ -800,8 +832,7 @@ class OuroborosProposer:
             got = (num_acc[sel] - n[sel])[reached]
             self._suffix_yield[s[reached]] += ESTIMATE_RATE * (got - self._suffix_yield[s[reached]])
             self._suffix_yield_all += ESTIMATE_RATE * (float(got.mean()) - self._suffix_yield_all)
-        along = self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
-                            tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+        along = learn()
         if branched.any():
             # What each branch added over the better-ranked ones, greedy along each (exact for
             # greedy requests; a sampled one's accepted branch counts what it accepted).
@@ -1007,6 +1038,9 @@ class OuroborosProposer:
         # now (counted only where it drafted, a request the back-off left out lost its tokens,
         # and draft_forwards_per_token read high under load).
         self.stats.add(slots, generated_tokens=n_new[rows])
+        if self._sampling_pause is not None:
+            self._no_draft(slots, "sampling_pause_steps")
+            return proposals
         lens_ctx = np.asarray(num_tokens_no_spec[rows], np.int64)
         # A request one token from its length limit (max_tokens, max_model_len) emits that token
         # whatever is drafted: a round for it would be paid for nothing (at the end of every
@@ -1382,7 +1416,7 @@ class OuroborosProposer:
     def _no_draft(self, slots: np.ndarray, counter: str) -> None:
         """Plain decoding this step for these slots: nothing sent, nothing drafted; the draft
         catches up on the skipped tokens (chunked prefill) when speculation resumes. `counter`:
-        the per-request counter that says why (backoff_steps or cache_full_steps)."""
+        the per-request counter that says why (backoff_steps, cache_full_steps, ...)."""
         self._send_nothing(slots)
         self.stats.add(slots, **{counter: np.ones_like(slots)})
 

@@ -35,6 +35,10 @@ class StepOutcome:
     target_next: np.ndarray   # [B, N + 1]
     num_accepted: np.ndarray  # [B] draft + suffix tokens accepted
     suffix_index: np.ndarray  # [B] suffix on the accepted path, -1 none
+    # False where the step rejected every draft without judging it (tree_verify.root_sample):
+    # the pool and the counters learn from what the target said, the acceptance estimates do
+    # not (they would read rejections the drafts never earned).
+    drafts_judged: bool = True
 
 
 def plan_target_step(num_drafts: np.ndarray, draft_len: np.ndarray, suffix_len: np.ndarray,

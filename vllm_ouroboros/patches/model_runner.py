@@ -98,9 +98,12 @@ def _sample(original):
                                                      functools.partial(_prompt_readable, self))
         drafter.set_batch(self.input_batch.req_ids, *facts)
         step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
-        if step is None or spec_decode_metadata is None or logits is None:
-            return original(self, logits, spec_decode_metadata)
         from vllm_ouroboros.patches import tree_verify
+
+        if step is None or spec_decode_metadata is None or logits is None:
+            if drafter.drafting_paused and logits is not None:
+                tree_verify.review_drafting_pause(self)
+            return original(self, logits, spec_decode_metadata)
 
         out, outcome = tree_verify.sample(self, original, logits, spec_decode_metadata, step)
         drafter.on_verified(self.input_batch.req_ids, outcome)

@@ -192,6 +192,22 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
     return None
 
 
+def drafting_pause(sm, reason: str | None) -> str | None:
+    """Why no request of the batch should draft now, or None: the tree walk does not take the
+    batch (`reason`, unsupported_sampling) and vLLM's rejection sampler would get it wrong."""
+    why = None if reason is None else rejection_sampler_fails(sm)
+    return why if why is None or why == reason else f"{why} beside {reason}"
+
+
+def review_drafting_pause(runner) -> None:
+    """The pause decided again on a step sample() does not see (no speculative metadata: vLLM
+    0.32 builds it on every step of a speculative engine, this is for one that would not),
+    so that a pause cannot outlive the request that caused it."""
+    sm = runner.input_batch.sampling_metadata
+    reason = unsupported_sampling(sm, runner.sampler.logprobs_mode)
+    runner.drafter.set_drafting_allowed_for_sampling(drafting_pause(sm, reason))
+
+
 def rejection_sampler_fails(sm) -> str | None:
     """What vLLM 0.32's rejection sampler gets wrong in this batch, or None: it ignores
     logprob_token_ids (the requests' logprobs went missing, and beside `logprobs` its bonus
@@ -217,6 +233,8 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     mode = runner.sampler.logprobs_mode
     reason = unsupported_sampling(sm, mode)
     runner.drafter.set_tree_allowed_for_sampling(reason is None, reason)
+    stop = drafting_pause(sm, reason)
+    runner.drafter.set_drafting_allowed_for_sampling(stop)
     bias, min_p = bias_min_p.active_processors(sm)
     raw = logits  # logprobs are the raw logits', as vLLM reports them by default
     # The walk also verifies plain chains: one lossless sampler for every ouroboros step. (vLLM
@@ -252,9 +270,10 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         return out, StepOutcome(step.tree, v.tokens, v.target_next, v.result.num_accepted,
                                 v.result.suffix_index)
 
-    if np.any(spec_meta.num_draft_tokens) and (why := rejection_sampler_fails(sm)) is not None:
-        _log_once(runner, why)
-        out = root_sample(runner, original_sample, logits, step)
+    judged = True
+    if np.any(spec_meta.num_draft_tokens) and stop is not None:
+        # Drafts made before such a request joined (drafting pauses from the next step on).
+        out, judged = root_sample(runner, original_sample, logits, step), False
     elif step.plan.has_tree:
         out = _chain_view_sample(runner, logits, spec_meta, step, sm)
     elif not np.any(spec_meta.num_draft_tokens):
@@ -274,7 +293,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     target_next = emitted_choices(target_next, sampled, temp[0] if temp else np.ones(B, bool))
     num_acc = (sampled != -1).sum(1) - 1
     sfx = np.where(num_acc > step.tree.layout.n, 0, -1)
-    return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx)
+    return out, StepOutcome(step.tree, tokens, target_next, num_acc, sfx, drafts_judged=judged)
 
 
 def emitted_choices(target_next: np.ndarray, sampled: np.ndarray, greedy: np.ndarray) -> np.ndarray:
@@ -298,18 +317,10 @@ def root_sample(runner, original_sample, logits, step: TargetStep):
     """Every draft of the step rejected: each request's root row sampled by vLLM's plain
     sampler, as without speculation (one token per request, SamplerOutput [B, 1]). Lossless
     at any temperature (the token comes from the target's distribution after the context);
-    the drafted rows' forward is spent for nothing, so only for batches that need it."""
+    the drafted rows' forward is spent for nothing, so only for a batch that needs it, on
+    the step a request that needs it joins: drafting pauses after it (drafting_pause)."""
     (roots,) = to_device(logits.device, np.asarray(step.row_start, np.int64))
     return original_sample(runner, logits[roots], None)
-
-
-def _log_once(runner, why: str) -> None:
-    seen = runner.__dict__.setdefault("_ouroboros_root_sample_reasons", set())
-    if why not in seen:
-        seen.add(why)
-        logger.info("ouroboros: a batch with %s that the tree walk cannot take and vLLM's "
-                    "rejection sampler gets wrong: such steps reject their drafts and sample as "
-                    "without speculation", why)
 
 
 def _path_logprobs(sampler, mode, logits, step: TargetStep, v, sm):

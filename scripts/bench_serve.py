@@ -18,77 +18,27 @@ dataset reader; scripts/setup.sh installs it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+import serve_process
 from generate import humaneval_prompts, models_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def vllm_cli() -> list[str]:
-    exe = Path(sys.executable).parent / "vllm"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+from serve_process import Server, ServerFailed, stop_on_sigterm
 
 
 def start_server(target: Path, extra: list[str], log_path: Path, max_num_seqs: int,
-                 timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [*vllm_cli(), "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
-           "--max-num-seqs", str(max_num_seqs), *extra]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
+                 timeout: float = 600.0) -> Server:
+    """The benchmarks' `vllm serve TARGET` (float32, eager, seed 0, max_model_len 2048): exits
+    the script with the server's log tail where it does not come up."""
     try:
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"vllm serve exited ({proc.returncode}); log: {log_path}")
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                return proc, base
-            except OSError:
-                if time.time() > deadline:
-                    sys.exit(f"vllm serve not healthy after {timeout:.0f} s; log: {log_path}")
-                time.sleep(1)
-    except BaseException:  # also SIGTERM (stop_on_sigterm) while it starts: no server left behind
-        stop_server(proc)
-        raise
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (its own session), SIGKILL after 60 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)  # also what is left of a server whose leader exited
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM ends this script through its `finally` blocks, which stop the servers it
-    started: they run in sessions of their own, so a signal to this script's process group
-    (a test's time-out) never reaches them, and SIGTERM's default action skips the blocks."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        return serve_process.start(target, ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+                                            "--seed", "0", "--max-num-seqs", str(max_num_seqs), *extra],
+                                   log_path, timeout)
+    except ServerFailed as e:
+        sys.exit(str(e))
 
 
 def main() -> int:
@@ -113,10 +63,9 @@ def main() -> int:
     results = {}
     for name, extra in configs.items():
         print(f"== {name}: vllm serve {target.name} {' '.join(extra)}", flush=True)
-        proc, base = start_server(target, extra, args.out / f"serve-{name}.log",
-                                  max(args.concurrency, 1))
+        server = start_server(target, extra, args.out / f"serve-{name}.log", max(args.concurrency, 1))
         try:
-            cmd = [*vllm_cli(), "bench", "serve", "--backend", "vllm", "--base-url", base,
+            cmd = [*serve_process.vllm_cli(), "bench", "serve", "--backend", "vllm", "--base-url", server.base,
                    "--model", str(target), "--dataset-name", "custom", "--dataset-path", str(dataset),
                    "--skip-chat-template", "--custom-output-len", str(args.max_tokens),
                    "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
@@ -125,7 +74,7 @@ def main() -> int:
             print("$ " + " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         finally:
-            stop_server(proc)
+            server.stop()
         results[name] = json.loads((args.out / f"{name}.json").read_text())
         done, failed = results[name].get("completed"), results[name].get("failed", 0)
         if failed or done != args.num_prompts:

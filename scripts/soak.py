@@ -39,7 +39,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_serve import start_server, stop_on_sigterm, stop_server
+from bench_serve import start_server
+from serve_process import stop_on_sigterm
 from generate import humaneval_prompts, models_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -350,7 +351,8 @@ async def run_mix(base: str, pgid: int, reqs: list[Req], concurrency: int, deadl
 
 def run_server(name: str, target: Path, extra: list[str], reqs: list[Req], args,
                log_dir: Path) -> dict:
-    proc, base = start_server(target, extra, log_dir / f"serve-{name}.log", args.concurrency)
+    server = start_server(target, extra, log_dir / f"serve-{name}.log", args.concurrency)
+    base, proc = server.base, server.proc
     try:
         # Warm-up (also brings the pool past its first pages), then the start probe.
         warm = [Req(-1, "completions", {"model": str(target), "prompt": "def f(x):",
@@ -368,7 +370,7 @@ def run_server(name: str, target: Path, extra: list[str], reqs: list[Req], args,
             "model": str(target), "prompt": "def g(y):", "max_tokens": 8, "temperature": 0.0})],
             1, time.monotonic() + 120, 120))
     finally:
-        stop_server(proc)
+        server.stop()
     # Tracebacks while serving; stopping the server logs the engine's death on purpose.
     log = (log_dir / f"serve-{name}.log").read_text(errors="replace").split("[shutdown]")[0]
     return {"results": results, "start": start, "middle": probes.get("middle", end), "end": end,

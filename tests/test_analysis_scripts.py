@@ -186,9 +186,9 @@ def test_a_serving_script_stopped_by_sigterm_stops_its_server(tmp_path):
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'scripts')!r})\n"
         "from pathlib import Path\n"
-        "import bench_serve\n"
-        f"bench_serve.vllm_cli = lambda: [sys.executable, '-c', {stand_in!r}]\n"
-        "bench_serve.stop_on_sigterm()\n"
+        "import bench_serve, serve_process\n"
+        f"serve_process.vllm_cli = lambda: [sys.executable, '-c', {stand_in!r}]\n"
+        "serve_process.stop_on_sigterm()\n"
         f"bench_serve.start_server(Path('target'), [], Path({str(tmp_path / 'serve.log')!r}), 1)\n")
     script = subprocess.Popen([sys.executable, str(driver)])
     server = None

@@ -215,7 +215,8 @@ def test_spec_method_shorthand(tiny_models):
 
 def test_one_setting_given_twice_is_refused_whatever_its_spelling(tiny_models):
     """A shorthand and the JSON's hyphenated key, or both spellings in the JSON: refused (the
-    later one silently won before keys were normalised)."""
+    later one silently won before keys were normalised). And --async-scheduling, which the
+    method cannot run with, by a message that says so."""
     pytest.importorskip("vllm", reason=NO_VLLM)
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -229,6 +230,9 @@ def test_one_setting_given_twice_is_refused_whatever_its_spelling(tiny_models):
                                                      "num-speculative-tokens": 9})],
         "--speculative-config gives 'num_suffixes' twice":
             ["-sc", json.dumps({"method": "ouroboros", "model": draft, "num-suffixes": 3, "num_suffixes": 2})],
+        # Not a setting given twice, but refused here too: vLLM's own message named other methods.
+        "--async-scheduling is not supported with the ouroboros method":
+            ["--async-scheduling", "--spec-method", "ouroboros", "--spec-model", draft],
     }
     for message, argv in cases.items():
         ns = parser.parse_args(base + argv)

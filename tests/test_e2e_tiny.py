@@ -132,6 +132,10 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
     # while it runs, and drafting resumes after it.
     ids_penalty = [dict(p) for p in ids]
     ids_penalty[3].update(repetition_penalty=1.3, max_tokens=8)
+    # Logprobs of the whole vocabulary (-1): vLLM's input batch asks for the vocabulary's size,
+    # through the walk ("mixed", "bias") and vLLM's rejection sampler ("features": bad words).
+    for batch in (mixed, feats, biased):
+        batch[2]["logprobs"] = -1
     return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased), "ids": (ps, ids),
             "ids_penalty": (ps, ids_penalty, 3, 4)}
 
@@ -174,7 +178,7 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=Fals
         return snap
 
     llm = LLM(model=str(target), dtype="float32", enforce_eager=True, seed=0, max_num_seqs=32,
-              speculative_config=spec, **{"max_model_len": 1024, **engine_kw})
+              speculative_config=spec, **{"max_model_len": 1024, "max_logprobs": -1, **engine_kw})
     try:
         loaded = engine_snapshot(llm) if spec else None  # before any request
         sps = [SamplingParams(**p) for p in params]

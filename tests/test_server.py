@@ -3,13 +3,8 @@ without speculation, with the method selected by the CLI shorthands and by `-sc`
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -19,25 +14,14 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import serve_process  # noqa: E402
+
 from vllm_ouroboros.patches.engine_shutdown import PROCESS_GRACE_S  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = ["def fib(n):", "The quick brown fox", "import numpy as np\n", "class Stack:\n    def"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_cli() -> list[str]:
-    exe = Path(sys.executable).parent / "vllm"
-    if exe.exists():
-        return [str(exe)]
-    # Without the dist-info shim the `vllm` script cannot read its own version.
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def _seconds_from_sigterm_to_kill(log: str) -> float | None:
@@ -59,44 +43,19 @@ def _seconds_from_sigterm_to_kill(log: str) -> float | None:
 @contextmanager
 def serve(model: Path, *extra: str, timeout: float = 600.0, stop_server_only: bool = False,
           log_path: Path | None = None):
-    """A `vllm serve` of `model` (extra: more CLI arguments), yielding its base URL; stopped by
-    SIGTERM to its whole process group, or (stop_server_only) to the API server alone, as a
-    container runtime stops it, waiting for it to exit. Its output goes to log_path (default:
-    a file under TMPDIR)."""
-    port = _free_port()
-    cmd = [*_vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-           *extra]
-    log = open(log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-serve-{port}.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    """A `vllm serve` of `model` (extra: more CLI arguments; scripts/serve_process.py), yielding
+    its base URL; stopped by SIGTERM to its whole process group, or (stop_server_only) to the
+    API server alone, as a container runtime stops it, waiting for it to exit. Its output goes
+    to log_path (default: a file under TMPDIR)."""
     try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"vllm serve exited early ({proc.returncode}):\n{log.read()[-4000:]}")
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"vllm serve not healthy in {timeout}s:\n{log.read()[-4000:]}")
-                time.sleep(1)
-        yield base
+        server = serve_process.start(model, ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+                                             "--seed", "0", *extra], log_path, timeout)
+    except serve_process.ServerFailed as e:
+        pytest.fail(str(e))
+    try:
+        yield server.base
     finally:
-        if stop_server_only:
-            proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):  # what is left of the group
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        server.stop(group=not stop_server_only)
 
 
 def complete(base: str, model: Path, prompt: str, max_tokens: int = 48, **extra) -> dict:

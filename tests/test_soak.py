@@ -31,7 +31,7 @@ def test_short_soak_loses_nothing(tiny_models, tmp_path):
            "--json", str(out)]
     # Past the script's own limits (two servers: 600 s start-up, 600 s of mix each) only where
     # it hangs, and inside pytest-timeout's 1800 s so that the servers are stopped: SIGTERM
-    # runs the script's `finally` blocks (bench_serve.stop_on_sigterm); its servers run in
+    # runs the script's `finally` blocks (serve_process.stop_on_sigterm); its servers run in
     # sessions of their own, and a SIGKILLed script left them loading the rest of the suite.
     proc = subprocess.Popen(cmd, cwd=REPO / "scripts", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))

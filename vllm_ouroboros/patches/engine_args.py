@@ -58,6 +58,13 @@ def _create_speculative_config(original):
         spec = _shorthand_merged(self)
         if not spec or spec.get("method") != METHOD:
             return original(self, target_model_config, target_parallel_config)
+        if getattr(self, "async_scheduling", None):
+            # vLLM's own refusal names the methods that support it, not why this one does not.
+            raise ValueError(
+                "--async-scheduling is not supported with the ouroboros method: its proposer (vLLM's "
+                "custom_class) drafts on the host from the tokens each step sampled, which async "
+                "scheduling does not wait for; leave the flag out (vLLM then schedules synchronously "
+                "for this method)")
         from vllm.config import SpeculativeConfig
 
         vllm_keys = {f.name for f in dataclasses.fields(SpeculativeConfig)}

@@ -211,8 +211,11 @@ def review_drafting_pause(runner) -> None:
 def rejection_sampler_fails(sm) -> str | None:
     """What vLLM 0.32's rejection sampler gets wrong in this batch, or None: it ignores
     logprob_token_ids (the requests' logprobs went missing, and beside `logprobs` its bonus
-    rows came in the ids' shape and killed the engine), and `logprobs` -1 (the whole
-    vocabulary) fails in its top-k. Its plain sampler, without speculation, serves both."""
+    rows came in the ids' shape and killed the engine). A max_num_logprobs of -1 (vLLM's
+    sampler returns the whole vocabulary, unsorted, for it) would reach a top-k: 0.32's input
+    batch asks for the vocabulary's size instead for `logprobs` -1, which both the walk and
+    the rejection sampler serve (tests/test_e2e_tiny.py), so this is for a vLLM that passes
+    -1 on. Its plain sampler, without speculation, serves both."""
     if sm.logprob_token_ids:
         return "logprobs of chosen token ids"
     if sm.max_num_logprobs == -1:

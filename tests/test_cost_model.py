@@ -13,6 +13,7 @@ from vllm_ouroboros import LOGGER_NAME, cost_model
 from vllm_ouroboros.cost_model import CostCurve
 from vllm_ouroboros.draft.model import DraftModel
 from vllm_ouroboros.draft.runtime import DraftRuntime
+from vllm_ouroboros.target_step import StepOutcome
 
 FLAT = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0,) * 8)
 # This repository's CPU machine, the real pair (an early scripts/benchmark.py run: 0.5B draft, 1.5B target).
@@ -428,8 +429,8 @@ def test_suffix_gain_is_its_yield_times_the_chance_the_draft_is_accepted_whole()
         n=np.array([4]), num_nodes=np.array([8]), path_len=np.array([[8]]), slen=np.array([[4]]),
         paths=np.arange(8)[None, None, :]))
     for accepted, expect in ((2, 1.0), (7, 1.0 + ESTIMATE_RATE * (3 - 1.0))):
-        outcome = SimpleNamespace(tree=tree, num_accepted=np.array([accepted]), suffix_index=np.array([0]),
-                                  tokens=np.zeros((1, 8), np.int64), target_next=np.zeros((1, 9), np.int64))
+        outcome = StepOutcome(tree=tree, num_accepted=np.array([accepted]), suffix_index=np.array([0]),
+                              tokens=np.zeros((1, 8), np.int64), target_next=np.zeros((1, 9), np.int64))
         p.on_verified(["a"], outcome)
         assert p._suffix_yield[0] == pytest.approx(expect)
 
@@ -446,7 +447,7 @@ def test_a_draft_the_scheduler_cut_teaches_only_its_verified_positions():
             n=np.array([scheduled]), num_nodes=np.array([scheduled]),
             path_len=np.array([[scheduled]]), slen=np.array([[0]]),
             paths=np.arange(scheduled)[None, None, :]))
-        p.on_verified(["a"], SimpleNamespace(
+        p.on_verified(["a"], StepOutcome(
             tree=tree, num_accepted=np.array([accepted]), suffix_index=np.array([-1]),
             tokens=np.zeros((1, scheduled), np.int64),
             target_next=np.zeros((1, scheduled + 1), np.int64)))
@@ -1356,7 +1357,7 @@ def test_the_mode_review_measures_pool_rows_whose_branches_were_cut():
     tree = SimpleNamespace(B=5, D=K * L, layout=SimpleNamespace(
         n=np.zeros(5, np.int64), num_nodes=scheduled, path_len=np.where(paths[:, :, 0] >= 0, L, 0),
         slen=np.where(paths[:, :, 0] >= 0, L, 0), paths=paths))
-    p.on_verified(list("abcde"), SimpleNamespace(
+    p.on_verified(list("abcde"), StepOutcome(
         tree=tree, num_accepted=np.array([3, 1, 4, 0, 2]), suffix_index=np.array([0, 1, 2, -1, 0]),
         tokens=np.zeros((5, K * L), np.int64), target_next=np.zeros((5, K * L + 1), np.int64)))
     assert review.rows_measured["pool"] == 3 and review.rows_estimated["pool"] == 2, review.stats()

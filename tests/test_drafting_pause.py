@@ -1,6 +1,6 @@
 """Drafting pauses while a request in the batch samples with settings that neither the tree walk
-applies nor vLLM's rejection sampler gets right (logprobs -1, logprob_token_ids beside a
-penalty): the step it joins rejects the drafts already made, unjudged, and samples its roots
+applies nor vLLM's rejection sampler gets right (logprob_token_ids beside a penalty or another
+feature the walk leaves to that sampler): the step it joins rejects the drafts already made, unjudged, and samples its roots
 plainly (tree_verify.root_sample); nobody drafts until it leaves. A real proposer (the tiny
 draft, no engine) and the runner patch on a stand-in runner; the engine run is
 tests/test_e2e_tiny.py::test_logprobs_of_chosen_token_ids_as_without_speculation."""

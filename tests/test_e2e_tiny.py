@@ -119,25 +119,28 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
             {"temperature": 1.2, "min_p": 1.0, "top_k": 5, "seed": 3, "logit_bias": {60: 1.0}}]):
         biased[i].update(extra)
     # Logprobs of chosen token ids through the walk, also where top-k logprobs are asked beside
-    # them (vLLM's Sampler then gives the ids); then beside a penalty, which leaves the batch
-    # to vLLM's rejection sampler, which drops them (tree_verify.root_sample). vLLM gives the
-    # whole batch the ids' format, padded to the longest list, while one request asks: a
+    # them (vLLM's Sampler then gives the ids). vLLM gives the whole batch the ids' format, padded to the longest list, while one request asks: a
     # request's entries then depend on which others share its step, which speculation
     # changes; here nobody else asks for logprobs, and both lists have one length.
     ids = [dict(p) for p in mixed]
     ids[0].update(logprob_token_ids=[5, 6, 7])
     ids[1].update(logprobs=3, logprob_token_ids=[5, 6, 7])  # vLLM: logprobs = the ids' count
-    # The penalty's request joins after 4 steps, when the others have drafted (those drafts are
-    # rejected unjudged, its roots sampled plainly), and ends after 8 tokens: nobody drafts
-    # while it runs, and drafting resumes after it.
+    # Beside a penalty, which leaves the batch to vLLM's rejection sampler, which drops them:
+    # nobody drafts while the penalty's request runs (8 tokens), and drafting resumes after it
+    # ("ids_penalty_first": its request there from the start). In "ids_penalty" it joins after
+    # a step, when the others draft: the step it joins rejects their drafts unjudged and
+    # samples its roots plainly (tree_verify.root_sample), or the ids requests (64 tokens, to
+    # outlive the join) would lose logprobs.
     ids_penalty = [dict(p) for p in ids]
     ids_penalty[3].update(repetition_penalty=1.3, max_tokens=8)
+    for i in (0, 1):
+        ids_penalty[i]["max_tokens"] = 64
     # Logprobs of the whole vocabulary (-1): vLLM's input batch asks for the vocabulary's size,
     # through the walk ("mixed", "bias") and vLLM's rejection sampler ("features": bad words).
     for batch in (mixed, feats, biased):
         batch[2]["logprobs"] = -1
     return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased), "ids": (ps, ids),
-            "ids_penalty": (ps, ids_penalty, 3, 4)}
+            "ids_penalty_first": (ps, ids_penalty), "ids_penalty": (ps, ids_penalty, 3, 1, (0, 1))}
 
 
 BIAS = {40: 3.0, 148: 2.0, 211: -100.0}  # tokens of the tiny vocabulary (384)
@@ -203,19 +206,23 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=Fals
         gc.collect()
 
 
-def generate_joining(llm, prompts, params, late: int, after_steps: int):
-    """llm.generate's outputs, but request `late` joins the batch after `after_steps` engine
-    steps, when the others decode (and draft): a request that changes how the batch samples
-    arrives in the middle, as on a server."""
-    engine, done = llm.llm_engine, {}
-    order = [i for i in range(len(prompts)) if i != late]
-    for i in order:
-        engine.add_request(str(i), prompts[i], params[i])
+def generate_joining(llm, prompts, params, late: int, after_steps: int, running=()):
+    """llm.generate's outputs, but request `late` joins after `after_steps` engine outputs were
+    read, when the others decode (and draft): a request that changes how the batch samples
+    arrives in the middle, as on a server. The engine core runs ahead of what is read, so the
+    join comes at least that late; the requests `running` must still be running then."""
+    engine, done, joined = llm.llm_engine, {}, False
+    for i in range(len(prompts)):
+        if i != late:
+            engine.add_request(str(i), prompts[i], params[i])
     steps = 0
-    while engine.has_unfinished_requests() or str(late) not in done:
-        if steps == after_steps:
-            assert len(done) < len(order), "every request ended before the late one joined"
+    while not joined or engine.has_unfinished_requests():
+        # (also when all the others ended first: step() would wait for outputs forever)
+        if not joined and (steps >= after_steps or not engine.has_unfinished_requests()):
+            ended = sorted(int(r) for r in done if int(r) in running)
+            assert not ended, f"requests {ended} ended before request {late} joined"
             engine.add_request(str(late), prompts[late], params[late])
+            joined = True
         done.update((o.request_id, o) for o in engine.step() if o.finished)
         steps += 1
     return [done[str(i)] for i in range(len(prompts))]
@@ -232,7 +239,7 @@ def runs(scenario, tiny_models, pool_file):
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight), ("mixed", scenario["mixed"]),
              ("features", scenario["features"]), ("bias", scenario["bias"]), ("ids", scenario["ids"]),
-             ("ids_penalty", scenario["ids_penalty"]))
+             ("ids_penalty_first", scenario["ids_penalty_first"]), ("ids_penalty", scenario["ids_penalty"]))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
@@ -253,7 +260,8 @@ def tree_run(request, scenario, tiny_models):
             "max_speculative_batch": 8 if request.param == 2 else 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("features", scenario["features"]), ("bias", scenario["bias"]),
-                              ("ids", scenario["ids"]), ("ids_penalty", scenario["ids_penalty"])))
+                              ("ids", scenario["ids"]), ("ids_penalty_first", scenario["ids_penalty_first"]),
+                              ("ids_penalty", scenario["ids_penalty"])))
     return request.param, ours, snaps
 
 
@@ -349,7 +357,7 @@ def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, sce
     speculation."""
     base, ours, _ = runs
     K, tree, snaps = tree_run
-    for name in ("ids", "ids_penalty"):
+    for name in ("ids", "ids_penalty_first", "ids_penalty"):
         params = scenario[name][1]
         for label, got in ((f"{name}, K=1", ours), (f"{name}, K={K}", tree)):
             assert_greedy_requests_identical(base[name], got[name], params, label)
@@ -359,11 +367,12 @@ def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, sce
     # The walk verified the ids batch: drafts were accepted there, and nobody paused.
     assert snaps["ids"]["accepted_tokens"] > snaps["bias"]["accepted_tokens"], K
     assert snaps["ids"]["sampling_pause_steps"] == 0, K
-    # Beside the penalty: the drafts made before it joined were rejected (nothing accepted
-    # in its steps), nobody drafted while it ran, and drafting resumed after it.
-    ids, pen = snaps["ids"], snaps["ids_penalty"]
-    assert pen["sampling_pause_steps"] > 0, K
-    assert pen["accepted_tokens"] > ids["accepted_tokens"], K
+    # Beside the penalty there from the start: nobody drafted while it ran, and drafting
+    # resumed after it (the snapshots' counters run on from batch to batch).
+    ids, first, late = snaps["ids"], snaps["ids_penalty_first"], snaps["ids_penalty"]
+    assert first["sampling_pause_steps"] > 0, K
+    assert first["accepted_tokens"] > ids["accepted_tokens"], K
+    assert late["sampling_pause_steps"] > first["sampling_pause_steps"], K
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

@@ -159,8 +159,9 @@ def test_the_plugin_can_be_turned_off(name):
 
 def test_batches_vllms_rejection_sampler_gets_wrong_are_named():
     """Chosen token ids go through the walk; beside a feature that leaves the batch to vLLM's
-    rejection sampler (which drops them), and for logprobs -1 (which fails in its top-k), the
-    step samples its roots as without speculation (tree_verify.root_sample)."""
+    rejection sampler (which drops them) they are named, so that the step samples its roots as
+    without speculation (tree_verify.root_sample) and drafting pauses; so is a max_num_logprobs
+    of -1 (vLLM 0.32's input batch asks for the vocabulary's size instead: tested end to end)."""
     from types import SimpleNamespace
 
     from vllm_ouroboros.patches.tree_verify import rejection_sampler_fails, unsupported_sampling

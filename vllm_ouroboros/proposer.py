@@ -688,11 +688,11 @@ class OuroborosProposer:
             self._log_chain_reason(reason or "a sampling setting the tree walk does not apply")
 
     def set_drafting_allowed_for_sampling(self, reason: str | None) -> None:
-        """`reason` (tree_verify.rejection_sampler_fails) while a request in the batch samples
-        with a setting that neither the tree walk applies nor vLLM's rejection sampler gets
-        right: that step's drafts were all rejected and its roots sampled plainly, so every
-        request decodes without drafts until it leaves (counted in sampling_pause_steps), not
-        drafting for nothing; None resumes drafting."""
+        """`reason` (tree_verify.drafting_pause) while a request in the batch samples with a
+        setting that neither the tree walk applies nor vLLM's rejection sampler gets right: a
+        step with drafts then rejects them all and samples its roots plainly, so every request
+        decodes without drafts until it leaves (counted in sampling_pause_steps), not drafting
+        for nothing; None resumes drafting."""
         self._sampling_pause = reason
         if reason is not None and reason not in self._pause_reasons:
             self._pause_reasons.add(reason)

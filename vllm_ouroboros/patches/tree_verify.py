@@ -11,9 +11,10 @@ Per step, for the ouroboros proposer:
                 suffix 0 by vLLM's own rejection sampler: still one forward, still lossless, and
                 the other suffixes still feed the pool. logit_bias and min_p go to every verified
                 row, on either path (bias_min_p.py). Where that sampler would get the batch
-                wrong too (logprobs of chosen token ids beside such a feature, logprobs of the
-                whole vocabulary: it drops the first and fails on both), every draft of the
-                step is rejected and the roots are sampled as without speculation (root_sample).
+                wrong too (logprobs of chosen token ids beside such a feature: it drops them,
+                and beside `logprobs` failed), the step such a request joins rejects its drafts
+                unjudged and samples the roots as without speculation (root_sample), and the
+                proposer drafts nothing until it leaves (drafting_pause).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ Definitions (per request, summed for the aggregate):
                        pool may have drafted instead
   sampling_pause_steps steps in which nothing was drafted for the request because a request in
                        the batch sampled with settings neither the tree walk nor vLLM's
-                       rejection sampler verifies drafts for (tree_verify.rejection_sampler_fails)
+                       rejection sampler verifies drafts for (tree_verify.drafting_pause)
   scheduler_cut_steps  steps in which vLLM's scheduler verified fewer of the request's proposed
                        tokens than it was sent (max_num_batched_tokens taken by other requests'
                        prefill or drafts): a tree cut to its first tokens

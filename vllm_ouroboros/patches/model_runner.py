@@ -98,12 +98,13 @@ def _sample(original):
                                                      functools.partial(_prompt_readable, self))
         drafter.set_batch(self.input_batch.req_ids, *facts)
         step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
-        from vllm_ouroboros.patches import tree_verify
-
         if step is None or spec_decode_metadata is None or logits is None:
             if drafter.drafting_paused and logits is not None:
+                from vllm_ouroboros.patches import tree_verify
+
                 tree_verify.review_drafting_pause(self)
             return original(self, logits, spec_decode_metadata)
+        from vllm_ouroboros.patches import tree_verify
 
         out, outcome = tree_verify.sample(self, original, logits, spec_decode_metadata, step)
         drafter.on_verified(self.input_batch.req_ids, outcome)

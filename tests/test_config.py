@@ -225,7 +225,7 @@ def test_one_setting_given_twice_is_refused_whatever_its_spelling(tiny_models):
     base = ["--model", str(tiny_models["target"]), "--dtype", "float32", "--max-model-len", "256"]
     draft = str(tiny_models["draft"])
     cases = {
-        "--spec-tokens and --speculative-config\['num_speculative_tokens'\] are mutually exclusive":
+        r"--spec-tokens and --speculative-config\['num_speculative_tokens'\] are mutually exclusive":
             ["--spec-tokens", "4", "-sc", json.dumps({"method": "ouroboros", "model": draft,
                                                      "num-speculative-tokens": 9})],
         "--speculative-config gives 'num_suffixes' twice":

@@ -192,11 +192,12 @@ def test_a_disk_filling_mid_write_and_the_periodic_save_on_a_thread(tmp_path, ca
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 2
 
 
-def pool_saver(path, pool=None, lock=None):
+def pool_saver(path, pool=None, lock=None, version=None):
     """A PoolSaver of `pool` (default small_pool()) to `path`, nothing staged to flush."""
     from vllm_ouroboros.pool_saver import PoolSaver
 
-    return PoolSaver(small_pool() if pool is None else pool, str(path), lock or threading.RLock(), lambda: None)
+    return PoolSaver(small_pool() if pool is None else pool, str(path), lock or threading.RLock(), lambda: None,
+                     version)
 
 
 def saving_proposer(path):
@@ -204,10 +205,10 @@ def saving_proposer(path):
     from vllm_ouroboros.proposer import OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(path))
     p.pool, p._writer = small_pool(), None
-    p._saver = pool_saver(path, p.pool, p._pool_lock)
+    p._saver = pool_saver(path, p.pool, p._pool_lock, lambda: p._pool_version)
     return p
 
 
@@ -229,6 +230,60 @@ def test_a_save_on_request_counts_for_the_periodic_one_and_a_save_at_exit_needs_
     monkeypatch.setattr(threading.Thread, "start", no_thread)
     p._saver.save_now()
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
+
+
+def test_a_save_at_shutdown_writes_only_a_pool_its_file_lacks(tmp_path, monkeypatch):
+    """The engine core's save RPC and then the worker's own shutdown both save at shutdown: the
+    second write, which vLLM's multiprocess executor may SIGKILL midway (leaving a pool-sized
+    temporary file), is left out where the file holds the pool's version already: after a
+    save at shutdown or a periodic one that worked, with no step since (the proposer's calls
+    that change the pool move the version on). A failed write, another file, or a file gone
+    count for nothing."""
+    from vllm_ouroboros import proposer
+    from vllm_ouroboros.proposer import OuroborosProposer
+
+    p = saving_proposer(tmp_path / "pool.pt")
+    real, written, fail = PhrasePool.write_state, [], []
+
+    def write(state, path):
+        if fail:
+            raise OSError(28, "No space left on device (test)")
+        written.append(int(state["counters"][0]))
+        real(state, path)
+
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(write))
+    p.shutdown()
+    p.shutdown()
+    assert written == [0], "the unchanged pool was written twice"
+
+    def step(self, n):  # a step's pool work (a lookup moves the pool's counters)
+        self.pool.lookup(torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1)
+
+    change = proposer._changes_pool(step)
+    change(p, 3)
+    p.shutdown()
+    assert written == [0, 3]
+    change(p, 2)
+    p._saver.last_save = -float("inf")
+    p._saver.maybe_save()  # the periodic save: the step's version
+    p._saver.join(10)
+    p.shutdown()
+    assert written == [0, 3, 5], "a periodic save of this version was written again"
+    p.save_pool(str(tmp_path / "other.pt"))  # another file holds nothing of pool.pt's
+    change(p, 1)
+    fail.append(True)
+    p.shutdown()  # failed (logged): the file keeps the last version
+    fail.clear()
+    p.shutdown()
+    assert written == [0, 3, 5, 5, 6]
+    (tmp_path / "pool.pt").unlink()
+    p.shutdown()
+    assert written[-1] == 6 and len(written) == 6 and (tmp_path / "pool.pt").exists()
+    # A step's calls that change the pool move the version on (on_verified before it reads
+    # anything: no runtime here; propose's, tests/test_e2e_tiny.py's exit save).
+    p.runtime, before = None, p._pool_version
+    OuroborosProposer.on_verified(p, [], None)
+    assert p._pool_version == before + 1
 
 
 def started_until_it_waits(monkeypatch, target) -> tuple[threading.Thread, bool]:
@@ -343,6 +398,7 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     pytest.importorskip("vllm", reason="the patched worker is vLLM's")
     from vllm.v1.worker.gpu_worker import Worker
 
+    from vllm_ouroboros import proposer
     from vllm_ouroboros.patches import engine_shutdown, model_runner
 
     model_runner.apply()
@@ -351,7 +407,8 @@ def test_the_workers_shutdown_saves_the_pool_before_vllms_teardown(tmp_path):
     p = saving_proposer(tmp_path / "pool.pt")
     p._saver.maybe_save()  # the first step's periodic save: 10 keys
     p._saver.join(10)
-    p.pool.insert(torch.arange(30, 40), torch.ones(10, 4, dtype=torch.long), torch.zeros(10, dtype=torch.long))
+    proposer._changes_pool(lambda self: self.pool.insert(  # a step's inserts
+        torch.arange(30, 40), torch.ones(10, 4, dtype=torch.long), torch.zeros(10, dtype=torch.long)))(p)
     p._saver.register_exit()
 
     order = []
@@ -410,14 +467,15 @@ def test_the_shutdown_save_holds_signals_and_vllms_teardown_always_runs():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp_path, monkeypatch):
-    """vLLM's Ray executors `ray.kill` their workers without calling the worker's shutdown, so
-    the save there never ran: the engine core's shutdown (patched) first asks the workers to
-    save through a collective RPC by name, with a time-out, and only under Ray (elsewhere the
-    worker's own shutdown saves), with an ouroboros pool file, and not where the RPC could only
-    wait (the executor failed or shut down, a step's future pending, Ray down). The RPC reaches
-    the proposer through vLLM's own dispatch (`run_method` on the worker wrapper, as
-    RayWorkerWrapper.execute_method calls it). Both of vLLM's Ray executors, run for real:
+def test_the_engine_core_has_the_workers_save_before_it_stops_them(tmp_path, monkeypatch):
+    """vLLM's Ray executors `ray.kill` their workers without calling the worker's shutdown, and
+    the multiprocess one SIGKILLs a worker 9 s after the stop it signals: the engine core's
+    shutdown (patched) first asks the workers to save through a collective RPC by name, with a
+    time-out, where an ouroboros pool file is written, and not where the RPC could only wait
+    (the executor failed or shut down, its queue closed, a step's future pending, Ray down
+    under Ray). The worker's own shutdown after it writes nothing more (the pool unchanged).
+    The RPC reaches the proposer through vLLM's own dispatch (`run_method` on the worker
+    wrapper, as RayWorkerWrapper.execute_method calls it). Both of vLLM's Ray executors, run for real:
     `python scripts/ray_pool_save_check.py` (needs Ray, not installed by the setup)."""
     import signal
 
@@ -462,15 +520,27 @@ def test_under_ray_the_engine_core_has_the_workers_save_before_it_kills_them(tmp
     monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: True)
     ray = Executor()
     assert shutdown(engine(ray)) == "done"
-    assert ray.calls == [(engine_shutdown.SAVE_METHOD, engine_shutdown.RAY_SAVE_TIMEOUT_S)]
+    assert ray.calls == [(engine_shutdown.SAVE_METHOD, engine_shutdown.SAVE_RPC_TIMEOUT_S)]
     # The save first, signals held (vLLM restored their defaults before), then the teardown.
     assert events == [("rpc", signal.SIG_IGN, signal.SIG_IGN), "teardown"], events
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
 
+    multiprocess = Executor()
+    multiprocess.uses_ray = False
+    monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: False)  # not asked: no Ray
+    (tmp_path / "pool.pt").unlink()
+    assert shutdown(engine(multiprocess)) == "done"
+    assert multiprocess.calls == ray.calls and (tmp_path / "pool.pt").exists()
+    # The worker's shutdown, which vLLM's executor stops by SIGKILL 9 s in, writes nothing more.
+    written = []
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(lambda state, path: written.append(path)))
+    assert engine_shutdown.save_pool(worker) and written == []
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_shutdown, "_ray_running", lambda: True)
+
     # Where an RPC could only wait out its time-out (or past it), or nothing needs it: none.
-    others = {name: Executor() for name in ("multiprocess", "failed", "shut down", "step pending",
+    others = {name: Executor() for name in ("failed", "shut down", "step pending",
                                             "queue closed", "other method", "no save path")}
-    others["multiprocess"].uses_ray = False  # the worker's shutdown saves
     others["failed"].is_failed = True
     others["shut down"].shutting_down = True
     others["step pending"].futures_queue = ["a step's future"]
@@ -514,7 +584,7 @@ def test_a_save_from_another_thread_waits_for_the_step_under_way(tmp_path, caplo
                          torch.zeros(10, dtype=torch.long))
         order.append("step ends")
 
-    runner = threading.Thread(target=proposer._holds_pool(step), args=(p,))
+    runner = threading.Thread(target=proposer._changes_pool(step), args=(p,))
     runner.start()
     assert in_step.wait(10)
     trying = threading.Event()  # the save has asked for the pool's lock
@@ -609,7 +679,7 @@ def test_a_save_at_shutdown_has_one_deadline_for_all_its_waits(tmp_path, caplog,
     from vllm_ouroboros.patches import engine_shutdown
 
     limit = pool_saver_module.SAVE_NOW_TIMEOUT_S
-    assert limit < min(engine_shutdown.PROCESS_GRACE_S, engine_shutdown.RAY_SAVE_TIMEOUT_S)
+    assert limit < min(engine_shutdown.PROCESS_GRACE_S, engine_shutdown.SAVE_RPC_TIMEOUT_S)
     p = saving_proposer(tmp_path / "pool.pt")
     clock, waits = [100.0], []
     monkeypatch.setattr(pool_saver_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))

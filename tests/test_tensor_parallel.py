@@ -50,13 +50,17 @@ def tp_env():
     mp.undo()
 
 
-def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models):
+def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models, tmp_path):
+    """Also the pool file under TP: the engine core's save RPC reaches both ranks at shutdown;
+    the first writes its pool, the second (no pool) nothing."""
+    from vllm_ouroboros.pool import PhrasePool
+
     base, _ = run_tp2(tiny_models["target"], None)
     # The close draft: its drafts are accepted in full often enough that later suffixes are
     # accepted whatever the CPU's rounding (tests/tiny_models.py model_pair).
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64,
-            "use_suffixes": True}
+            "use_suffixes": True, "pool_save_path": str(tmp_path / "pool.pt")}
     ours, snaps = run_tp2(tiny_models["target"], spec)
     for i, (b, o) in enumerate(zip(base, ours)):
         assert o == b, f"request {i}: TP = 2 with ouroboros differs from TP = 2 without"
@@ -68,3 +72,5 @@ def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models
     assert first["tree_suffix_accepted"] > 0, "no tree branch other than the first was accepted"
     # The second rank loaded no draft and ran none: its trees came from the first rank's layouts.
     assert second["draft_forwards"] == 0 and "settings" not in second and "pool" not in second
+    state = PhrasePool.read_state(str(tmp_path / "pool.pt"))  # the pool after the last step
+    assert int(state["counters"][0]) == first["pool"]["lookups"] > 0, (state["counters"], first["pool"])

@@ -19,10 +19,10 @@ from vllm_ouroboros.pool import PhrasePool
 logger = logging.getLogger(LOGGER_NAME)
 
 POOL_SAVE_INTERVAL = 10.0  # seconds
-# Seconds a save made now (shutdown, the engine core's RPC under Ray, exit) may take in all: the
+# Seconds a save made now (the engine core's RPC at shutdown, the worker's, exit) may take in all: the
 # wait for a step under way to leave the pool (a save from another thread), for a periodic write
 # still under way, then for its own. One deadline, below the engine process's grace and the RPC's
-# time-out (patches/engine_shutdown.PROCESS_GRACE_S, RAY_SAVE_TIMEOUT_S): a step or storage that
+# time-out (patches/engine_shutdown.PROCESS_GRACE_S, SAVE_RPC_TIMEOUT_S): a step or storage that
 # hangs costs the save, not the exit (an in-process engine has no SIGKILL to end it). Separate
 # bounds per wait summed past both (20 + 20 + 20 s against 15 and 30).
 SAVE_NOW_TIMEOUT_S = 12.0
@@ -32,19 +32,23 @@ class PoolSaver:
     """Writes one drafter's pool to `path`.
 
     lock: the drafter's pool lock (a step holds it while it changes the pool; a save from
-          another thread, the engine core's RPC under Ray, waits for it: shutdown()).
+          another thread, the engine core's save RPC under Ray, waits for it: shutdown()).
     flush: inserts the rows staged for the next round (pool_writer.py) before the pool is read.
+    version: the pool's version (moves on with every change; the caller's lock held): a save at
+          shutdown skips the pool its file holds already. None: every save writes.
     """
 
-    def __init__(self, pool: PhrasePool, path: str, lock: threading.RLock, flush: Callable[[], None]):
-        self.pool, self.path, self.lock, self._flush = pool, path, lock, flush
+    def __init__(self, pool: PhrasePool, path: str, lock: threading.RLock, flush: Callable[[], None],
+                 version: Callable[[], int] | None = None):
+        self.pool, self.path, self.lock, self._flush, self._version = pool, path, lock, flush, version
+        self._written: int | None = None  # the version the file holds (a write that worked)
         self.last_save = -float("inf")  # time.monotonic() of the last save begun
         self._thread: threading.Thread | None = None  # the periodic save's write under way
         self._error: str | None = None  # the last failed save's kind, logged once
 
     def register_exit(self) -> None:
-        """A backstop at interpreter exit: the worker's shutdown (patches/engine_shutdown.py)
-        saves first and removes it (it holds the pool, and would write the same pool again)."""
+        """A backstop at interpreter exit: the save at shutdown (patches/engine_shutdown.py)
+        comes first and removes it (it holds the pool, and would write the same pool again)."""
         atexit.register(self.save_now)
 
     def close(self) -> None:
@@ -70,15 +74,20 @@ class PoolSaver:
                                "%.0f s; this save may be replaced by its older copy when it ends",
                                path, SAVE_NOW_TIMEOUT_S)
         self._flush()
+        version = self._current()
         self.pool.save(path)
         self.last_save = time.monotonic()
+        if os.path.abspath(path) == os.path.abspath(self.path):
+            self._written = version
 
     def shutdown(self) -> None:
-        """The engine is stopping (the worker's shutdown, or the engine core's RPC under Ray):
-        write the pool now. vLLM gives its engine process 5 s after SIGTERM before SIGKILL
-        (PROCESS_GRACE_S where a pool is saved), and tears the process down first
-        (distributed state, memory), so an exit handler alone was lost on a busy machine,
-        leaving the last periodic save (up to POOL_SAVE_INTERVAL s old)."""
+        """The engine is stopping (the engine core's save RPC, then the worker's shutdown:
+        patches/engine_shutdown.py): write the pool now, unless the file holds this version of
+        it already (the RPC's save, or a periodic one since the last step). vLLM gives its
+        engine process 5 s after SIGTERM before SIGKILL (PROCESS_GRACE_S where a pool is
+        saved), and tears the process down first (distributed state, memory), so an exit
+        handler alone was lost on a busy machine, leaving the last periodic save (up to
+        POOL_SAVE_INTERVAL s old)."""
         atexit.unregister(self.save_now)
         deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
         if not self.lock.acquire(timeout=SAVE_NOW_TIMEOUT_S):
@@ -86,7 +95,7 @@ class PoolSaver:
                            "now, the last periodic save stands", SAVE_NOW_TIMEOUT_S)
             return
         try:
-            self.save_now(deadline)
+            self.save_now(deadline, unless_saved=True)
         finally:
             self.lock.release()
 
@@ -102,12 +111,14 @@ class PoolSaver:
             return
         self._start_write()
 
-    def save_now(self, deadline: float | None = None) -> None:
+    def save_now(self, deadline: float | None = None, unless_saved: bool = False) -> None:
         """Wait for a write under way, then write and wait for that write, both until `deadline`
         (time.monotonic(); default SAVE_NOW_TIMEOUT_S from now): at shutdown SIGTERM and SIGINT
         are held while the pool is written, and an in-process engine has no SIGKILL to end a
         write that hangs (network storage); the file is replaced atomically, so a write cut off
-        leaves the last."""
+        leaves the last. unless_saved: no write where the file holds the pool's version (a
+        second write at shutdown is one vLLM's SIGKILL may cut off, leaving a pool-sized
+        temporary file)."""
         if deadline is None:
             deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
         pending = self._thread
@@ -117,6 +128,9 @@ class PoolSaver:
                 logger.warning("ouroboros: the last phrase pool save is still writing at the end of "
                                "the %.0f s a save now may take; not saved again now", SAVE_NOW_TIMEOUT_S)
                 return
+        if (unless_saved and self._written is not None and self._written == self._current()
+                and os.path.exists(self.path)):
+            return
         thread = self._start_write()
         if thread is None:
             return
@@ -141,25 +155,31 @@ class PoolSaver:
         self.last_save = time.monotonic()
         try:
             self._flush()
+            version = self._current()
             state = self.pool.state_dict()
         except Exception as e:  # noqa: BLE001 - the step goes on; logged once
             self._saved(e)
             return None
-        thread = threading.Thread(target=self._write, args=(state,), name="ouroboros-pool-save", daemon=True)
+        thread = threading.Thread(target=self._write, args=(state, version), name="ouroboros-pool-save",
+                                  daemon=True)
         try:
             thread.start()
         except RuntimeError:  # at interpreter exit (the exit handler) Python >= 3.12 starts no thread
-            self._write(state)
+            self._write(state, version)
             return None
         self._thread = thread
         return thread
 
-    def _write(self, state: dict) -> None:
+    def _current(self) -> int | None:
+        return None if self._version is None else self._version()
+
+    def _write(self, state: dict, version: int | None) -> None:
         try:
             PhrasePool.write_state(state, self.path)
         except Exception as e:  # noqa: BLE001 - a full disk mid-write raises RuntimeError from torch.save
             self._saved(e)
         else:
+            self._written = version
             self._saved(None)
 
     def _saved(self, error: Exception | None) -> None:

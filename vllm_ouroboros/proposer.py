@@ -76,6 +76,19 @@ def _holds_pool(method):
     return held
 
 
+def _changes_pool(method):
+    """`_holds_pool`, and the pool's version moves on (`_pool_version`): a save at shutdown
+    skips a pool its file holds already (pool_saver.PoolSaver.shutdown). Over-counting only
+    costs a write; a change outside these methods would be lost at shutdown."""
+    @functools.wraps(method)
+    def changes(self, *args, **kwargs):
+        with self._pool_lock:
+            self._pool_version += 1
+            return method(self, *args, **kwargs)
+
+    return changes
+
+
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
@@ -163,6 +176,7 @@ class OuroborosProposer:
         self._req_ids: list[str] = []
         self._saver: PoolSaver | None = None  # where the pool has a file (pool_saver.py)
         self._pool_lock = threading.RLock()  # a step's pool work vs a save from another thread
+        self._pool_version = 0  # moves on with every call that may change the pool (_changes_pool)
         self._last_clock_check = time.monotonic()
         # Drafting that raised (_draft_failed): steps in all, in a row, the kinds logged, and
         # why drafting is off (None: on).
@@ -332,7 +346,8 @@ class OuroborosProposer:
             self._saver.close()
             self._saver = None
         if cfg.pool_save_path and self.pool is not None:
-            self._saver = PoolSaver(self.pool, cfg.pool_save_path, self._pool_lock, self._flush_staged)
+            self._saver = PoolSaver(self.pool, cfg.pool_save_path, self._pool_lock, self._flush_staged,
+                                    version=lambda: self._pool_version)
             self._saver.register_exit()
         logger.info("ouroboros: draft %s loaded (%s), pool budget %.1f MiB, draft KV cache %.1f MiB "
                     "(%d pages of %d tokens shared by the requests; grows on demand%s)",
@@ -577,9 +592,9 @@ class OuroborosProposer:
             PoolSaver(self.pool, path, self._pool_lock, self._flush_staged).save()
 
     def shutdown(self) -> None:
-        """The engine is stopping (the worker's shutdown, patches/engine_shutdown.py): write the
-        pool file now (pool_saver.PoolSaver.shutdown; a TP rank that follows the first holds no
-        pool)."""
+        """The engine is stopping (the engine core's save RPC, then the worker's shutdown:
+        patches/engine_shutdown.py): write the pool file now, unless it holds this pool already
+        (pool_saver.PoolSaver.shutdown; a TP rank that follows the first holds no pool)."""
         if self._saver is not None:
             self._saver.shutdown()
 
@@ -740,7 +755,7 @@ class OuroborosProposer:
         return n, sl
 
     # ---- verification feedback ---------------------------------------------------------------
-    @_holds_pool
+    @_changes_pool
     def on_verified(self, req_ids: list[str], outcome) -> None:
         """Read the target's tokens at every tree node (called by the runner patch).
 
@@ -914,7 +929,7 @@ class OuroborosProposer:
         self._ctx_seen[slots] = lens
 
     # ---- drafting ----------------------------------------------------------------------------
-    @_holds_pool
+    @_changes_pool
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
         """Draft token ids per request of the batch (vLLM's custom_class interface).

@@ -1,12 +1,18 @@
 """Shutdown area: the phrase pool is written when the engine stops, before vLLM's teardown.
 
+`EngineCore.shutdown` (patched, engine-core process): before vLLM's teardown the engine core asks
+    its workers to save through a collective RPC (`SAVE_METHOD`), bounded by SAVE_RPC_TIMEOUT_S:
+    a worker that hangs or died must not hold the engine's exit (the last periodic save, at
+    most 10 s old, then stands). vLLM's Ray executors (`RayDistributedExecutor`, `RayExecutorV2`)
+    `ray.kill` their workers without calling any worker code; the multiprocess executor gives
+    a worker 5 s from the stop it signals (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), SIGTERM,
+    then SIGKILL 4 s later, which a worker still on its way to its save on a loaded machine
+    ran past (the file kept the first step's save). In its busy loop, before that stop, the
+    worker saves within the engine process's own grace.
 `Worker.shutdown` (patched, worker processes): multiprocess and in-process executors call it on
-    every worker as the engine stops; the proposer saves its pool first (`save_pool`).
-`EngineCore.shutdown` (patched, engine-core process): vLLM's Ray executors (`RayDistributedExecutor`,
-    `RayExecutorV2`) `ray.kill` their workers without calling any worker code, so under Ray the
-    worker's shutdown never runs. The engine core asks its workers to save through a collective
-    RPC first (`SAVE_METHOD`), bounded by RAY_SAVE_TIMEOUT_S: a worker that hangs or died must
-    not hold the engine's exit (the last periodic save, at most 10 s old, then stands).
+    every worker as the engine stops; the proposer saves its pool first (`save_pool`), which
+    writes only what the RPC did not (pool_saver.PoolSaver.shutdown): where the RPC could not
+    run, or failed.
 `CoreEngineProcManager.shutdown` (patched in the process that starts the engine: the API server,
     an offline LLM's): with vLLM's default `shutdown_timeout` 0 (requests aborted at once) the
     manager SIGTERMs the engine-core process and SIGKILLs it in the same millisecond, before
@@ -32,9 +38,10 @@ from vllm_ouroboros.patches._util import patch_method, require
 logger = logging.getLogger(LOGGER_NAME)
 
 SAVE_METHOD = "ouroboros_save_pool"
-# A 35-64 MB pool file took 0.08-0.46 s to write here; vLLM SIGKILLs a multiprocess engine core
-# 5 s after its SIGTERM anyway. The bound matters for an in-process engine, which nobody kills.
-RAY_SAVE_TIMEOUT_S = 30.0
+# A 35-64 MB pool file took 0.08-0.46 s to write here; the process manager SIGKILLs an engine-core
+# process PROCESS_GRACE_S after its SIGTERM anyway. The bound matters for an in-process engine,
+# which nobody kills.
+SAVE_RPC_TIMEOUT_S = 30.0
 # Seconds an engine-core process that writes a pool gets to exit after its SIGTERM where vLLM
 # would SIGKILL it at once (shutdown_timeout 0): the save's bound, not its usual time.
 PROCESS_GRACE_S = 15.0
@@ -91,9 +98,10 @@ def _engine_core_shutdown(original):
         try:
             if _saves_by_rpc(self, executor):
                 # vLLM's engine-core process restores the default signal handlers before this
-                # shutdown: a second SIGTERM would kill it mid-RPC, and Ray its workers mid-write.
+                # shutdown: a second SIGTERM would kill it mid-RPC, and the kill of the process
+                # tree that follows (or Ray's) its workers mid-write.
                 with _signals_held():
-                    executor.collective_rpc(SAVE_METHOD, timeout=RAY_SAVE_TIMEOUT_S)
+                    executor.collective_rpc(SAVE_METHOD, timeout=SAVE_RPC_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the engine's own teardown must still run
             logger.warning("ouroboros: the workers could not save the pool at shutdown (%s: %s); "
                            "the last periodic save stands", type(e).__name__, e)
@@ -105,17 +113,19 @@ def _engine_core_shutdown(original):
 
 
 def _saves_by_rpc(engine_core, executor) -> bool:
-    """Whether this engine's workers are killed without their own shutdown (Ray) and draft
-    with Ouroboros with a pool file to write. Not where the RPC could only wait out its
-    time-out, or past it: the executor failed (a worker gone) or is shut down already, Ray is
-    down (at interpreter exit), or RayExecutorV2 still holds a step's future (its RPC result
-    waits for that one first, with no time-out). RayDistributedExecutor's steps run on the
-    compiled graph's thread of each worker, beside this RPC: the proposer's save waits for a
-    step under way to leave the pool (proposer._holds_pool), within pool_saver.SAVE_NOW_TIMEOUT_S."""
-    if (executor is None or not getattr(executor, "uses_ray", False) or getattr(executor, "is_failed", False)
+    """Whether this engine drafts with Ouroboros with a pool file to write and its workers can
+    answer the save RPC now. Not where the RPC could only wait out its time-out, or past it
+    (the worker's own shutdown saves then, where it runs): the executor failed (a worker gone)
+    or is shut down already, its message queue is closed (or this node only follows another's),
+    Ray is down (at interpreter exit), or a step's future is still held (the RPC's result waits
+    for that one first: RayExecutorV2's with no time-out). RayDistributedExecutor's steps run
+    on the compiled graph's thread of each worker, beside this RPC: the proposer's save waits
+    for a step under way to leave the pool (proposer._holds_pool), within
+    pool_saver.SAVE_NOW_TIMEOUT_S."""
+    if (executor is None or getattr(executor, "is_failed", False)
             or getattr(executor, "shutting_down", False) or getattr(executor, "futures_queue", None)
             or (hasattr(executor, "rpc_broadcast_mq") and executor.rpc_broadcast_mq is None)
-            or not _ray_running()):
+            or (getattr(executor, "uses_ray", False) and not _ray_running())):
         return False
     return _saves_pool(getattr(engine_core, "vllm_config", None))
 

@@ -502,7 +502,7 @@ def _proposer(cap=None, slots=16):
     from vllm_ouroboros.proposer import MODEL_DRAFT, PROBE_GAP, OuroborosProposer
 
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
     p._prefill_scale_graphed = False

@@ -232,14 +232,16 @@ def test_a_save_on_request_counts_for_the_periodic_one_and_a_save_at_exit_needs_
     assert PhrasePool.read_state(str(tmp_path / "pool.pt"))["phrases_per_key"] == 4
 
 
-def test_a_save_at_shutdown_writes_only_a_pool_its_file_lacks(tmp_path, monkeypatch):
+def test_a_save_at_shutdown_writes_only_a_pool_its_file_lacks(tmp_path, monkeypatch, caplog):
     """The engine core's save RPC and then the worker's own shutdown both save at shutdown: the
     second write, which vLLM's multiprocess executor may SIGKILL midway (leaving a pool-sized
     temporary file), is left out where the file holds the pool's version already: after a
     save at shutdown or a periodic one that worked, with no step since (the proposer's calls
     that change the pool move the version on). A failed write, another file, or a file gone
     count for nothing."""
-    from vllm_ouroboros import proposer
+    import logging
+
+    from vllm_ouroboros import LOGGER_NAME, proposer
     from vllm_ouroboros.proposer import OuroborosProposer
 
     p = saving_proposer(tmp_path / "pool.pt")
@@ -252,9 +254,13 @@ def test_a_save_at_shutdown_writes_only_a_pool_its_file_lacks(tmp_path, monkeypa
         real(state, path)
 
     monkeypatch.setattr(PhrasePool, "write_state", staticmethod(write))
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
     p.shutdown()
     p.shutdown()
     assert written == [0], "the unchanged pool was written twice"
+    # Said once, where it was written: a save that did not come shows in its absence.
+    said = [r.getMessage() for r in caplog.records if "at shutdown (" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "pool.pt") in said[0], said
 
     def step(self, n):  # a step's pool work (a lookup moves the pool's counters)
         self.pool.lookup(torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1)

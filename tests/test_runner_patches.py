@@ -95,7 +95,7 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
     from vllm_ouroboros.request_slots import RequestSlots
 
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p._req_ids = ["a", "b"]
     p._tp = SimpleNamespace(leads=True, size=1)
     p._overhead = StepOverhead(None)
@@ -152,7 +152,7 @@ def test_a_tp_follower_whose_request_table_fails_still_joins_the_first_ranks_sha
     shared = ([[7], [8, 9]], np.array([1, 2]), np.array([[0, 0], [1, 0]]))
     joined = []
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p._req_ids = ["a", "b"]
     p._tp = SimpleNamespace(leads=False, size=2, rank=1,
                             share=lambda v: joined.append(v) or shared)
@@ -191,7 +191,7 @@ def test_with_drafting_off_a_failing_request_table_still_reaches_the_tp_share(ca
 
     joined = []
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p._req_ids = ["a", "b"]
     p._tp = SimpleNamespace(leads=True, size=2, rank=0, share=lambda v: joined.append(v) or v)
     p._overhead = StepOverhead(None)
@@ -229,7 +229,7 @@ def test_the_round_costs_target_part_counts_the_adaptive_drafts_measured_length(
     from vllm_ouroboros import cost_model
 
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p.cfg = SimpleNamespace(gamma=4)
     p._draft_tokens = 4.0
     p.runtime = SimpleNamespace(L=2, W=3, G=2)
@@ -251,7 +251,7 @@ def test_the_round_costs_target_part_counts_each_round_lengths_own_drafts():
     from vllm_ouroboros.round_length import RoundLength
 
     p = object.__new__(OuroborosProposer)
-    p._pool_lock = threading.RLock()
+    p._pool_lock, p._pool_version = threading.RLock(), 0
     p._draft_tokens = 4.0
     p.runtime = SimpleNamespace(L=2, W=3, G=2)
     p.target_cost = cost_model.CostCurve((1, 64), (1.0, 64.0))  # a second a token

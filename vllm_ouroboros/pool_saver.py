@@ -42,6 +42,7 @@ class PoolSaver:
                  version: Callable[[], int] | None = None):
         self.pool, self.path, self.lock, self._flush, self._version = pool, path, lock, flush, version
         self._written: int | None = None  # the version the file holds (a write that worked)
+        self._writes = 0  # writes that worked
         self.last_save = -float("inf")  # time.monotonic() of the last save begun
         self._thread: threading.Thread | None = None  # the periodic save's write under way
         self._error: str | None = None  # the last failed save's kind, logged once
@@ -94,10 +95,14 @@ class PoolSaver:
             logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
                            "now, the last periodic save stands", SAVE_NOW_TIMEOUT_S)
             return
+        start = time.monotonic()
         try:
-            self.save_now(deadline, unless_saved=True)
+            written = self.save_now(deadline, unless_saved=True)
         finally:
             self.lock.release()
+        if written:  # where and when: a save that did not come shows in its absence
+            logger.info("ouroboros: the phrase pool is written to %s at shutdown (%.2f s)",
+                        self.path, time.monotonic() - start)
 
     def maybe_save(self) -> None:
         """The step's periodic save, every POOL_SAVE_INTERVAL seconds: the step copies the pool to
@@ -111,14 +116,14 @@ class PoolSaver:
             return
         self._start_write()
 
-    def save_now(self, deadline: float | None = None, unless_saved: bool = False) -> None:
+    def save_now(self, deadline: float | None = None, unless_saved: bool = False) -> bool:
         """Wait for a write under way, then write and wait for that write, both until `deadline`
         (time.monotonic(); default SAVE_NOW_TIMEOUT_S from now): at shutdown SIGTERM and SIGINT
         are held while the pool is written, and an in-process engine has no SIGKILL to end a
         write that hangs (network storage); the file is replaced atomically, so a write cut off
         leaves the last. unless_saved: no write where the file holds the pool's version (a
         second write at shutdown is one vLLM's SIGKILL may cut off, leaving a pool-sized
-        temporary file)."""
+        temporary file). Returns whether the pool was written now."""
         if deadline is None:
             deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
         pending = self._thread
@@ -127,17 +132,23 @@ class PoolSaver:
             if pending.is_alive():
                 logger.warning("ouroboros: the last phrase pool save is still writing at the end of "
                                "the %.0f s a save now may take; not saved again now", SAVE_NOW_TIMEOUT_S)
-                return
-        if (unless_saved and self._written is not None and self._written == self._current()
-                and os.path.exists(self.path)):
-            return
+                return False
+        if unless_saved and self._holds_current():
+            logger.debug("ouroboros: %s holds the phrase pool already; not written again", self.path)
+            return False
+        writes = self._writes
         thread = self._start_write()
-        if thread is None:
-            return
-        thread.join(max(deadline - time.monotonic(), 0.0))
-        if thread.is_alive():
-            logger.warning("ouroboros: the phrase pool save to %s did not finish in the %.0f s a "
-                           "save now may take; the file keeps the last save", self.path, SAVE_NOW_TIMEOUT_S)
+        if thread is not None:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                logger.warning("ouroboros: the phrase pool save to %s did not finish in the %.0f s a "
+                               "save now may take; the file keeps the last save", self.path, SAVE_NOW_TIMEOUT_S)
+                return False
+        return self._writes > writes
+
+    def _holds_current(self) -> bool:
+        """Whether the file holds the pool's version (a write of it worked, the file is there)."""
+        return self._written is not None and self._written == self._current() and os.path.exists(self.path)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the write under way, if any."""
@@ -180,6 +191,7 @@ class PoolSaver:
             self._saved(e)
         else:
             self._written = version
+            self._writes += 1
             self._saved(None)
 
     def _saved(self, error: Exception | None) -> None:

@@ -82,11 +82,10 @@ def _changes_pool(method):
     costs a write; a change outside these methods would be lost at shutdown."""
     @functools.wraps(method)
     def changes(self, *args, **kwargs):
-        with self._pool_lock:
-            self._pool_version += 1
-            return method(self, *args, **kwargs)
+        self._pool_version += 1
+        return method(self, *args, **kwargs)
 
-    return changes
+    return _holds_pool(changes)
 
 
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.

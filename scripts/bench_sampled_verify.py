@@ -1,7 +1,9 @@
 """Memory and time of a sampled tree verification (verify.verify) in its forms: every node's
 row processed at once (the table form, for batches up to max_table_rows), walked by torch or,
 on a GPU, by the Triton kernel (kernels/sampled_walk.py); and the rows the walk reads,
-processed as it reaches them (beyond max_table_rows).
+processed as it reaches them (beyond max_table_rows); and every request seeded
+(seeded_sampling.py: each tree row sampled with a copy of its request's generator, one sampler
+call per depth, here a torch stand-in for vLLM's native sampler: an exponential row per draw).
 
     python scripts/bench_sampled_verify.py [--requests 32] [--draft 8] [--suffixes 3]
         [--suffix-len 4] [--vocab 151936] [--top-p 0.9] [--repeats 3]
@@ -12,7 +14,8 @@ logits, every request sampled (temperature 0.8, top-p by a sort of the vocabular
 torch sampler does; top-p 1 skips it). Per form: the memory it needed beyond the logits (on
 CUDA the allocator's peak; on CPU the process's peak resident set, each form in a fresh
 process so one's peak cannot hide the other's) and the time of one verification (best of
---repeats). All forms get the same uniforms and must emit the same tokens (checked).
+--repeats). All unseeded forms get the same uniforms and must emit the same tokens (checked);
+the seeded form samples other tokens (its requests' own draws).
 No vLLM import: runs where the draft side does (the lent GPU machines included).
 """
 
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from vllm_ouroboros.accept import walk_steps
+from vllm_ouroboros.seeded_sampling import SeededDraws
 from vllm_ouroboros.tree import build_tree
 from vllm_ouroboros.verify import verify
 
@@ -68,10 +72,20 @@ def run_variant(args, variant: str) -> dict:
         x.div_(TEMPERATURE)
         return top_p_cut(x, args.top_p)
 
+    def native_sample(x, generators, req):  # vLLM's random_sample after its top-p
+        probs = top_p_cut(x, args.top_p).softmax(dim=-1)
+        q = torch.empty_like(probs)
+        for i, g in generators.items():
+            q[i].exponential_(generator=g)
+        return probs.div_(q).argmax(dim=-1)
+
     table_rows = 0 if variant == "rows" else tree.B * (tree.N + 1)
     walk = "triton" if variant == "kernel" else "torch"
+    gens = {b: torch.Generator(dev).manual_seed(b) for b in range(tree.B)} if variant == "seeded" else {}
     fn = lambda: verify(tree, logits, row_start, greedy, process, uniforms=u,  # noqa: E731
-                        max_table_rows=table_rows, walk=walk).result
+                        max_table_rows=table_rows, walk=walk,
+                        seeded=SeededDraws(gens, lambda x, req: x.div_(TEMPERATURE), native_sample, table_rows)
+                        if gens else None).result
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -163,7 +177,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile-only", type=int, nargs="*", metavar="SM",
                     help="compile the Triton walk for these NVIDIA archs (default 80 90) without a GPU")
-    ap.add_argument("--variant", choices=["rows", "table", "kernel"], help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--variant", choices=["rows", "table", "kernel", "seeded"], help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
     if args.compile_only is not None:
         sys.exit(compile_only(args.compile_only or [80, 90]))
@@ -179,20 +193,22 @@ def main() -> None:
     for B in args.requests:
         out = {}
         # The kernel's walk on a GPU only: the CPU would run it in Triton's interpreter.
-        for variant in ("table", "rows") + (("kernel",) if torch.cuda.is_available() else ()):
+        for variant in ("table", "rows", "seeded") + (("kernel",) if torch.cuda.is_available() else ()):
             child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--requests", str(B),
                                     "--variant", variant], check=True, capture_output=True, text=True)
             out[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-        t, r, k = out["table"], out["rows"], out.get("kernel")
-        if any(v["emitted"] != t["emitted"] for v in out.values()):
+        t, r, k, sd = out["table"], out["rows"], out.get("kernel"), out["seeded"]
+        if any(v["emitted"] != t["emitted"] for n, v in out.items() if n != "seeded"):
             sys.exit(f"FAIL: the forms emitted different tokens at {B} requests")
         names = {"table": "every node's row at once (table form), torch walk",
-                 "rows": "rows the walk reads, as it reads them", "kernel": "table form, Triton walk"}
+                 "rows": "rows the walk reads, as it reads them", "kernel": "table form, Triton walk",
+                 "seeded": "every request seeded: each row sampled with its generator's draw"}
         for name, v in out.items():
             print(f"| {B} | {names[name]} | {v['extra_mb']:.0f} | {v['ms']:.1f} | {v['mean_accepted']:.2f} |")
         ratios.append(f"{B} requests: rows / table memory {r['extra_mb'] / max(t['extra_mb'], 1e-9):.3f}x, "
-                      f"time {r['ms'] / t['ms']:.2f}x" + (f"; kernel / table time {k['ms'] / t['ms']:.2f}x" if k else ""))
-    print(f"device {r['device']}; same tokens emitted by every form; " + "; ".join(ratios)
+                      f"time {r['ms'] / t['ms']:.2f}x; seeded / table time {sd['ms'] / t['ms']:.2f}x"
+                      + (f"; kernel / table time {k['ms'] / t['ms']:.2f}x" if k else ""))
+    print(f"device {r['device']}; same tokens emitted by every unseeded form; " + "; ".join(ratios)
           + ("" if torch.cuda.is_available() else " (the Triton walk: CUDA only, not run)"))
     calls = count_calls(args)
     print(f"ATen calls (GPU launches) of one table-form verification, 4 requests, top-p off: torch walk "

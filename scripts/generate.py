@@ -4,6 +4,11 @@ whatever this device's cost curve decides for the defaults).
 
     source scripts/env.sh && python scripts/generate.py --prompts 5 --max-tokens 64
     python scripts/generate.py --workload mtbench --configs no-spec,ouroboros,draft_model-k3
+    python scripts/generate.py --temperature 0.8 --top-p 0.95 --configs no-spec,ouroboros-phrases
+
+--temperature T > 0: sampled, each request with its own seed (--seed S + its index), which
+ouroboros samples as vLLM does without speculation (vllm_ouroboros/seeded_sampling.py): the
+output must still be identical.
 
 --workload mtbench: MT-Bench first turns in the target's chat template (as scripts/benchmark.py
 sends them) instead of HumanEval. draft_model-k3/-k5 are vLLM's own draft-model speculation,
@@ -16,7 +21,7 @@ summary gives each repeated config's mean.
 
 Prints per configuration: generated tokens/s (and the ratio to no speculation from this run),
 mean tokens per target forward, draft forwards per generated token, acceptance, pool use; and
-refuses to report a configuration whose greedy output differs from no speculation.
+refuses to report a configuration whose output differs from no speculation.
 Engines run one after another in this process; each is warmed up before timing.
 """
 
@@ -80,10 +85,13 @@ def workload_prompts(workload: str, n: int, target: Path) -> list[str]:
 
 
 def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens: int,
-               concurrency: int, target: Path, draft: Path, max_model_len: int = 2048) -> dict:
-    """Generate `prompts` greedily with one engine; return outputs, timing and counters.
-    overrides: None (no speculation), ouroboros settings, or a whole speculative_config of one
-    of vLLM's own methods (it has a "method"; the draft model is filled in)."""
+               concurrency: int, target: Path, draft: Path, max_model_len: int = 2048,
+               sampling: dict | None = None) -> dict:
+    """Generate `prompts` with one engine (greedily, or with `sampling`: SamplingParams fields
+    where "seed" is the first prompt's seed, prompt i's being seed + i); return outputs, timing
+    and counters. overrides: None (no speculation), ouroboros settings, or a whole
+    speculative_config of one of vLLM's own methods (it has a "method"; the draft model is
+    filled in)."""
     from vllm import LLM, SamplingParams
 
     from vllm_ouroboros.metrics import engine_snapshot
@@ -96,12 +104,15 @@ def run_config(name: str, overrides: dict | None, prompts: list[str], max_tokens
     if builtin:
         from benchmark import diff, spec_counters
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        sampling = {"temperature": 0.0, **(sampling or {})}
+        seed = sampling.pop("seed", None)
+        sps = [SamplingParams(max_tokens=max_tokens, seed=None if seed is None else seed + i, **sampling)
+               for i in range(len(prompts))]
         llm.generate(["def warm_up():"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         before = (spec_counters(llm) if builtin else engine_snapshot(llm)) if spec else None
         outputs, t0 = [], time.perf_counter()
         for i in range(0, len(prompts), concurrency):
-            outs = llm.generate(prompts[i:i + concurrency], sp, use_tqdm=False)
+            outs = llm.generate(prompts[i:i + concurrency], sps[i:i + concurrency], use_tqdm=False)
             outputs += [list(o.outputs[0].token_ids) for o in outs]
         elapsed = time.perf_counter() - t0
         after = (spec_counters(llm) if builtin else engine_snapshot(llm)) if spec else None
@@ -205,7 +216,12 @@ def main() -> int:
     ap.add_argument("--target", type=Path, default=None)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, every request seeded")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="the first request's seed (sampled runs)")
     args = ap.parse_args()
+    sampling = None if args.temperature <= 0 else {"temperature": args.temperature, "top_p": args.top_p,
+                                                   "seed": args.seed}
     target = args.target or models_dir() / "qwen2.5-coder-1.5b-instruct"
     draft = args.draft or models_dir() / "qwen2.5-coder-0.5b-instruct"
     names = [n for n in args.configs.split(",") if n]
@@ -219,12 +235,14 @@ def main() -> int:
     prompts = workload_prompts(args.workload, args.prompts, target)
     label = {"humaneval": "HumanEval", "mtbench": "MT-Bench"}[args.workload]
     print(f"target {target.name}, draft {draft.name}; {len(prompts)} {label} prompts x "
-          f"{args.max_tokens} tokens, concurrency {args.concurrency}, greedy, float32", flush=True)
+          f"{args.max_tokens} tokens, concurrency {args.concurrency}, "
+          + ("greedy" if sampling is None else f"temperature {args.temperature}, top-p {args.top_p}, "
+             f"seeds {args.seed}..{args.seed + len(prompts) - 1}") + ", float32", flush=True)
     rows = []
     for name in names:
         print(f"== {name}", flush=True)
         rows.append(run_config(name, CONFIGS[name], prompts, args.max_tokens, args.concurrency,
-                               target, draft))
+                               target, draft, sampling=sampling))
     compare(rows)
     print_table(rows)
     for r in rows:

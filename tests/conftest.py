@@ -119,6 +119,20 @@ def needs_triton(module, kernel):
                "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
 
 
+def bare_proposer(**attrs):
+    """An OuroborosProposer without its __init__ (no draft model, no vLLM config), holding only
+    the state its method decorators read (the pool's lock and version) and `attrs`: for tests
+    of one method. A new attribute such a decorator reads goes into proposer._pool_guard, and
+    every bare proposer has it."""
+    from vllm_ouroboros import proposer
+
+    p = object.__new__(proposer.OuroborosProposer)
+    proposer._pool_guard(p)
+    for name, value in attrs.items():
+        setattr(p, name, value)
+    return p
+
+
 @pytest.fixture(scope="module")
 def triton_interpreter():
     set_triton_interpret(True)

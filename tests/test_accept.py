@@ -596,39 +596,3 @@ def test_reference_walk_passes_and_known_bugs_fail():
         passed, summary = lossless_check(*run_reference(TREE_A, pa, bug, 5), TREE_A, pa)
         print(f"{bug}: {summary}")
         assert not passed, bug
-
-
-def test_a_seeded_requests_uniforms_do_not_depend_on_the_batch():
-    """verify.draw_uniforms: a seeded request draws a block sized by the engine's settings every
-    step, so the uniforms at its own depth steps and children, and its generator's state for the
-    next step, are the same whatever trees the other requests bring (the batch's deepest draft
-    and widest tree set the array's shape; they changed a seeded request's later samples on the
-    CPU). Unseeded rows come from the global generator and leave the request's alone."""
-    from types import SimpleNamespace
-
-    from vllm_ouroboros.verify import draw_uniforms
-
-    block = (12, 3)
-
-    def steps(trees):
-        g = torch.Generator(DEVICE).manual_seed(7)
-        return [draw_uniforms(t, {1: g}, torch.device(DEVICE), block)[1] for t in trees]
-
-    small = SimpleNamespace(B=2, D=2, L=2, K=1)  # walk_steps 5, columns [child, final]
-    big = SimpleNamespace(B=2, D=6, L=4, K=3)    # another request's deeper, wider tree
-    alone, beside = steps([small, small]), steps([big, small])
-    assert alone[0].shape == (5, 2) and beside[0].shape == (11, 4)
-    assert torch.equal(alone[0][:, 0], beside[0][:5, 0])    # its child tries
-    assert torch.equal(alone[0][:, 1], beside[0][:5, -1])   # its final samples
-    assert torch.equal(alone[1], beside[1]), "the next step's draws depend on the batch"
-    # Without the bound (the batch's shape) they did.
-    g1, g2 = torch.Generator(DEVICE).manual_seed(7), torch.Generator(DEVICE).manual_seed(7)
-    draw_uniforms(small, {1: g1}, torch.device(DEVICE))
-    draw_uniforms(big, {1: g2}, torch.device(DEVICE))
-    assert not torch.equal(draw_uniforms(small, {1: g1}, torch.device(DEVICE))[1],
-                           draw_uniforms(small, {1: g2}, torch.device(DEVICE))[1])
-    # A generator for a row past the batch (vLLM's index of a request not in this step) is not drawn.
-    g3 = torch.Generator(DEVICE).manual_seed(7)
-    state = g3.get_state()
-    draw_uniforms(small, {5: g3}, torch.device(DEVICE), block)
-    assert torch.equal(g3.get_state(), state)

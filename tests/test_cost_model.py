@@ -2,7 +2,6 @@
 
 import contextlib
 import logging
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -499,10 +498,10 @@ def _proposer(cap=None, slots=16):
     from vllm_ouroboros.metrics import OuroborosStats
     from vllm_ouroboros.backoff_estimates import BackoffEstimates
     from vllm_ouroboros.pool_draft import branch_prior
-    from vllm_ouroboros.proposer import MODEL_DRAFT, PROBE_GAP, OuroborosProposer
+    from conftest import bare_proposer
+    from vllm_ouroboros.proposer import MODEL_DRAFT, PROBE_GAP
 
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p.cfg = OuroborosConfig(draft_model="unused", max_speculative_batch=cap)
     p.cost, p.target_cost, p.prefill_cost, p._prefill_scale = CPU, CPU_TARGET, None, 1.0
     p._prefill_scale_graphed = False

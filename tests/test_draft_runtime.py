@@ -502,7 +502,7 @@ def test_pages_of_requests_out_of_the_batch_go_to_the_requests_in_it(draft_path,
     """The proposer's answer to a full cache (_rows_that_fit): where a row of this step does
     not fit, the requests that hold a slot but are out of the batch (preempted) give their pages
     back, keep their slot, and draft again from a prefill when they return."""
-    from vllm_ouroboros.proposer import OuroborosProposer
+    from conftest import bare_proposer
     from vllm_ouroboros.request_slots import RequestSlots
 
     rng = np.random.default_rng(23)
@@ -510,7 +510,7 @@ def test_pages_of_requests_out_of_the_batch_go_to_the_requests_in_it(draft_path,
     rt, _ = make_runtime(draft_path, device, num_slots=3, cache_tokens=40 * 16,
                          cache_limit=model.cache_bytes(41 * 16))  # 40 pages, no growth
     V = rt.model.vocab_size
-    p = object.__new__(OuroborosProposer)  # the proposer reduced to what the path reads
+    p = bare_proposer()  # the proposer reduced to what the path reads
     p.runtime, p._slot_of, p._caches_dropped = rt, RequestSlots(3), 0
     ctx = {r: rng.integers(2, V, 150).tolist() for r in "abc"}
     p._slot_of.sync(["a", "b"])

@@ -139,7 +139,18 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
     # through the walk ("mixed", "bias") and vLLM's rejection sampler ("features": bad words).
     for batch in (mixed, feats, biased):
         batch[2]["logprobs"] = -1
+    # Seeded sampled requests with the walk's features: the tokens vLLM samples without
+    # speculation (seeded_sampling.py), beside an unseeded sampled one; no greedy request, whose
+    # accepted drafts would hide the sampled ones' in the counters.
+    # Eight (K = 2's run backs off above eight), at low temperatures: the tiny target's
+    # distributions are flat, and its drafts would hardly ever be accepted at 0.7.
+    seeded = [{"temperature": 0.3, "seed": 100 + i, "max_tokens": 32} for i in range(8)]
+    for i, extra in enumerate([{"top_k": 8}, {"top_p": 0.9}, {"min_p": 0.05}, {"temperature": 0.6},
+                               {"logit_bias": BIAS, "top_k": 20}, {"logprobs": 2}, {"temperature": 0.2},
+                               {"seed": None}]):
+        seeded[i].update(extra)
     return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased), "ids": (ps, ids),
+            "seeded": (ps[:8], seeded),
             "ids_penalty_first": (ps, ids_penalty), "ids_penalty": (ps, ids_penalty, 3, 1, (0, 1))}
 
 
@@ -147,9 +158,10 @@ BIAS = {40: 3.0, 148: 2.0, 211: -100.0}  # tokens of the tiny vocabulary (384)
 
 
 def deterministic(p: dict) -> bool:
-    """A request whose tokens do not depend on the random draws: greedy, top_k = 1 or
-    min_p = 1 (only tokens as likely as the top one pass)."""
-    return p["temperature"] == 0 or p.get("top_k") == 1 or p.get("min_p") == 1.0
+    """A request whose tokens are the same with speculation and without: greedy, top_k = 1,
+    min_p = 1 (only tokens as likely as the top one pass) or seeded (its generator's draws are
+    the plain sampler's: seeded_sampling.py)."""
+    return p["temperature"] == 0 or p.get("top_k") == 1 or p.get("min_p") == 1.0 or p.get("seed") is not None
 
 
 def output_detail(out) -> dict:
@@ -239,7 +251,8 @@ def runs(scenario, tiny_models, pool_file):
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight), ("mixed", scenario["mixed"]),
              ("features", scenario["features"]), ("bias", scenario["bias"]), ("ids", scenario["ids"]),
-             ("ids_penalty_first", scenario["ids_penalty_first"]), ("ids_penalty", scenario["ids_penalty"]))
+             ("ids_penalty_first", scenario["ids_penalty_first"]), ("ids_penalty", scenario["ids_penalty"]),
+             ("seeded", scenario["seeded"]))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
     spec = {"method": "ouroboros", "model": str(tiny_models["draft"]),
@@ -261,7 +274,7 @@ def tree_run(request, scenario, tiny_models):
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("features", scenario["features"]), ("bias", scenario["bias"]),
                               ("ids", scenario["ids"]), ("ids_penalty_first", scenario["ids_penalty_first"]),
-                              ("ids_penalty", scenario["ids_penalty"])))
+                              ("ids_penalty", scenario["ids_penalty"]), ("seeded", scenario["seeded"])))
     return request.param, ours, snaps
 
 
@@ -373,6 +386,26 @@ def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, sce
     assert first["sampling_pause_steps"] > 0, K
     assert first["accepted_tokens"] > ids["accepted_tokens"], K
     assert late["sampling_pause_steps"] > first["sampling_pause_steps"], K
+
+
+def test_seeded_requests_identical_to_no_speculation(runs, tree_run, scenario):
+    """Seeded sampled requests (temperature 0.2-0.6, with top-k, top-p, min_p, logit bias,
+    logprobs) give the tokens and logprobs they give without speculation, through chains (K = 1)
+    and trees (K = 2, 3), while their drafts are accepted: the walk sampled their tree rows with
+    their generators' draws (seeded_sampling.py). Before, only the distribution was the same."""
+    base, ours, snaps = runs
+    K, tree, tree_snaps = tree_run
+    params = scenario["seeded"][1]
+    for label, got in (("seeded, K=1", ours), (f"seeded, K={K}", tree)):
+        assert_greedy_requests_identical(base["seeded"], got["seeded"], params, label)
+    # Not all alike: the seeds and settings give different texts, unlike greedy decoding's.
+    texts = {tuple(o["tokens"][0]) for o in base["seeded"]}
+    assert len(texts) == len(params), "requests repeat each other's text"
+    for k, run in ((1, snaps), (K, tree_snaps)):
+        accepted = run["seeded"]["accepted_tokens"] - run["ids_penalty"]["accepted_tokens"]
+        print(f"seeded batch, K = {k}: {accepted} drafted tokens accepted")
+        assert accepted >= 10, (k, accepted)
+        assert run["seeded"]["chain_fallback_steps"] == run["ids_penalty"]["chain_fallback_steps"], K
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

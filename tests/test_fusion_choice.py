@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE, needs_triton, set_triton_interpret
+from conftest import DEVICE, bare_proposer, needs_triton, set_triton_interpret
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 set_triton_interpret(True)
@@ -222,11 +222,10 @@ def test_the_engine_times_rope_always_and_the_products_when_auto(draft, monkeypa
     forward and the configured lookahead width, graph replays in the graph round, behind a
     prefix the initial cache length leaves room for."""
     from vllm_ouroboros.config import OuroborosConfig
-    from vllm_ouroboros.proposer import OuroborosProposer
 
     calls = []
     monkeypatch.setattr(fc, "choose_all", lambda *a, **k: calls.append((a, k)) or [])
-    p = object.__new__(OuroborosProposer)
+    p = bare_proposer()
     p.cfg = OuroborosConfig(draft_model="unused", draft_norm_gemm=norm_gemm, window_size=4, num_guesses=4)
     assert p._choose_fusions(draft, "graph", 2048) == []
     p._choose_fusions(draft, "device", 40)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, bare_proposer
 
 from vllm_ouroboros.config import OuroborosConfig, OuroborosConfigError, validate
 from vllm_ouroboros.pool import PhrasePool, PoolFileError
@@ -202,10 +202,7 @@ def pool_saver(path, pool=None, lock=None, version=None):
 
 def saving_proposer(path):
     """A proposer with a small pool and a save path, nothing else (no model, no engine)."""
-    from vllm_ouroboros.proposer import OuroborosProposer
-
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(path))
     p.pool, p._writer = small_pool(), None
     p._saver = pool_saver(path, p.pool, p._pool_lock, lambda: p._pool_version)

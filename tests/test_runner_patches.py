@@ -3,7 +3,6 @@ engine): what vLLM tells the runner reaches the proposer."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="the runner patches import vLLM's classes; vLLM is not installed here")
 
 from vllm_ouroboros.patches import model_runner  # noqa: E402
+from conftest import bare_proposer  # noqa: E402
 from vllm_ouroboros.proposer import OuroborosProposer  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def test_an_output_cut_back_by_vllm_rewinds_the_requests_draft_state():
     draft cache and context learning again from the cut, in the request's own slot."""
     from vllm_ouroboros.request_slots import RequestSlots
 
-    p = object.__new__(OuroborosProposer)
+    p = bare_proposer()
     p._slot_of = RequestSlots(4)
     p._slot_of.sync(["a", "b", "c"])
     rewound = []
@@ -94,8 +94,7 @@ def test_a_step_whose_drafting_raises_decodes_plainly(caplog):
     from vllm_ouroboros.proposer import MAX_FAILURES_IN_A_ROW, NO_DRAFT
     from vllm_ouroboros.request_slots import RequestSlots
 
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p._req_ids = ["a", "b"]
     p._tp = SimpleNamespace(leads=True, size=1)
     p._overhead = StepOverhead(None)
@@ -151,8 +150,7 @@ def test_a_tp_follower_whose_request_table_fails_still_joins_the_first_ranks_sha
 
     shared = ([[7], [8, 9]], np.array([1, 2]), np.array([[0, 0], [1, 0]]))
     joined = []
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p._req_ids = ["a", "b"]
     p._tp = SimpleNamespace(leads=False, size=2, rank=1,
                             share=lambda v: joined.append(v) or shared)
@@ -190,8 +188,7 @@ def test_with_drafting_off_a_failing_request_table_still_reaches_the_tp_share(ca
     from vllm_ouroboros.cost_model import StepOverhead
 
     joined = []
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p._req_ids = ["a", "b"]
     p._tp = SimpleNamespace(leads=True, size=2, rank=0, share=lambda v: joined.append(v) or v)
     p._overhead = StepOverhead(None)
@@ -228,8 +225,7 @@ def test_the_round_costs_target_part_counts_the_adaptive_drafts_measured_length(
     the mean of whole rounds' drafts stands there instead (gamma before any round)."""
     from vllm_ouroboros import cost_model
 
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p.cfg = SimpleNamespace(gamma=4)
     p._draft_tokens = 4.0
     p.runtime = SimpleNamespace(L=2, W=3, G=2)
@@ -250,8 +246,7 @@ def test_the_round_costs_target_part_counts_each_round_lengths_own_drafts():
     from vllm_ouroboros import cost_model
     from vllm_ouroboros.round_length import RoundLength
 
-    p = object.__new__(OuroborosProposer)
-    p._pool_lock, p._pool_version = threading.RLock(), 0
+    p = bare_proposer()
     p._draft_tokens = 4.0
     p.runtime = SimpleNamespace(L=2, W=3, G=2)
     p.target_cost = cost_model.CostCurve((1, 64), (1.0, 64.0))  # a second a token

@@ -72,11 +72,14 @@ def complete(base: str, model: Path, prompt: str, max_tokens: int = 48, **extra)
 # vLLM refuses both with its own speculative methods (a 400); ouroboros serves them. min_p = 1
 # keeps only the top token: the sampled request is as deterministic as a greedy one.
 BIAS_MIN_P = {"logit_bias": {"40": 3.0, "148": 2.0}, "temperature": 0.8, "min_p": 1.0, "seed": 5}
+# Sampled with a seed: the tokens vLLM samples without speculation (seeded_sampling.py).
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
 
 
 def complete_all(base: str, model: Path) -> list[dict]:
-    """The greedy PROMPTS, then the first prompt with BIAS_MIN_P."""
-    return [complete(base, model, p) for p in PROMPTS] + [complete(base, model, PROMPTS[0], **BIAS_MIN_P)]
+    """The greedy PROMPTS, then the first prompt with BIAS_MIN_P, then the second with SEEDED."""
+    return [complete(base, model, p) for p in PROMPTS] + [complete(base, model, PROMPTS[0], **BIAS_MIN_P),
+                                                          complete(base, model, PROMPTS[1], **SEEDED)]
 
 
 def metrics(base: str) -> str:
@@ -114,7 +117,8 @@ def expected(tiny_models):
     target = tiny_models["target"]
     with serve(target) as base:
         out = complete_all(base, target)
-    assert out[-1]["tokens"] != out[0]["tokens"]  # the bias bites
+    assert out[-2]["tokens"] != out[0]["tokens"]  # the bias bites
+    assert out[-1]["tokens"] != out[1]["tokens"]  # the seeded request samples
     return out
 
 

@@ -88,6 +88,13 @@ def _changes_pool(method):
     return _holds_pool(changes)
 
 
+def _pool_guard(proposer) -> None:
+    """The state `_holds_pool` and `_changes_pool` read, set on a new proposer (tests that build
+    one bare call it too: tests/conftest.py `bare_proposer`)."""
+    proposer._pool_lock = threading.RLock()  # a step's pool work vs a save from another thread
+    proposer._pool_version = 0  # moves on with every call that may change the pool (_changes_pool)
+
+
 # What drafted a slot's last proposal (_source): the back-off's estimates it teaches.
 NO_DRAFT, MODEL_DRAFT, POOL_DRAFT = 0, 1, 2
 # After the draft cache failed to grow (device memory), steps that draft only for the requests
@@ -174,8 +181,7 @@ class OuroborosProposer:
         self._slot_of = RequestSlots(self.max_slots)
         self._req_ids: list[str] = []
         self._saver: PoolSaver | None = None  # where the pool has a file (pool_saver.py)
-        self._pool_lock = threading.RLock()  # a step's pool work vs a save from another thread
-        self._pool_version = 0  # moves on with every call that may change the pool (_changes_pool)
+        _pool_guard(self)
         self._last_clock_check = time.monotonic()
         # Drafting that raised (_draft_failed): steps in all, in a row, the kinds logged, and
         # why drafting is off (None: on).

@@ -22,6 +22,7 @@ import torch
 
 from .accept import AcceptResult, accept_greedy, assemble_walk, sampled_walk, walk_uniforms_shape
 from .host_copy import to_device, to_host
+from .seeded_sampling import SeededDraws
 from .tree import TokenTree
 
 
@@ -57,7 +58,7 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
            greedy: torch.Tensor | None = None,
            process: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
            uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
-           max_table_rows: int = 0, walk: str = "torch") -> Verified:
+           max_table_rows: int = 0, walk: str = "torch", seeded: SeededDraws | None = None) -> Verified:
     """Accept per request.
 
     Shape: logits [R, V] (raw target logits, one row per query row of the batch), row_start [B]
@@ -80,10 +81,15 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     walk: "torch" (accept.sampled_walk) or "triton" (kernels/sampled_walk.py, the caller having
     checked it, check_kernel: the table form in chunks of at most max_table_rows rows, each
     walked in one launch instead of some 140 per depth step; where Triton cannot run, torch).
+
+    seeded: the batch's seeded requests (seeded_sampling.py), walked along the choices vLLM's
+    sampler makes with their generators' draws, which are then moved on by the emitted tokens;
+    the other sampled requests take the rejection walk with the global generator.
     """
     if walk not in ("torch", "triton"):
         raise ValueError(f"walk must be 'torch' or 'triton', got {walk!r}")
-    (rows,) = to_device(logits.device, node_rows(tree, row_start))
+    rows_host = node_rows(tree, row_start)
+    (rows,) = to_device(logits.device, rows_host)
     target_next = logits.argmax(dim=-1)[rows]
     if greedy is None:  # the caller knows (host flag) when a batch is all greedy
         tn, tokens = to_host(target_next, tree.tokens)
@@ -91,36 +97,64 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     else:
         if process is None:
             raise ValueError("sampled requests need the processing of their logits (process)")
+        # A seeded request walks its choices as a greedy one walks the argmax; the pool still
+        # learns the argmax (target_next), as from the other sampled requests.
+        walk_next, walk_greedy, skip = target_next, greedy, None
+        chosen = None if seeded is None else seeded.choices(tree, logits, rows_host, target_next)
+        if chosen is not None:
+            walk_next, skip = chosen
+            (chosen_t,) = to_device(logits.device, skip)
+            walk_greedy = greedy | chosen_t
         out = None
         if walk == "triton":
             if uniforms is None:  # as sampled_walk draws them
                 uniforms = torch.rand(walk_uniforms_shape(tree), generator=generator, device=logits.device,
                                       dtype=torch.float64)
-            out = _kernel_walk(tree, logits, rows, target_next, greedy, process, uniforms, max_table_rows)
+            out = _kernel_walk(tree, logits, rows, walk_next, walk_greedy, process, uniforms, max_table_rows,
+                               skip)
         if out is None:
-            out = sampled_walk(tree, _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows),
-                               generator, uniforms)
+            out = sampled_walk(tree, _torch_walk_rows(logits, rows, walk_next, walk_greedy, process,
+                                                      max_table_rows, skip), generator, uniforms)
         path, tn, tokens = to_host(out, target_next, tree.tokens)
         res = assemble_walk(tree, tokens, path)
+        if chosen is not None:
+            seeded.advance(res.num_emitted)
     return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
 
 
-def _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows: int):
+def _process_some(process, x: torch.Tensor, req: torch.Tensor | None, keep: np.ndarray | None) -> torch.Tensor:
+    """process(x, req), or, where keep [n] (host bool per row) is given, on its rows alone: the
+    others (seeded requests, which walk their own choices) stay raw, as the walk reads them
+    one-hot; their top-k / top-p sort is not paid twice."""
+    if keep is None or keep.all():
+        return process(x, req)
+    idx = np.nonzero(keep)[0]
+    if len(idx):
+        (idx_t,) = to_device(x.device, idx)
+        x[idx_t] = process(x[idx_t], idx_t if req is None else req[idx_t])
+    return x
+
+
+def _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows: int,
+                     skip: np.ndarray | None = None):
     """What accept.sampled_walk walks: the table [B, N + 1, V] of every node's processed
     distribution where the rows fit in max_table_rows, else a function giving the rows it reads.
     Greedy rows are the one-hot of the raw argmax, with which the sampled walk accepts exactly
-    what the greedy walk would (tests/test_accept.py): one walk for the batch."""
+    what the greedy walk would (tests/test_accept.py): one walk for the batch. skip [B] (host
+    bool): requests whose rows are not processed (they are greedy in `greedy`)."""
     sampled = (~greedy).float()
     B, N1 = rows.shape
+    keep = None if skip is None else ~np.asarray(skip, bool)
     if rows.numel() <= max_table_rows:
         req = torch.arange(B, device=logits.device).repeat_interleave(N1)
-        probs = torch.softmax(process(logits[rows.reshape(-1)].float(), req), dim=-1).view(B, N1, -1)
+        x = _process_some(process, logits[rows.reshape(-1)].float(), req, None if keep is None else keep.repeat(N1))
+        probs = torch.softmax(x, dim=-1).view(B, N1, -1)
         probs.mul_(sampled[:, None, None])
         return probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
     req = torch.arange(B, device=logits.device)
 
     def row_probs(col: torch.Tensor) -> torch.Tensor:
-        p = torch.softmax(process(logits[rows[req, col]].float(), None), dim=-1)
+        p = torch.softmax(_process_some(process, logits[rows[req, col]].float(), None, keep), dim=-1)
         p.mul_(sampled[:, None])
         return p.scatter_add_(1, target_next[req, col][:, None], greedy[:, None].float())
 
@@ -128,11 +162,11 @@ def _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows:
 
 
 def _kernel_walk(tree: TokenTree, logits, rows, target_next, greedy, process, uniforms,
-                 max_table_rows: int) -> torch.Tensor | None:
+                 max_table_rows: int, skip: np.ndarray | None = None) -> torch.Tensor | None:
     """The walk by kernels/sampled_walk.py, [4, B], or None where Triton cannot run. Requests
     go in chunks of at most max_table_rows node rows (one request at least), each chunk's rows
     processed at once and walked in one launch: the memory of the table form, and some 12
-    launches a chunk instead of the torch walk's ~140 a depth step."""
+    launches a chunk instead of the torch walk's ~140 a depth step. skip: as _torch_walk_rows."""
     from .kernels.sampled_walk import sampled_walk_triton  # imports Triton
 
     B, N1 = rows.shape
@@ -141,7 +175,8 @@ def _kernel_walk(tree: TokenTree, logits, rows, target_next, greedy, process, un
     for b0 in range(0, B, per_chunk):
         b1 = min(B, b0 + per_chunk)
         req = torch.arange(b0, b1, device=logits.device).repeat_interleave(N1)
-        x = process(logits[rows[b0:b1].reshape(-1)].float(), req).contiguous()
+        keep = None if skip is None else ~np.asarray(skip[b0:b1], bool).repeat(N1)
+        x = _process_some(process, logits[rows[b0:b1].reshape(-1)].float(), req, keep).contiguous()
         out = sampled_walk_triton(x, target_next[b0:b1], greedy[b0:b1], tree.tokens[b0:b1],
                                   tree.branch_of[b0:b1], tree.draft_len[b0:b1], tree.suffix_start[b0:b1],
                                   tree.suffix_len[b0:b1], uniforms[b0:b1])
@@ -151,30 +186,3 @@ def _kernel_walk(tree: TokenTree, logits, rows, target_next, greedy, process, un
     if not outs:  # no request
         return torch.zeros(4, 0, dtype=torch.int64, device=logits.device)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def draw_uniforms(tree: TokenTree, generators: dict[int, torch.Generator],
-                  device: torch.device, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """Uniforms for accept_sampled: from each seeded request's own generator, else the global one.
-
-    Shape: -> [B, walk_steps(tree), max(K, 1) + 1] float64 (finer than float32's 2^-24 steps:
-    accept.sampled_walk).
-    block: (depth steps, children), bounds of walk_steps(tree) and max(K, 1) in any step (the
-    engine's settings): each seeded request then draws a block of that size every step, its
-    child tries reading the first columns and its final sample the last, so what it samples
-    does not depend on the requests beside it (the batch's deepest draft and widest tree set
-    the shape; vLLM's own sampler draws per request too). None: the batch's shape.
-    """
-    u = torch.rand(walk_uniforms_shape(tree), device=device, dtype=torch.float64)
-    steps, children = u.shape[1], u.shape[2] - 1
-    rows, cols = (steps, children) if block is None else (max(block[0], steps), max(block[1], children))
-    seeded = [(i, gen) for i, gen in generators.items() if i < tree.B]  # as vLLM's own samplers
-    if seeded:
-        # One draw per generator (each request's own stream), then one scatter for all of them:
-        # at 256 seeded requests three launches each took 2.9 ms of host time on this CPU, 0.6 now.
-        b = torch.stack([torch.rand(rows, cols + 1, device=device, generator=gen, dtype=torch.float64)
-                         for _, gen in seeded])  # [S, rows, cols + 1]
-        (idx,) = to_device(device, np.fromiter((i for i, _ in seeded), np.int64, len(seeded)))
-        u[idx, :, :children] = b[:, :steps, :children]
-        u[idx, :, children] = b[:, :steps, cols]
-    return u

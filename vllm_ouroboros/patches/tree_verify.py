@@ -229,7 +229,7 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     from vllm.v1.outputs import SamplerOutput
 
     from vllm_ouroboros.kv_relocate import move_kv, relocation_slots
-    from vllm_ouroboros.verify import draw_uniforms, node_rows, verify
+    from vllm_ouroboros.verify import node_rows, verify
 
     tree_attention.set_active(None)
     sm = runner.input_batch.sampling_metadata
@@ -251,17 +251,16 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
             # copy of the step's [rows, vocab] only where the raw rows must give logprobs
             logits = logits.to(torch.float32, copy=sm.max_num_logprobs is not None)
             bias_min_p.add_bias(logits, bias, step.row_start, step.plan.num_drafts + 1)
-        greedy = process = uniforms = None
+        greedy = process = seeded = None
         if not sm.all_greedy:
             greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
             process = row_processing(sm, step.tree.B, min_p)
-            drafter = runner.drafter  # a seeded request's draws bounded by the settings, not the batch
-            block = (drafter.num_spec_tokens + drafter.cfg.phrase_len + 1, max(drafter.cfg.tree_suffixes, 1))
-            uniforms = draw_uniforms(step.tree, sm.generators, logits.device, block)
+            if sm.generators:
+                seeded = seeded_draws(runner, sm, step.tree.B, min_p)
         # All of the step's rows at once where they fit in what vLLM's profiling run sized
         # sampling for (one row per request of the largest batch): fewer launches.
-        v = verify(step.tree, logits, step.row_start, greedy, process, uniforms,
-                   max_table_rows=runner.max_num_reqs, walk=_state(runner).walk)
+        v = verify(step.tree, logits, step.row_start, greedy, process,
+                   max_table_rows=runner.max_num_reqs, walk=_state(runner).walk, seeded=seeded)
         slots = runner.input_batch.block_table[0].slot_mapping.gpu
         src, dst = relocation_slots(v.result, step.root_rows, slots)
         if src.numel() and not _SKIP_RELOCATION:
@@ -352,10 +351,11 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, sm):
     return sampler.gather_logprobs(lp, sm.max_num_logprobs, tok)
 
 
-def row_processing(sm, B: int, min_p=None):
+def row_processing(sm, B: int, min_p=None, top_k_top_p: bool = True):
     """What vLLM's sampler does to a random request's logits when no other processor is active
     (unsupported_sampling): temperature, min_p (vLLM's MinPLogitsProcessor, where a request
-    sets it), then top-k / top-p.
+    sets it), then top-k / top-p (unless not top_k_top_p: vLLM's top-k / top-p sampler does
+    that step, seeded_draws).
 
     Returns process(x, req) for verify: x [n, V] float32 logit rows of the batch's requests
     (overwritten), req [n] int64 the request of each row (None: row b is request b's) -> the
@@ -375,9 +375,29 @@ def row_processing(sm, B: int, min_p=None):
         x.div_(of(temp)[:, None])
         if mp is not None:
             x.masked_fill_(bias_min_p.min_p_mask(x, of(mp)), float("-inf"))
-        return apply_top_k_top_p(x, of(top_k), of(top_p))
+        return apply_top_k_top_p(x, of(top_k), of(top_p)) if top_k_top_p else x
 
     return process
+
+
+def seeded_draws(runner, sm, B: int, min_p=None):
+    """The batch's seeded requests sampled as vLLM's Sampler samples them without speculation
+    (seeded_sampling.py): temperature and min_p as row_processing, then vLLM's own top-k /
+    top-p sampler (`Sampler.topk_topp_sampler`, the platform's: on CPU a fused Gumbel argmax
+    seeded by one draw, on CUDA an exponential row) with each row's copy of its generator."""
+    from vllm_ouroboros.seeded_sampling import SeededDraws
+
+    require(runner.sampler, "topk_topp_sampler")
+    sampler = runner.sampler.topk_topp_sampler
+    top_k = None if sm.top_k is None else sm.top_k[:B]
+    top_p = None if sm.top_p is None else sm.top_p[:B]
+
+    def sample(x: torch.Tensor, generators: dict[int, torch.Generator], req: torch.Tensor) -> torch.Tensor:
+        return sampler(x, generators, None if top_k is None else top_k[req],
+                       None if top_p is None else top_p[req])[0]
+
+    return SeededDraws(sm.generators, row_processing(sm, B, min_p, top_k_top_p=False), sample,
+                       runner.max_num_reqs)
 
 
 def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):

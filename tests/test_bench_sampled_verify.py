@@ -15,7 +15,9 @@ def test_bench_sampled_verify_runs_and_checks_the_forms_agree():
                            "--vocab", "300", "--repeats", "1"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "same tokens emitted by every form" in proc.stdout and "3 requests: rows / table memory" in proc.stdout
+    assert "same tokens emitted by every unseeded form" in proc.stdout and "3 requests: rows / table memory" in proc.stdout
     assert "| 3 | rows the walk reads, as it reads them |" in proc.stdout
+    assert "| 3 | every request seeded: each row sampled with its generator's draw |" in proc.stdout
+    assert "seeded / table time" in proc.stdout
     calls = proc.stdout.split("torch walk ")[-1]
     assert int(calls.split(",")[0]) > 10 * int(calls.split("Triton walk ")[1].split()[0])

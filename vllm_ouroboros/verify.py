@@ -1,7 +1,8 @@
 """Target-side verification of one step's token trees, batched (README, "How a step runs").
 
 Input is what the target computed in its one forward: logits at every query row of every request
-(the root, then each tree node in node order). Greedy requests take the greedy walk, the others
+(the root, then each tree node in node order). Greedy requests take the greedy walk, seeded ones
+walk the choices vLLM's sampler makes with their own generators (seeded_sampling.py), the others
 the lossless multi-candidate rejection sampling walk (accept.py); the result is the token rows
 vLLM expects from its sampler (accepted tokens, then the correction or bonus; -1 pads) plus the
 accepted path, which the KV relocation and the pool feedback read.

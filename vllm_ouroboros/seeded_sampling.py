@@ -1,4 +1,4 @@
-"""A seeded request's tokens as vLLM samples them without speculation (README, "Sampling").
+"""A seeded request's tokens as vLLM samples them without speculation (README, "Seeded requests").
 
 Without speculation vLLM samples a seeded request's tokens one a step, each with the next draw of
 the request's own generator. In a verified tree the token at emitted position j of a step (j = 0

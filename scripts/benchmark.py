@@ -8,8 +8,10 @@ For every (method, workload, concurrency, temperature) cell: output tokens/s and
 no speculation from this run, tokens per target forward, acceptance rate and acceptance by
 position (vLLM's spec-decode counters), draft forwards per output token, and a modeled speedup
 from measured per-forward times t_target(n) and t_draft(n) (SpecDec++ eq. 2.3, adapted below)
-under the measured curve and under a flat, memory-bound curve t(n) = t(1). A greedy cell whose
-output differs from no speculation gets no speed reported.
+under the measured curve and under a flat, memory-bound curve t(n) = t(1). A cell whose output
+differs from no speculation gets no speed reported: every greedy cell, and ouroboros's sampled
+ones (its requests carry a seed, which ouroboros samples as vLLM does without speculation:
+vllm_ouroboros/seeded_sampling.py; vLLM's own methods sample other tokens there, "n/a").
 
 Modeled latency per output token of a method (per request, F = forwards, N = output tokens):
     (F_draft * t_draft(n_draft) + F_target * t_target(n_target) + F_plain * t_target(1)) / N
@@ -251,13 +253,16 @@ def interp(curve: dict[int, float], n: float) -> float:
 
 
 def derive(rows, base_rows, ocfg_tokens, t_curve, d_curve) -> None:
-    """Ratios, acceptance, modeled speedups; marks rows whose greedy output differs."""
+    """Ratios, acceptance, modeled speedups; marks rows whose output differs from no speculation
+    (identical: True / False; None where no comparison holds: no baseline, or a sampled cell of
+    one of vLLM's own methods)."""
     base = {(r["workload"], r["concurrency"], r["temperature"]): r for r in base_rows}
     flat_t, flat_d = {1: t_curve[1], 128: t_curve[1]}, {1: d_curve[1], 128: d_curve[1]}
     for r in rows:
         b = base.get((r["workload"], r["concurrency"], r["temperature"]))
         r["tok_s"] = r["tokens"] / r["seconds"]
-        r["identical"] = None if r["temperature"] > 0 or b is None else r["outputs"] == b["outputs"]
+        comparable = b is not None and (r["temperature"] == 0 or r["method"].startswith("ouroboros"))
+        r["identical"] = r["outputs"] == b["outputs"] if comparable else None
         r["speedup"] = r["tok_s"] / b["tok_s"] if b else None
         c = r["spec"]
         drafts = c.get("num_drafts", 0)

@@ -185,7 +185,8 @@ def test_tree_walk_processes_rows_as_vllms_sampler(seed, bias_min_p):
     """patches/tree_verify.row_processing on one row per request (what the tree walk asks for
     at each depth step) and on all rows at once (its table form) gives each row what vLLM's
     sampler pieces give the whole step's rows, each request's temperature (greedy ones: 1),
-    min_p, top-k and top-p on all of its rows."""
+    min_p, top-k and top-p on all of its rows; its scaling alone (what seeded requests hand
+    vLLM's top-k / top-p sampler) what they give before top-k / top-p."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     from vllm_ouroboros.patches.tree_verify import row_processing
@@ -200,10 +201,10 @@ def test_tree_walk_processes_rows_as_vllms_sampler(seed, bias_min_p):
                          top_p=torch.tensor([0.9, 1.0, 0.5, 1.0, 0.8]))
     req = np.repeat(np.arange(B), counts)
     temp = torch.where(temperature < 1e-5, 1.0, temperature)[req]
-    want = vllm_min_p(len(req), min_p[req]).apply(logits / temp[:, None])
-    want = apply_top_k_top_p(want, sm.top_k[req], sm.top_p[req])
+    scaled = vllm_min_p(len(req), min_p[req]).apply(logits / temp[:, None])
+    want = apply_top_k_top_p(scaled.clone(), sm.top_k[req], sm.top_p[req])
 
-    process = row_processing(sm, B, vllm_min_p(B, min_p))
+    process, scale = row_processing(sm, B, vllm_min_p(B, min_p))
     start = np.cumsum(counts) - counts
     for j in range(counts.max()):  # depth step j: row j of each request (its last if shorter)
         rows = start + np.minimum(j, counts - 1)
@@ -213,4 +214,8 @@ def test_tree_walk_processes_rows_as_vllms_sampler(seed, bias_min_p):
     got = process(logits.clone(), torch.from_numpy(req))  # the table form: all rows at once
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(got)])
+    got = scale(logits.clone(), torch.from_numpy(req))
+    assert torch.equal(torch.isinf(got), torch.isinf(scaled)) and torch.isinf(got).any()
+    assert torch.equal(got[~torch.isinf(got)], scaled[~torch.isinf(got)])
+    assert not torch.equal(torch.isinf(got), torch.isinf(want))  # top-k / top-p left out
     assert torch.isinf(want).any(dim=1).all()  # every row was cut by something

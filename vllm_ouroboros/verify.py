@@ -123,16 +123,23 @@ def verify(tree: TokenTree, logits: torch.Tensor, row_start: np.ndarray,
     return Verified(result=res, target_next=tn, tokens=tokens, token_ids=res.emitted.astype(np.int32))
 
 
-def _process_some(process, x: torch.Tensor, req: torch.Tensor | None, keep: np.ndarray | None) -> torch.Tensor:
-    """process(x, req), or, where keep [n] (host bool per row) is given, on its rows alone: the
-    others (seeded requests, which walk their own choices) stay raw, as the walk reads them
-    one-hot; their top-k / top-p sort is not paid twice."""
+def _kept_rows(keep: np.ndarray | None, device) -> torch.Tensor | None:
+    """The device index [k] int64 of the rows to process, from keep [n] (host bool per row;
+    False: a seeded request's, which walks its own choices); None where every row is kept.
+    Made once per step (per chunk) and reused by every depth step's rows."""
     if keep is None or keep.all():
+        return None
+    (idx,) = to_device(device, np.nonzero(keep)[0])
+    return idx
+
+
+def _process_some(process, x: torch.Tensor, req: torch.Tensor | None, kept: torch.Tensor | None) -> torch.Tensor:
+    """process(x, req), or, where kept (_kept_rows) is given, on those rows alone: the others
+    stay raw, as the walk reads them one-hot; their top-k / top-p sort is not paid twice."""
+    if kept is None:
         return process(x, req)
-    idx = np.nonzero(keep)[0]
-    if len(idx):
-        (idx_t,) = to_device(x.device, idx)
-        x[idx_t] = process(x[idx_t], idx_t if req is None else req[idx_t])
+    if kept.numel():
+        x[kept] = process(x[kept], kept if req is None else req[kept])
     return x
 
 
@@ -148,14 +155,16 @@ def _torch_walk_rows(logits, rows, target_next, greedy, process, max_table_rows:
     keep = None if skip is None else ~np.asarray(skip, bool)
     if rows.numel() <= max_table_rows:
         req = torch.arange(B, device=logits.device).repeat_interleave(N1)
-        x = _process_some(process, logits[rows.reshape(-1)].float(), req, None if keep is None else keep.repeat(N1))
+        kept = _kept_rows(None if keep is None else keep.repeat(N1), logits.device)
+        x = _process_some(process, logits[rows.reshape(-1)].float(), req, kept)
         probs = torch.softmax(x, dim=-1).view(B, N1, -1)
         probs.mul_(sampled[:, None, None])
         return probs.scatter_add_(2, target_next[:, :, None], greedy[:, None, None].expand(B, N1, 1).float())
     req = torch.arange(B, device=logits.device)
+    kept = _kept_rows(keep, logits.device)
 
     def row_probs(col: torch.Tensor) -> torch.Tensor:
-        p = torch.softmax(_process_some(process, logits[rows[req, col]].float(), None, keep), dim=-1)
+        p = torch.softmax(_process_some(process, logits[rows[req, col]].float(), None, kept), dim=-1)
         p.mul_(sampled[:, None])
         return p.scatter_add_(1, target_next[req, col][:, None], greedy[:, None].float())
 
@@ -177,7 +186,8 @@ def _kernel_walk(tree: TokenTree, logits, rows, target_next, greedy, process, un
         b1 = min(B, b0 + per_chunk)
         req = torch.arange(b0, b1, device=logits.device).repeat_interleave(N1)
         keep = None if skip is None else ~np.asarray(skip[b0:b1], bool).repeat(N1)
-        x = _process_some(process, logits[rows[b0:b1].reshape(-1)].float(), req, keep).contiguous()
+        x = _process_some(process, logits[rows[b0:b1].reshape(-1)].float(), req,
+                          _kept_rows(keep, logits.device)).contiguous()
         out = sampled_walk_triton(x, target_next[b0:b1], greedy[b0:b1], tree.tokens[b0:b1],
                                   tree.branch_of[b0:b1], tree.draft_len[b0:b1], tree.suffix_start[b0:b1],
                                   tree.suffix_len[b0:b1], uniforms[b0:b1])

@@ -254,9 +254,9 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
         greedy = process = seeded = None
         if not sm.all_greedy:
             greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
-            process = row_processing(sm, step.tree.B, min_p)
+            process, scale = row_processing(sm, step.tree.B, min_p)
             if sm.generators:
-                seeded = seeded_draws(runner, sm, step.tree.B, min_p)
+                seeded = seeded_draws(runner, sm, step.tree.B, scale)
         # All of the step's rows at once where they fit in what vLLM's profiling run sized
         # sampling for (one row per request of the largest batch): fewer launches.
         v = verify(step.tree, logits, step.row_start, greedy, process,
@@ -351,16 +351,17 @@ def _path_logprobs(sampler, mode, logits, step: TargetStep, v, sm):
     return sampler.gather_logprobs(lp, sm.max_num_logprobs, tok)
 
 
-def row_processing(sm, B: int, min_p=None, top_k_top_p: bool = True):
+def row_processing(sm, B: int, min_p=None):
     """What vLLM's sampler does to a random request's logits when no other processor is active
     (unsupported_sampling): temperature, min_p (vLLM's MinPLogitsProcessor, where a request
-    sets it), then top-k / top-p (unless not top_k_top_p: vLLM's top-k / top-p sampler does
-    that step, seeded_draws).
+    sets it), then top-k / top-p.
 
-    Returns process(x, req) for verify: x [n, V] float32 logit rows of the batch's requests
-    (overwritten), req [n] int64 the request of each row (None: row b is request b's) -> the
-    processed rows [n, V]. Every operation is per row, so a row comes out the same whichever
-    rows are processed with it.
+    Returns (process, scale), each f(x, req) for verify: x [n, V] float32 logit rows of the
+    batch's requests (overwritten), req [n] int64 the request of each row (None: row b is
+    request b's) -> the processed rows [n, V]. process does all of it; scale stops before top-k
+    / top-p (vLLM's top-k / top-p sampler does that step: seeded_draws). Built once for both:
+    they share the step's temperatures and min_p. Every operation is per row, so a row comes
+    out the same whichever rows are processed with it.
     """
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
@@ -370,21 +371,27 @@ def row_processing(sm, B: int, min_p=None, top_k_top_p: bool = True):
     top_k = None if sm.top_k is None else sm.top_k[:B]
     top_p = None if sm.top_p is None else sm.top_p[:B]
 
-    def process(x: torch.Tensor, req: torch.Tensor | None) -> torch.Tensor:
-        of = (lambda t: t) if req is None else (lambda t: None if t is None else t[req])  # noqa: E731
-        x.div_(of(temp)[:, None])
+    def of(t: torch.Tensor | None, req: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or req is None else t[req]
+
+    def scale(x: torch.Tensor, req: torch.Tensor | None) -> torch.Tensor:
+        x.div_(of(temp, req)[:, None])
         if mp is not None:
-            x.masked_fill_(bias_min_p.min_p_mask(x, of(mp)), float("-inf"))
-        return apply_top_k_top_p(x, of(top_k), of(top_p)) if top_k_top_p else x
+            x.masked_fill_(bias_min_p.min_p_mask(x, of(mp, req)), float("-inf"))
+        return x
 
-    return process
+    def process(x: torch.Tensor, req: torch.Tensor | None) -> torch.Tensor:
+        return apply_top_k_top_p(scale(x, req), of(top_k, req), of(top_p, req))
+
+    return process, scale
 
 
-def seeded_draws(runner, sm, B: int, min_p=None):
+def seeded_draws(runner, sm, B: int, scale):
     """The batch's seeded requests sampled as vLLM's Sampler samples them without speculation
-    (seeded_sampling.py): temperature and min_p as row_processing, then vLLM's own top-k /
-    top-p sampler (`Sampler.topk_topp_sampler`, the platform's: on CPU a fused Gumbel argmax
-    seeded by one draw, on CUDA an exponential row) with each row's copy of its generator."""
+    (seeded_sampling.py): `scale` (row_processing's: temperature and min_p), then vLLM's own
+    top-k / top-p sampler (`Sampler.topk_topp_sampler`, the platform's: on CPU a fused Gumbel
+    argmax seeded by one draw, on CUDA an exponential row) with each row's copy of its
+    generator."""
     from vllm_ouroboros.seeded_sampling import SeededDraws
 
     require(runner.sampler, "topk_topp_sampler")
@@ -396,8 +403,7 @@ def seeded_draws(runner, sm, B: int, min_p=None):
         return sampler(x, generators, None if top_k is None else top_k[req],
                        None if top_p is None else top_p[req])[0]
 
-    return SeededDraws(sm.generators, row_processing(sm, B, min_p, top_k_top_p=False), sample,
-                       runner.max_num_reqs)
+    return SeededDraws(sm.generators, scale, sample, runner.max_num_reqs)
 
 
 def _chain_view_sample(runner, logits, spec_meta, step: TargetStep, sm):

@@ -22,7 +22,8 @@ PROMPTS = [(TEXT * 4)[i * 13: i * 13 + c] for i, c in enumerate([5, 40, 120, 260
 
 
 def run_tp2(target, spec):
-    """Greedy outputs of a TP = 2 engine and, with speculation, each rank's counters."""
+    """Greedy outputs of a TP = 2 engine, with speculation each rank's counters, and the
+    engine-core processes (to tell, where the pool file is wrong, whether they ended, and how)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
@@ -31,7 +32,8 @@ def run_tp2(target, spec):
         outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=48 + 8 * i)
                                       for i in range(len(PROMPTS))], use_tqdm=False)
         snaps = llm.collective_rpc("ouroboros_snapshot") if spec else None
-        return [list(o.outputs[0].token_ids) for o in outs], snaps
+        procs = list(getattr(llm.llm_engine.engine_core.resources.engine_manager, "processes", []))
+        return [list(o.outputs[0].token_ids) for o in outs], snaps, procs
     finally:
         del llm
         gc.collect()
@@ -50,18 +52,28 @@ def tp_env():
     mp.undo()
 
 
-def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models, tmp_path):
+def shutdown_report(procs, printed: str) -> str:
+    """What a wrong pool file needs explained: how each engine-core process ended (its exit
+    code; -9: killed) and the engine's shutdown and pool lines as printed."""
+    lines = [ln for ln in printed.splitlines() if "[shutdown]" in ln or ("ouroboros:" in ln and "pool" in ln)]
+    return "\n".join([f"engine-core processes: {[(p.name, p.exitcode) for p in procs]}", *lines[-40:]])
+
+
+def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models, tmp_path, capfd):
     """Also the pool file under TP: the engine core's save RPC reaches both ranks at shutdown;
     the first writes its pool, the second (no pool) nothing."""
     from vllm_ouroboros.pool import PhrasePool
 
-    base, _ = run_tp2(tiny_models["target"], None)
+    base, _, _ = run_tp2(tiny_models["target"], None)
     # The close draft: its drafts are accepted in full often enough that later suffixes are
     # accepted whatever the CPU's rounding (tests/tiny_models.py model_pair).
     spec = {"method": "ouroboros", "model": str(tiny_models["close_draft"]), "num_suffixes": 3,
             "use_lookahead": True, "use_guesses": True, "max_speculative_batch": 64,
             "use_suffixes": True, "pool_save_path": str(tmp_path / "pool.pt")}
-    ours, snaps = run_tp2(tiny_models["target"], spec)
+    capfd.readouterr()  # the engine without speculation's lines
+    ours, snaps, procs = run_tp2(tiny_models["target"], spec)
+    printed = "".join(capfd.readouterr())
+    print(printed)  # as captured without capfd, for pytest's report
     for i, (b, o) in enumerate(zip(base, ours)):
         assert o == b, f"request {i}: TP = 2 with ouroboros differs from TP = 2 without"
     first, second = snaps
@@ -73,4 +85,6 @@ def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models
     # The second rank loaded no draft and ran none: its trees came from the first rank's layouts.
     assert second["draft_forwards"] == 0 and "settings" not in second and "pool" not in second
     state = PhrasePool.read_state(str(tmp_path / "pool.pt"))  # the pool after the last step
-    assert int(state["counters"][0]) == first["pool"]["lookups"] > 0, (state["counters"], first["pool"])
+    assert int(state["counters"][0]) == first["pool"]["lookups"] > 0, (
+        f"the pool file's lookups {int(state['counters'][0])}, the last snapshot's "
+        f"{first['pool']['lookups']}\n{shutdown_report(procs, printed)}")

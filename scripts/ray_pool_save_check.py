@@ -104,8 +104,9 @@ def engine_run(out: Path) -> None:
 
     models = model_pair(out / "models")
     pool = out / "pool.pt"
+    # No save when idle: the file would hold the last pool before the shutdown's save.
     spec = {"method": "ouroboros", "model": str(models["draft"]), "pool_save_path": str(pool),
-            "use_lookahead": True, "use_guesses": True, "use_suffixes": True}
+            "pool_save_on_idle": False, "use_lookahead": True, "use_guesses": True, "use_suffixes": True}
     llm = LLM(model=str(models["target"]), dtype="float32", enforce_eager=True, seed=0,
               max_num_seqs=8, max_model_len=512, speculative_config=spec,
               distributed_executor_backend="ray")

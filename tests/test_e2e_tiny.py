@@ -465,9 +465,11 @@ def test_batched_drafting_does_not_scale_forwards_with_requests(runs):
 
 
 def test_pool_saved_at_engine_exit(runs, pool_file):
-    """The pool a run built is written to pool_save_path when the engine shuts down: the file
-    holds the pool of the last snapshot (taken after the last request, no step after it), not
-    an earlier periodic save (the first step saves at once, so a file alone proves nothing)."""
+    """The pool a run built is in pool_save_path once the engine has shut down: the file holds
+    the pool of the last snapshot (taken after the last request, no step after it), not an
+    earlier periodic save (the first step saves at once, so a file alone proves nothing). Here
+    the idle engine's save (after each batch) writes it, and the save at shutdown finds it
+    current; tests/test_pool_save_at_exit.py has the save at shutdown write it."""
     from vllm_ouroboros.pool import PhrasePool
 
     _, _, snaps = runs

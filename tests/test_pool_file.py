@@ -340,6 +340,69 @@ def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path,
         "the older copy replaced the save on request"
 
 
+def test_an_idle_engine_writes_the_pool_its_file_lacks(tmp_path, monkeypatch):
+    """When the engine's last request is removed (the runner patch calls on_idle) the pool is
+    written, unless its file holds it already: a process killed while idle (SIGKILL, Ray's
+    kill) loses nothing, and the save at shutdown then writes nothing. With pool_save_on_idle
+    false, no write (the periodic and shutdown saves only)."""
+    from vllm_ouroboros import proposer
+
+    p = saving_proposer(tmp_path / "pool.pt")
+    real, written = PhrasePool.write_state, []
+
+    def write(state, path):
+        written.append(int(state["counters"][0]))
+        real(state, path)
+
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(write))
+
+    def step(self, n):  # a step's pool work (a lookup moves the pool's counters)
+        self.pool.lookup(torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1)
+
+    change = proposer._changes_pool(step)
+    change(p, 3)
+    p.on_idle()
+    p._saver.join(10)
+    assert written == [3]
+    p.on_idle()  # no step since: the file holds this pool
+    p._saver.join(10)
+    p.shutdown()
+    assert written == [3], "a pool its file holds was written again"
+    change(p, 2)
+    p.cfg = OuroborosConfig(draft_model="unused", pool_save_path=str(tmp_path / "pool.pt"), pool_save_on_idle=False)
+    p.on_idle()
+    p._saver.join(10)
+    assert written == [3]
+    p.shutdown()
+    assert written == [3, 5]
+    assert OuroborosConfig(draft_model="m").pool_save_on_idle is True
+    with pytest.raises(OuroborosConfigError, match="'pool_save_on_idle' must be true or false"):
+        validate(OuroborosConfig(draft_model="m", pool_save_on_idle="no"))
+
+
+def test_an_idle_save_waits_for_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
+    """A periodic write under way when the engine goes idle holds an older copy of the pool:
+    the idle save waits for it, or that write's rename, landing after, puts the older pool
+    back in the file for as long as the engine stays idle."""
+    from vllm_ouroboros import proposer
+
+    p = saving_proposer(tmp_path / "pool.pt")
+    gate, entered = periodic_write_held(monkeypatch)
+    p._saver.maybe_save()  # the periodic save: its copy of the pool has no key 11
+    assert entered.wait(10)
+    insert = proposer._changes_pool(lambda self: self.pool.insert(
+        torch.tensor([11]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long)))
+    insert(p)
+    idle, waited = started_until_it_waits(monkeypatch, p.on_idle)
+    assert waited, "the idle save did not wait for the periodic write"
+    gate.set()
+    idle.join(10)
+    p._saver.join(10)
+    assert not idle.is_alive()
+    assert int(PhrasePool.read_state(str(tmp_path / "pool.pt"))["key_to_page"][11]) >= 0, \
+        "the older copy replaced the idle save"
+
+
 def test_a_replaced_saver_waits_for_its_periodic_write(tmp_path, monkeypatch):
     """A second load_model's saver starts with no write of its own under way: the replaced
     saver's periodic write, renamed after the new saver's first save, would put the old pool

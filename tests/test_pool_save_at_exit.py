@@ -27,6 +27,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script is impo
     target, draft, pool = sys.argv[1:4]
     llm = LLM(model=target, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
               speculative_config={"method": "ouroboros", "model": draft, "pool_save_path": pool,
+                                  "pool_save_on_idle": False,  # else the file is current already
                                   "use_lookahead": True, "use_guesses": True})
     llm.generate(["def fib(n):", "The quick brown fox"] * 4,
                  SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)

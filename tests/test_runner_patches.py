@@ -47,6 +47,33 @@ def test_a_streaming_sessions_next_segment_starts_its_slot_afresh():
     assert len(noted) == 2
 
 
+def test_the_step_that_removes_the_last_request_tells_the_proposer_the_engine_is_idle():
+    """vLLM runs one more step, with no tokens, to remove finished requests from the runner:
+    where it leaves the runner no request, the proposer hears the engine is idle (it writes
+    the pool then, proposer.on_idle); not while requests remain, nor on steps that finish none."""
+    idle = []
+    drafter = SimpleNamespace(is_ouroboros=True, note_finished=lambda ids: None, on_idle=lambda: idle.append(1))
+    runner = SimpleNamespace(drafter=drafter, requests={"a": 1, "b": 2})
+
+    def original(self, out):  # vLLM's: finished requests leave the runner
+        for r in out.finished_req_ids:
+            self.requests.pop(r, None)
+        return "updated"
+
+    update = model_runner._update_states(original)
+    out = lambda done=(): SimpleNamespace(  # noqa: E731
+        scheduled_new_reqs=[], finished_req_ids=set(done),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_output_tokens=[]))
+    assert update(runner, out({"a"})) == "updated" and idle == []  # "b" runs on
+    update(runner, out())
+    assert idle == []
+    assert update(runner, out({"b"})) == "updated" and idle == [1]
+    update(runner, out())  # idle still: no step finished anything
+    assert idle == [1]
+    update(SimpleNamespace(drafter=None, requests={"c": 1}), out({"c"}))  # vLLM's drafter, or none
+    assert idle == [1]
+
+
 def test_an_output_cut_back_by_vllm_rewinds_the_requests_draft_state():
     """vLLM's _update_states drops output tokens the scheduler no longer counts (a failed
     synchronous KV load): the request regrows other tokens, and the proposer must check its

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 
@@ -21,9 +22,24 @@ TEXT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + f
 PROMPTS = [(TEXT * 4)[i * 13: i * 13 + c] for i, c in enumerate([5, 40, 120, 260, 17, 90])]
 
 
+def pool_lookups_when_idle(path: str, want: int, wait_s: float = 60.0) -> int:
+    """The lookups counter of the pool file at `path` once it reads `want` (the idle engine's
+    save: vLLM removes the finished requests in a step of its own, which may come after the
+    snapshot's RPC), or as it reads after wait_s."""
+    from vllm_ouroboros.pool import PhrasePool
+
+    deadline, got = time.monotonic() + wait_s, None
+    while got != want and time.monotonic() < deadline:
+        if os.path.exists(path):
+            got = int(PhrasePool.read_state(path)["counters"][0])
+        time.sleep(0.1)
+    return got
+
+
 def run_tp2(target, spec):
-    """Greedy outputs of a TP = 2 engine, with speculation each rank's counters, and the
-    engine-core processes (to tell, where the pool file is wrong, whether they ended, and how)."""
+    """Greedy outputs of a TP = 2 engine, with speculation each rank's counters (the first's
+    "idle_file_lookups": the pool file's before the engine stops), and the engine-core
+    processes (to tell, where the pool file is wrong, whether they ended, and how)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
@@ -32,6 +48,9 @@ def run_tp2(target, spec):
         outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=48 + 8 * i)
                                       for i in range(len(PROMPTS))], use_tqdm=False)
         snaps = llm.collective_rpc("ouroboros_snapshot") if spec else None
+        if spec and spec.get("pool_save_path"):
+            snaps[0]["idle_file_lookups"] = pool_lookups_when_idle(spec["pool_save_path"],
+                                                                   snaps[0]["pool"]["lookups"])
         procs = list(getattr(llm.llm_engine.engine_core.resources.engine_manager, "processes", []))
         return [list(o.outputs[0].token_ids) for o in outs], snaps, procs
     finally:
@@ -60,8 +79,9 @@ def shutdown_report(procs, printed: str) -> str:
 
 
 def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models, tmp_path, capfd):
-    """Also the pool file under TP: the engine core's save RPC reaches both ranks at shutdown;
-    the first writes its pool, the second (no pool) nothing."""
+    """Also the pool file under TP: the first rank writes its pool when the engine goes idle
+    and the file holds it still after the shutdown (whose save RPC reaches both ranks: the
+    first finds its file current, the second holds no pool)."""
     from vllm_ouroboros.pool import PhrasePool
 
     base, _, _ = run_tp2(tiny_models["target"], None)
@@ -84,6 +104,8 @@ def test_tp2_greedy_identical_and_only_the_first_rank_drafts(tp_env, tiny_models
     assert first["tree_suffix_accepted"] > 0, "no tree branch other than the first was accepted"
     # The second rank loaded no draft and ran none: its trees came from the first rank's layouts.
     assert second["draft_forwards"] == 0 and "settings" not in second and "pool" not in second
+    assert first["idle_file_lookups"] == first["pool"]["lookups"] > 0, (
+        "the idle engine did not write its pool", first["idle_file_lookups"], first["pool"])
     state = PhrasePool.read_state(str(tmp_path / "pool.pt"))  # the pool after the last step
     assert int(state["counters"][0]) == first["pool"]["lookups"] > 0, (
         f"the pool file's lookups {int(state['counters'][0])}, the last snapshot's "

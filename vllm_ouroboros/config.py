@@ -53,6 +53,10 @@ class OuroborosConfig:
     warm_start: bool = True
     pool_load_path: str | None = None
     pool_save_path: str | None = None
+    # Also write it each time the engine goes idle (its last request removed), unless the file
+    # holds it already: a process killed while idle loses nothing. false: periodic saves and
+    # the save at shutdown only (storage where a write per idle spell costs too much).
+    pool_save_on_idle: bool = True
     # Mechanism switches, for ablations. Phrase drafting (Jacobi window, pool guesses): None =
     # decided at load from the draft's cost curve on this device (cost_model.py).
     use_lookahead: bool | None = None

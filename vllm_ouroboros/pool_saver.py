@@ -1,6 +1,7 @@
 """The phrase pool's file (`pool_save_path`): written every POOL_SAVE_INTERVAL seconds from the
-step (the write on a thread), now when the engine stops (every wait under one deadline), and on
-request. A save that fails is logged once per kind and tried again: serving never stops for it.
+step (the write on a thread), when the engine goes idle (its last request removed), now when the
+engine stops (every wait under one deadline), and on request. A save that fails is logged once
+per kind and tried again: serving never stops for it.
 No vLLM imports (the engine's shutdown hooks that call in: patches/engine_shutdown.py).
 """
 
@@ -93,7 +94,7 @@ class PoolSaver:
         deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
         if not self.lock.acquire(timeout=SAVE_NOW_TIMEOUT_S):
             logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
-                           "now, the last periodic save stands", SAVE_NOW_TIMEOUT_S)
+                           "now, the last save (idle or periodic) stands", SAVE_NOW_TIMEOUT_S)
             return
         start = time.monotonic()
         try:
@@ -114,6 +115,22 @@ class PoolSaver:
             return
         if self._thread is not None and self._thread.is_alive():
             return
+        self._start_write()
+
+    def save_when_idle(self) -> None:
+        """The engine has no request left: write the pool now (copied here, written on a
+        thread), unless the file holds it already. A process killed while idle (SIGKILL, Ray's
+        kill of its actors, a container stopped with no grace) then loses nothing, and the save
+        at shutdown finds the file current. A periodic write under way holds an older copy: it
+        is waited for first (SAVE_NOW_TIMEOUT_S at most; nobody's tokens wait on an idle step).
+        """
+        if self._holds_current():
+            return
+        pending = self._thread
+        if pending is not None and pending.is_alive():
+            pending.join(SAVE_NOW_TIMEOUT_S)
+            if pending.is_alive():  # storage that hangs: the next interval or idle tries again
+                return
         self._start_write()
 
     def save_now(self, deadline: float | None = None, unless_saved: bool = False) -> bool:

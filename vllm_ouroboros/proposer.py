@@ -596,6 +596,14 @@ class OuroborosProposer:
         elif path and self.pool is not None:  # no pool_save_path: a one-off writer to `path`
             PoolSaver(self.pool, path, self._pool_lock, self._flush_staged).save()
 
+    @_holds_pool
+    def on_idle(self) -> None:
+        """The engine's last request was removed (patches/model_runner.py): write the pool file
+        unless it holds this pool already (pool_saver.PoolSaver.save_when_idle), where
+        `pool_save_on_idle` is on."""
+        if self._saver is not None and self.cfg.pool_save_on_idle:
+            self._saver.save_when_idle()
+
     def shutdown(self) -> None:
         """The engine is stopping (the engine core's save RPC, then the worker's shutdown:
         patches/engine_shutdown.py): write the pool file now, unless it holds this pool already

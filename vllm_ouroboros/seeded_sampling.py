@@ -54,7 +54,7 @@ class SeededDraws:
         self.max_rows = max(1, max_rows)
         self._after: dict[int, list[torch.Tensor]] = {}
 
-    def requests(self, B: int) -> list[int]:
+    def _requests(self, B: int) -> list[int]:
         """The batch's seeded requests (indices below B), in order."""
         return sorted(i for i in self.generators if i < B)
 
@@ -70,7 +70,7 @@ class SeededDraws:
         """
         lay = tree.layout
         B, N1 = rows.shape
-        seeded = self.requests(B)
+        seeded = self._requests(B)
         self._after = {}
         if not seeded:
             return None

@@ -23,7 +23,8 @@
     as vLLM gives ROCm engines for their teardown (`get_engine_process_shutdown_timeout`); an
     engine that exits sooner (a save takes well under a second) is waited for no longer.
 Not covered: data parallelism on Ray, whose engine-core actors vLLM `ray.kill`s too (no
-shutdown of theirs runs; the last periodic save stands).
+shutdown of theirs runs; the last save stands: the idle engine's, pool_saver.save_when_idle,
+or a periodic one).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _engine_core_shutdown(original):
                     executor.collective_rpc(SAVE_METHOD, timeout=SAVE_RPC_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the engine's own teardown must still run
             logger.warning("ouroboros: the workers could not save the pool at shutdown (%s: %s); "
-                           "the last periodic save stands", type(e).__name__, e)
+                           "the last save (idle or periodic) stands", type(e).__name__, e)
         finally:
             result = original(self)
         return result

@@ -55,7 +55,12 @@ def _update_states(original):
             rewound = _rewound_requests(held, scheduler_output.scheduled_cached_reqs)
             if rewound:
                 drafter.note_rewound(*zip(*rewound))
-        return original(self, scheduler_output)
+        out = original(self, scheduler_output)
+        if drafter is not None and scheduler_output.finished_req_ids and not getattr(self, "requests", True):
+            # The step that removed the engine's last requests (vLLM runs one, with no tokens,
+            # to tell the workers what finished): the engine is idle now.
+            drafter.on_idle()
+        return out
 
     return update_states
 

@@ -793,12 +793,11 @@ class OuroborosProposer:
         sel = np.nonzero(ok)[0]
         s = slots[sel]
 
-        def learn():
-            return self._learn(slots[sel], n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel],
-                               tokens[sel], tn[sel], num_acc[sel], sfx_idx[sel])
+        read = (s, n[sel], num_nodes[sel], paths[sel], plen[sel], slen[sel], tokens[sel], tn[sel], num_acc[sel],
+                sfx_idx[sel])  # what _learn reads of the rows that verified
 
         if not outcome.drafts_judged:  # the target's tokens hold; the rejections were not earned
-            learn()
+            self._learn(*read)
             return
         # A draft cut to c tokens by the back-off says how far the full draft would have been
         # accepted up to c only: the estimates of its first c positions learn from it. So does
@@ -860,7 +859,7 @@ class OuroborosProposer:
             got = (num_acc[sel] - n[sel])[reached]
             self._suffix_yield[s[reached]] += ESTIMATE_RATE * (got - self._suffix_yield[s[reached]])
             self._suffix_yield_all += ESTIMATE_RATE * (float(got.mean()) - self._suffix_yield_all)
-        along = learn()
+        along = self._learn(*read)
         if branched.any():
             # What each branch added over the better-ranked ones, greedy along each (exact for
             # greedy requests; a sampled one's accepted branch counts what it accepted).

@@ -162,6 +162,11 @@ def begin_step(runner, drafter, scheduler_output, spec_meta) -> TargetStep | Non
     return step
 
 
+# A batch's max_num_logprobs of -1 (vLLM's sampler returns the whole vocabulary, unsorted): a
+# reason both the walk and vLLM's rejection sampler give (drafting_pause compares the two).
+WHOLE_VOCABULARY_LOGPROBS = "logprobs of the whole vocabulary"
+
+
 def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
     """Why the tree walk cannot sample this batch exactly as vLLM would, or None."""
     from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
@@ -169,7 +174,7 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
                                                         MinTokensLogitsProcessor)
 
     if sm.max_num_logprobs == -1:
-        return "logprobs of the whole vocabulary"
+        return WHOLE_VOCABULARY_LOGPROBS
     if sm.max_num_logprobs is not None and logprobs_mode not in ("raw_logprobs", "raw_logits"):
         return f"logprobs_mode {logprobs_mode}"
     if not sm.no_penalties:
@@ -220,7 +225,7 @@ def rejection_sampler_fails(sm) -> str | None:
     if sm.logprob_token_ids:
         return "logprobs of chosen token ids"
     if sm.max_num_logprobs == -1:
-        return "logprobs of the whole vocabulary"
+        return WHOLE_VOCABULARY_LOGPROBS
     return None
 
 

@@ -380,27 +380,44 @@ def test_an_idle_engine_writes_the_pool_its_file_lacks(tmp_path, monkeypatch):
         validate(OuroborosConfig(draft_model="m", pool_save_on_idle="no"))
 
 
-def test_an_idle_save_waits_for_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
+def test_an_idle_save_goes_behind_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
     """A periodic write under way when the engine goes idle holds an older copy of the pool:
-    the idle save waits for it, or that write's rename, landing after, puts the older pool
-    back in the file for as long as the engine stays idle."""
+    the idle copy is written after it (that write's rename, landing last, had put the older
+    pool back for as long as the engine stayed idle), and the idle step does not wait for it
+    (a request arriving meanwhile would wait on it: seconds on network storage). Idle spells
+    while storage hangs queue one copy, the newest, not one each."""
     from vllm_ouroboros import proposer
+    from vllm_ouroboros.pool_saver import PoolSaver
 
     p = saving_proposer(tmp_path / "pool.pt")
     gate, entered = periodic_write_held(monkeypatch)
     p._saver.maybe_save()  # the periodic save: its copy of the pool has no key 11
     assert entered.wait(10)
-    insert = proposer._changes_pool(lambda self: self.pool.insert(
-        torch.tensor([11]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long)))
-    insert(p)
-    idle, waited = started_until_it_waits(monkeypatch, p.on_idle)
-    assert waited, "the idle save did not wait for the periodic write"
+
+    def insert(key):
+        proposer._changes_pool(lambda self: self.pool.insert(
+            torch.tensor([key]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long)))(p)
+
+    copies = []
+    real_copy = PoolSaver._copy
+    monkeypatch.setattr(PoolSaver, "_copy", lambda self: copies.append(1) or real_copy(self))
+    insert(11)
+    idle = threading.Thread(target=p.on_idle)
+    idle.start()
+    idle.join(5)
+    assert not idle.is_alive(), "the idle step waited for the periodic write"
+    follower = p._saver._thread
+    insert(12)  # a second idle spell while the storage still hangs
+    p.on_idle()
+    assert len(copies) == 2 and p._saver._queued is not None
+    assert p._saver._thread is follower, "each idle spell queued a writer of its own"
     gate.set()
-    idle.join(10)
     p._saver.join(10)
-    assert not idle.is_alive()
-    assert int(PhrasePool.read_state(str(tmp_path / "pool.pt"))["key_to_page"][11]) >= 0, \
+    assert not p._saver.writing and p._saver._queued is None
+    key_to_page = PhrasePool.read_state(str(tmp_path / "pool.pt"))["key_to_page"]
+    assert int(key_to_page[11]) >= 0 and int(key_to_page[12]) >= 0, \
         "the older copy replaced the idle save"
+    assert p._saver._holds_current()
 
 
 def test_a_replaced_saver_waits_for_its_periodic_write(tmp_path, monkeypatch):

@@ -47,6 +47,8 @@ class PoolSaver:
         self.last_save = -float("inf")  # time.monotonic() of the last save begun
         self._thread: threading.Thread | None = None  # the periodic save's write under way
         self._error: str | None = None  # the last failed save's kind, logged once
+        self._queued: tuple[dict, int | None] | None = None  # an idle copy behind a write under way
+        self._queue_lock = threading.Lock()
 
     def register_exit(self) -> None:
         """A backstop at interpreter exit: the save at shutdown (patches/engine_shutdown.py)
@@ -121,17 +123,34 @@ class PoolSaver:
         """The engine has no request left: write the pool now (copied here, written on a
         thread), unless the file holds it already. A process killed while idle (SIGKILL, Ray's
         kill of its actors, a container stopped with no grace) then loses nothing, and the save
-        at shutdown finds the file current. A periodic write under way holds an older copy: it
-        is waited for first (SAVE_NOW_TIMEOUT_S at most; nobody's tokens wait on an idle step).
-        """
+        at shutdown finds the file current. A write under way holds an older copy: this copy
+        is queued behind it (`_write_after`), not waited for: a request that arrives meanwhile
+        would wait on the idle step, seconds on network storage. One copy is queued at most
+        (the newest): storage that hangs through many idle spells holds two copies, not one
+        per spell."""
         if self._holds_current():
             return
-        pending = self._thread
-        if pending is not None and pending.is_alive():
-            pending.join(SAVE_NOW_TIMEOUT_S)
-            if pending.is_alive():  # storage that hangs: the next interval or idle tries again
-                return
-        self._start_write()
+        if not self.writing:
+            self._start_write()
+            return
+        copy = self._copy()
+        if copy is None:
+            return
+        with self._queue_lock:
+            waiting = self._queued is not None  # a queued write not yet begun takes this copy
+            self._queued = copy
+        if not waiting:
+            thread = self._start_thread(self._write_after, (self._thread,))
+            self._thread = thread or self._thread
+
+    def _write_after(self, pending: threading.Thread) -> None:
+        """Wait for `pending` (the write of an older copy), then write the queued copy: its
+        rename lands last, so the file ends with the newest pool."""
+        pending.join()
+        with self._queue_lock:
+            copy, self._queued = self._queued, None
+        if copy is not None:
+            self._write(*copy)
 
     def save_now(self, deadline: float | None = None, unless_saved: bool = False) -> bool:
         """Wait for a write under way, then write and wait for that write, both until `deadline`
@@ -180,22 +199,32 @@ class PoolSaver:
     def _start_write(self) -> threading.Thread | None:
         """Copy the pool to the host here and write it on a thread; None where the copy failed
         (logged) or no thread could start (written here then)."""
+        copy = self._copy()
+        if copy is None:
+            return None
+        thread = self._start_thread(self._write, copy)
+        if thread is not None:
+            self._thread = thread
+        return thread
+
+    def _copy(self) -> tuple[dict, int | None] | None:
+        """The pool's host copy and its version; None where the copy failed (logged)."""
         self.last_save = time.monotonic()
         try:
             self._flush()
-            version = self._current()
-            state = self.pool.state_dict()
+            return self.pool.state_dict(), self._current()
         except Exception as e:  # noqa: BLE001 - the step goes on; logged once
             self._saved(e)
             return None
-        thread = threading.Thread(target=self._write, args=(state, version), name="ouroboros-pool-save",
-                                  daemon=True)
+
+    def _start_thread(self, target: Callable, args: tuple) -> threading.Thread | None:
+        """`target(*args)` on a started save thread; run here (None) where no thread starts."""
+        thread = threading.Thread(target=target, args=args, name="ouroboros-pool-save", daemon=True)
         try:
             thread.start()
         except RuntimeError:  # at interpreter exit (the exit handler) Python >= 3.12 starts no thread
-            self._write(state, version)
+            target(*args)
             return None
-        self._thread = thread
         return thread
 
     def _current(self) -> int | None:

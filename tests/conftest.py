@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,21 @@ def needs_triton(module, kernel):
         reason is not None,
         reason=f"Triton cannot run the kernel in this process: {reason}. Usually an earlier test "
                "module imported triton with TRITON_INTERPRET unset; run this file in its own pytest process")
+
+
+def pool_lookups_when_idle(path: str, want: int, wait_s: float = 60.0) -> int:
+    """The lookups counter of the pool file at `path` once it reads `want` (the idle engine's
+    save: vLLM removes the finished requests in a step of its own, which may come after the
+    snapshot's RPC, and an idle save within POOL_SAVE_INTERVAL of the last is deferred to the
+    interval's end), or as it reads after wait_s."""
+    from vllm_ouroboros.pool import PhrasePool
+
+    deadline, got = time.monotonic() + wait_s, None
+    while got != want and time.monotonic() < deadline:
+        if os.path.exists(path):
+            got = int(PhrasePool.read_state(path)["counters"][0])
+        time.sleep(0.1)
+    return got
 
 
 def bare_proposer(**attrs):

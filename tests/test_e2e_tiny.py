@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import pool_lookups_when_idle
 
 pytestmark = pytest.mark.engine
 
@@ -208,6 +209,10 @@ def run_engine(target, prompts, params, spec=None, extra_runs=(), save_pool=Fals
             results[name] = [output_detail(x) for x in o] if per_request else \
                 [list(x.outputs[0].token_ids) for x in o]
             snaps[name] = engine_snapshot(llm) if spec else None
+        if spec and spec.get("pool_save_path") and spec.get("pool_save_on_idle", True) and not save_pool:
+            # The idle engine's save (a later idle spell's deferred up to POOL_SAVE_INTERVAL):
+            # the file is then current before the save at shutdown, which writes nothing.
+            pool_lookups_when_idle(spec["pool_save_path"], snaps[list(snaps)[-1]]["pool"]["lookups"])
         if save_pool:
             from vllm_ouroboros.patches.engine_shutdown import SAVE_METHOD
 
@@ -468,8 +473,9 @@ def test_pool_saved_at_engine_exit(runs, pool_file):
     """The pool a run built is in pool_save_path once the engine has shut down: the file holds
     the pool of the last snapshot (taken after the last request, no step after it), not an
     earlier periodic save (the first step saves at once, so a file alone proves nothing). Here
-    the idle engine's save (after each batch) writes it, and the save at shutdown finds it
-    current; tests/test_pool_save_at_exit.py has the save at shutdown write it."""
+    the idle engine's save (after each batch, deferred to the end of its interval after the
+    first; run_engine waits for it) writes it, and the save at shutdown finds it current;
+    tests/test_pool_save_at_exit.py has the save at shutdown write it."""
     from vllm_ouroboros.pool import PhrasePool
 
     _, _, snaps = runs

@@ -380,13 +380,80 @@ def test_an_idle_engine_writes_the_pool_its_file_lacks(tmp_path, monkeypatch):
         validate(OuroborosConfig(draft_model="m", pool_save_on_idle="no"))
 
 
+def test_idle_saves_write_once_an_interval_and_defer_the_later(tmp_path, monkeypatch):
+    """An engine that goes idle between requests arriving every few seconds wrote the whole pool
+    per request. One idle write per interval: a later idle spell's save waits for the
+    interval's end on a timer and writes if the pool is still the one the engine left (a step
+    since means it served again: its next idle spell saves); a save on request holding the
+    pool's lock then is waited out; a saver replaced meanwhile (a second load) writes nothing."""
+    from vllm_ouroboros import pool_saver as pool_saver_module, proposer
+
+    monkeypatch.setattr(pool_saver_module, "POOL_SAVE_INTERVAL", 0.5)
+    monkeypatch.setattr(pool_saver_module, "IDLE_RETRY_S", 0.05)
+    p = saving_proposer(tmp_path / "pool.pt")
+    real, written = PhrasePool.write_state, []
+
+    def write(state, path):
+        written.append(int(state["counters"][0]))
+        real(state, path)
+
+    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(write))
+    change = proposer._changes_pool(lambda self, n: self.pool.lookup(
+        torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1))
+
+    def settled(n, timeout=10.0):
+        end = time.monotonic() + timeout
+        while len(written) < n and time.monotonic() < end:
+            time.sleep(0.01)
+        p._saver.join(10)
+        return written
+
+    change(p, 3)
+    p.on_idle()
+    assert settled(1) == [3]
+    change(p, 2)
+    p.on_idle()  # within the interval: deferred
+    p._saver.join(10)
+    assert written == [3] and p._saver._idle_timer is not None
+    assert settled(2) == [3, 5] and p._saver._holds_current()
+
+    change(p, 1)
+    p.on_idle()  # deferred again
+    change(p, 1)  # the engine serves before it is due
+    time.sleep(0.8)
+    assert settled(3, timeout=0) == [3, 5], "a pool the engine went on changing was written as idle"
+    p.on_idle()  # the interval is over: at once
+    assert settled(3) == [3, 5, 7]
+
+    change(p, 1)
+    p.on_idle()
+    held = threading.Event()
+
+    def hold_the_pool():  # a save on request, say, when the idle save is due
+        with p._pool_lock:
+            held.set()
+            time.sleep(0.8)
+
+    holder = threading.Thread(target=hold_the_pool)
+    holder.start()
+    held.wait(10)
+    assert settled(4) == [3, 5, 7, 8], "the deferred save gave up on a lock held for a moment"
+    holder.join(10)
+
+    change(p, 1)
+    p.on_idle()
+    p._saver.close()  # a second load_model replaced it: its file is the new saver's
+    time.sleep(0.8)
+    assert settled(5, timeout=0) == [3, 5, 7, 8], "a replaced saver's deferred save wrote its old pool"
+
+
 def test_an_idle_save_goes_behind_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
     """A periodic write under way when the engine goes idle holds an older copy of the pool:
     the idle copy is written after it (that write's rename, landing last, had put the older
     pool back for as long as the engine stayed idle), and the idle step does not wait for it
     (a request arriving meanwhile would wait on it: seconds on network storage). Idle spells
     while storage hangs queue one copy, the newest, not one each."""
-    from vllm_ouroboros import proposer
+    from vllm_ouroboros import pool_saver as pool_saver_module, proposer
     from vllm_ouroboros.pool_saver import PoolSaver
 
     p = saving_proposer(tmp_path / "pool.pt")
@@ -398,6 +465,7 @@ def test_an_idle_save_goes_behind_a_periodic_write_of_an_older_copy(tmp_path, mo
         proposer._changes_pool(lambda self: self.pool.insert(
             torch.tensor([key]), torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, dtype=torch.long)))(p)
 
+    monkeypatch.setattr(pool_saver_module, "POOL_SAVE_INTERVAL", 0.0)  # idle spells back to back
     copies = []
     real_copy = PoolSaver._copy
     monkeypatch.setattr(PoolSaver, "_copy", lambda self: copies.append(1) or real_copy(self))

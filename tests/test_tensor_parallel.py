@@ -11,29 +11,15 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 
 import pytest
+from conftest import pool_lookups_when_idle
 
 pytestmark = pytest.mark.engine
 
 TEXT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
         "The quick brown fox jumps over the lazy dog while the small model drafts tokens. ")
 PROMPTS = [(TEXT * 4)[i * 13: i * 13 + c] for i, c in enumerate([5, 40, 120, 260, 17, 90])]
-
-
-def pool_lookups_when_idle(path: str, want: int, wait_s: float = 60.0) -> int:
-    """The lookups counter of the pool file at `path` once it reads `want` (the idle engine's
-    save: vLLM removes the finished requests in a step of its own, which may come after the
-    snapshot's RPC), or as it reads after wait_s."""
-    from vllm_ouroboros.pool import PhrasePool
-
-    deadline, got = time.monotonic() + wait_s, None
-    while got != want and time.monotonic() < deadline:
-        if os.path.exists(path):
-            got = int(PhrasePool.read_state(path)["counters"][0])
-        time.sleep(0.1)
-    return got
 
 
 def run_tp2(target, spec):

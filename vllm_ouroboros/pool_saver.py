@@ -1,5 +1,6 @@
 """The phrase pool's file (`pool_save_path`): written every POOL_SAVE_INTERVAL seconds from the
-step (the write on a thread), when the engine goes idle (its last request removed), now when the
+step (the write on a thread), when the engine goes idle (its last request removed; once per
+interval, a later idle spell's save deferred to the interval's end), now when the
 engine stops (every wait under one deadline), and on request. A save that fails is logged once
 per kind and tried again: serving never stops for it.
 No vLLM imports (the engine's shutdown hooks that call in: patches/engine_shutdown.py).
@@ -27,6 +28,8 @@ POOL_SAVE_INTERVAL = 10.0  # seconds
 # hangs costs the save, not the exit (an in-process engine has no SIGKILL to end it). Separate
 # bounds per wait summed past both (20 + 20 + 20 s against 15 and 30).
 SAVE_NOW_TIMEOUT_S = 12.0
+# Seconds before a deferred idle save tries the pool's lock again (held by a save on request).
+IDLE_RETRY_S = 1.0
 
 
 class PoolSaver:
@@ -49,6 +52,9 @@ class PoolSaver:
         self._error: str | None = None  # the last failed save's kind, logged once
         self._queued: tuple[dict, int | None] | None = None  # an idle copy behind a write under way
         self._queue_lock = threading.Lock()
+        self._last_idle_save = -float("inf")  # time.monotonic() of the last idle save begun
+        self._idle_timer: threading.Timer | None = None  # a deferred idle save (_idle_save_due)
+        self._closed = False  # shut down or replaced: a deferred idle save writes nothing
 
     def register_exit(self) -> None:
         """A backstop at interpreter exit: the save at shutdown (patches/engine_shutdown.py)
@@ -61,6 +67,8 @@ class PoolSaver:
         periodic write of its still under way, renamed after the new saver's first save: waited
         for (SAVE_NOW_TIMEOUT_S at most)."""
         atexit.unregister(self.save_now)
+        self._closed = True
+        self._cancel_idle_timer()
         if self._thread is not None:
             self._thread.join(SAVE_NOW_TIMEOUT_S)
 
@@ -93,6 +101,8 @@ class PoolSaver:
         handler alone was lost on a busy machine, leaving the last periodic save (up to
         POOL_SAVE_INTERVAL s old)."""
         atexit.unregister(self.save_now)
+        self._closed = True  # this save writes what a deferred idle save would
+        self._cancel_idle_timer()
         deadline = time.monotonic() + SAVE_NOW_TIMEOUT_S
         if not self.lock.acquire(timeout=SAVE_NOW_TIMEOUT_S):
             logger.warning("ouroboros: a step held the phrase pool for %.0f s at shutdown; not saved "
@@ -123,13 +133,24 @@ class PoolSaver:
         """The engine has no request left: write the pool now (copied here, written on a
         thread), unless the file holds it already. A process killed while idle (SIGKILL, Ray's
         kill of its actors, a container stopped with no grace) then loses nothing, and the save
-        at shutdown finds the file current. A write under way holds an older copy: this copy
-        is queued behind it (`_write_after`), not waited for: a request that arrives meanwhile
-        would wait on the idle step, seconds on network storage. One copy is queued at most
-        (the newest): storage that hangs through many idle spells holds two copies, not one
-        per spell."""
+        at shutdown finds the file current. One idle write per POOL_SAVE_INTERVAL at most: an
+        engine that goes idle between requests arriving every few seconds wrote the whole pool
+        (up to 64 MB) per request; a later one is deferred to the interval's end
+        (`_idle_save_due`). A write under way holds an older copy: this copy is queued behind
+        it (`_write_after`), not waited for: a request that arrives meanwhile would wait on the
+        idle step, seconds on network storage. One copy is queued at most (the newest):
+        storage that hangs through many idle spells holds two copies, not one per spell."""
         if self._holds_current():
             return
+        self._cancel_idle_timer()
+        due = self._last_idle_save + POOL_SAVE_INTERVAL - time.monotonic()
+        if due > 0:
+            self._arm_idle_timer(due, self._current())
+        else:
+            self._idle_write()
+
+    def _idle_write(self) -> None:
+        self._last_idle_save = time.monotonic()
         if not self.writing:
             self._start_write()
             return
@@ -142,6 +163,34 @@ class PoolSaver:
         if not waiting:
             thread = self._start_thread(self._write_after, (self._thread,))
             self._thread = thread or self._thread
+
+    def _idle_save_due(self, version: int | None) -> None:
+        """The deferred idle save (a timer's thread): written where the engine is still idle
+        with the pool it left (`version`; every step moves it on). A pool changed since means
+        the engine served again: its next idle spell saves (or the periodic save). Never waits
+        for the lock: a save at shutdown holds it while it waits for writes; where another
+        holder has it (a save on request), tried again in IDLE_RETRY_S."""
+        if self._closed:
+            return
+        if not self.lock.acquire(blocking=False):
+            self._arm_idle_timer(IDLE_RETRY_S, version)
+            return
+        try:
+            if not self._closed and self._current() == version and not self._holds_current():
+                self._idle_write()
+        finally:
+            self.lock.release()
+
+    def _arm_idle_timer(self, delay: float, version: int | None) -> None:
+        timer = threading.Timer(delay, self._idle_save_due, args=(version,))
+        timer.name, timer.daemon = "ouroboros-pool-idle-save", True
+        self._idle_timer = timer
+        timer.start()
+
+    def _cancel_idle_timer(self) -> None:
+        timer, self._idle_timer = self._idle_timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _write_after(self, pending: threading.Thread) -> None:
         """Wait for `pending` (the write of an older copy), then write the queued copy: its

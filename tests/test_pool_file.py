@@ -447,6 +447,29 @@ def test_idle_saves_write_once_an_interval_and_defer_the_later(tmp_path, monkeyp
     assert settled(5, timeout=0) == [3, 5, 7, 8], "a replaced saver's deferred save wrote its old pool"
 
 
+def test_a_deferred_idle_save_copies_on_the_pools_gpu(tmp_path, monkeypatch):
+    """The deferred idle save runs on a timer's thread, whose CUDA device is the first GPU: a
+    worker of another GPU would open a context there (hundreds of MB) for the copy. The thread
+    takes the pool's device first (a CPU pool posing as one on the second GPU here)."""
+    from vllm_ouroboros import pool_saver as pool_saver_module
+
+    monkeypatch.setattr(pool_saver_module, "POOL_SAVE_INTERVAL", 0.2)
+    version = [0]
+    saver = pool_saver(tmp_path / "pool.pt", version=lambda: version[0])
+    saver.save_when_idle()
+    saver.join(10)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append((threading.current_thread().name, d)))
+    monkeypatch.setattr(saver.pool, "device", torch.device("cuda", 1))
+    version[0] += 1
+    saver.save_when_idle()  # within the interval: deferred
+    timer = saver._idle_timer
+    timer.join(10)
+    saver.join(10)
+    assert saver._holds_current()
+    assert chosen == [("ouroboros-pool-idle-save", torch.device("cuda", 1))]
+
+
 def test_an_idle_save_goes_behind_a_periodic_write_of_an_older_copy(tmp_path, monkeypatch):
     """A periodic write under way when the engine goes idle holds an older copy of the pool:
     the idle copy is written after it (that write's rename, landing last, had put the older

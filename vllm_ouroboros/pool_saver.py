@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.pool import PhrasePool
 
@@ -172,6 +174,10 @@ class PoolSaver:
         holder has it (a save on request), tried again in IDLE_RETRY_S."""
         if self._closed:
             return
+        if self.pool.device.type == "cuda":
+            # A new thread's CUDA device is the first GPU: the copy would open a context
+            # there (hundreds of MB) in a worker of another GPU.
+            torch.cuda.set_device(self.pool.device)
         if not self.lock.acquire(blocking=False):
             self._arm_idle_timer(IDLE_RETRY_S, version)
             return

@@ -340,14 +340,8 @@ def test_a_save_on_request_waits_for_a_periodic_write_of_an_older_copy(tmp_path,
         "the older copy replaced the save on request"
 
 
-def test_an_idle_engine_writes_the_pool_its_file_lacks(tmp_path, monkeypatch):
-    """When the engine's last request is removed (the runner patch calls on_idle) the pool is
-    written, unless its file holds it already: a process killed while idle (SIGKILL, Ray's
-    kill) loses nothing, and the save at shutdown then writes nothing. With pool_save_on_idle
-    false, no write (the periodic and shutdown saves only)."""
-    from vllm_ouroboros import proposer
-
-    p = saving_proposer(tmp_path / "pool.pt")
+def writes_recorded(monkeypatch) -> list[int]:
+    """The lookups counter of each pool written from now on (the writes go on)."""
     real, written = PhrasePool.write_state, []
 
     def write(state, path):
@@ -355,11 +349,26 @@ def test_an_idle_engine_writes_the_pool_its_file_lacks(tmp_path, monkeypatch):
         real(state, path)
 
     monkeypatch.setattr(PhrasePool, "write_state", staticmethod(write))
+    return written
 
-    def step(self, n):  # a step's pool work (a lookup moves the pool's counters)
-        self.pool.lookup(torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1)
 
-    change = proposer._changes_pool(step)
+def lookup_step():
+    """step(proposer, n): a step's pool work as the proposer's steps change the pool (its
+    version moves on), moving the lookups counter by n."""
+    from vllm_ouroboros import proposer
+
+    return proposer._changes_pool(lambda self, n: self.pool.lookup(
+        torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1))
+
+
+def test_an_idle_engine_writes_the_pool_its_file_lacks(tmp_path, monkeypatch):
+    """When the engine's last request is removed (the runner patch calls on_idle) the pool is
+    written, unless its file holds it already: a process killed while idle (SIGKILL, Ray's
+    kill) loses nothing, and the save at shutdown then writes nothing. With pool_save_on_idle
+    false, no write (the periodic and shutdown saves only)."""
+    p = saving_proposer(tmp_path / "pool.pt")
+    written = writes_recorded(monkeypatch)
+    change = lookup_step()
     change(p, 3)
     p.on_idle()
     p._saver.join(10)
@@ -386,20 +395,13 @@ def test_idle_saves_write_once_an_interval_and_defer_the_later(tmp_path, monkeyp
     interval's end on a timer and writes if the pool is still the one the engine left (a step
     since means it served again: its next idle spell saves); a save on request holding the
     pool's lock then is waited out; a saver replaced meanwhile (a second load) writes nothing."""
-    from vllm_ouroboros import pool_saver as pool_saver_module, proposer
+    from vllm_ouroboros import pool_saver as pool_saver_module
 
     monkeypatch.setattr(pool_saver_module, "POOL_SAVE_INTERVAL", 0.5)
     monkeypatch.setattr(pool_saver_module, "IDLE_RETRY_S", 0.05)
     p = saving_proposer(tmp_path / "pool.pt")
-    real, written = PhrasePool.write_state, []
-
-    def write(state, path):
-        written.append(int(state["counters"][0]))
-        real(state, path)
-
-    monkeypatch.setattr(PhrasePool, "write_state", staticmethod(write))
-    change = proposer._changes_pool(lambda self, n: self.pool.lookup(
-        torch.arange(n, device=DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), 1))
+    written = writes_recorded(monkeypatch)
+    change = lookup_step()
 
     def settled(n, timeout=10.0):
         end = time.monotonic() + timeout

@@ -4,9 +4,11 @@ the models given).
 
     python scripts/mixed_batch_check.py                 # ouroboros and vLLM's draft_model
     python scripts/mixed_batch_check.py --methods draft_model --sampled-temperature 0   # all greedy
-    python scripts/mixed_batch_check.py --penalty    # request 0 with a repetition penalty: the
-                                                     # batch goes to vLLM's sampler in ours too
-    python scripts/mixed_batch_check.py --penalty --target models/qwen2.5-coder-1.5b-instruct \
+    python scripts/mixed_batch_check.py --min-tokens   # request 0 with min_tokens: the batch
+                                                       # goes to vLLM's sampler in ours too
+    python scripts/mixed_batch_check.py --penalty      # request 0 with a repetition penalty
+                                                       # (ours: through the walk, tree_penalties.py)
+    python scripts/mixed_batch_check.py --min-tokens --target models/qwen2.5-coder-1.5b-instruct \
         --draft models/qwen2.5-coder-0.5b-instruct     # the real pair
 
 Each method runs in its own engine, after one without speculation, on the same 12 prompts: 11
@@ -36,7 +38,8 @@ TEXT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + f
 SAMPLED = 11
 
 
-def generate(target: Path, spec: dict | None, temperature: float, penalty: bool) -> list[list[int]]:
+def generate(target: Path, spec: dict | None, temperature: float, penalty: bool,
+             min_tokens: bool = False) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
     prompts = [(TEXT * 4)[i * 7: i * 7 + 40 + 23 * i] for i in range(12)]
@@ -44,6 +47,8 @@ def generate(target: Path, spec: dict | None, temperature: float, penalty: bool)
     params[SAMPLED] = SamplingParams(temperature=temperature, seed=1, max_tokens=40)
     if penalty:
         params[0] = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3)
+    if min_tokens:  # keeps token 0 out of all its 40 tokens (a stop token until min_tokens)
+        params[0] = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40, stop_token_ids=[0])
     llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
               max_num_seqs=32, speculative_config=spec)
     try:
@@ -60,8 +65,11 @@ def main() -> None:
     ap.add_argument("--sampled-temperature", type=float, default=0.8,
                     help="temperature of the one sampled request (0: an all-greedy control)")
     ap.add_argument("--penalty", action="store_true",
-                    help="request 0 with repetition_penalty 1.3 (ouroboros hands such batches to "
-                         "vLLM's rejection sampler)")
+                    help="request 0 with repetition_penalty 1.3 (ouroboros' walk applies it to "
+                         "every tree row)")
+    ap.add_argument("--min-tokens", action="store_true",
+                    help="request 0 with min_tokens 40 (ouroboros hands such batches to vLLM's "
+                         "rejection sampler)")
     ap.add_argument("--models", type=Path, default=None,
                     help="directory for the tiny models (default: a temporary one)")
     ap.add_argument("--target", type=Path, default=None, help="target model directory (with --draft: "
@@ -80,14 +88,18 @@ def main() -> None:
                            "max_speculative_batch": 64},
              "draft_model": {"method": "draft_model", "model": str(models["close_draft"]),
                              "num_speculative_tokens": 3}}
-    base = generate(models["target"], None, args.sampled_temperature, args.penalty)
+    if args.penalty and args.min_tokens:
+        ap.error("--penalty and --min-tokens both set request 0: one at a time")
+    base = generate(models["target"], None, args.sampled_temperature, args.penalty, args.min_tokens)
     greedy = [i for i in range(len(base)) if i != SAMPLED or args.sampled_temperature == 0]
     for method in args.methods:
-        out = generate(models["target"], specs[method], args.sampled_temperature, args.penalty)
+        out = generate(models["target"], specs[method], args.sampled_temperature, args.penalty,
+                       args.min_tokens)
         differ = [i for i in greedy if out[i] != base[i]]
         print(f"{method}: {len(differ)} of {len(greedy)} greedy outputs differ from no "
               f"speculation (sampled request at T={args.sampled_temperature}"
-              f"{', request 0 penalised' if args.penalty else ''}): {differ}")
+              f"{', request 0 penalised' if args.penalty else ''}"
+              f"{', request 0 with min_tokens' if args.min_tokens else ''}): {differ}")
 
 
 if __name__ == "__main__":

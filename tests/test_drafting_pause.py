@@ -1,5 +1,5 @@
 """Drafting pauses while a request in the batch samples with settings that neither the tree walk
-applies nor vLLM's rejection sampler gets right (logprob_token_ids beside a penalty or another
+applies nor vLLM's rejection sampler gets right (logprob_token_ids beside bad words or another
 feature the walk leaves to that sampler): the step it joins rejects the drafts already made, unjudged, and samples its roots
 plainly (tree_verify.root_sample); nobody drafts until it leaves. A real proposer (the tiny
 draft, no engine) and the runner patch on a stand-in runner; the engine run is
@@ -88,9 +88,11 @@ def test_the_pause_follows_the_batchs_sampling():
     would get it wrong."""
     for sm, want in ((_sampling_metadata(), None),
                      (_sampling_metadata(logprob_token_ids={0: [5]}), None),  # the walk takes it
-                     (_sampling_metadata(no_penalties=False), None),  # vLLM's rejection sampler
-                     (_sampling_metadata(no_penalties=False, logprob_token_ids={0: [5]}),
-                      "logprobs of chosen token ids beside penalties"),
+                     (_sampling_metadata(no_penalties=False), None),  # the walk (tree_penalties.py)
+                     (_sampling_metadata(no_penalties=False, logprob_token_ids={0: [5]}), None),
+                     (_sampling_metadata(bad_words_token_ids={0: [[7]]}), None),  # vLLM's rejection sampler
+                     (_sampling_metadata(bad_words_token_ids={0: [[7]]}, logprob_token_ids={0: [5]}),
+                      "logprobs of chosen token ids beside bad_words"),
                      (_sampling_metadata(max_num_logprobs=-1), "logprobs of the whole vocabulary")):
         assert tree_verify.drafting_pause(sm, tree_verify.unsupported_sampling(sm)) == want, sm
 

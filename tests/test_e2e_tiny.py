@@ -5,8 +5,8 @@ Four engines per module (no speculation, ouroboros K = 1, 2, 3), each started on
 The batch mixes prompt lengths, max_tokens 1..128, an end-of-sequence token and stop strings that
 the target emits mid-draft, all submitted together. Two more batches on the same engines mix
 greedy requests with a sampled one, plain ("mixed": our walk verifies every step) and with the
-sampling features our walk leaves to vLLM's rejection sampler ("features": penalties, bad words,
-allowed tokens, min_tokens, logprobs, structured outputs).
+sampling features our walk leaves to vLLM's rejection sampler ("features": bad words, allowed
+tokens, min_tokens, logprobs, structured outputs, beside penalties).
 """
 
 from __future__ import annotations
@@ -111,31 +111,39 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
             {"repetition_penalty": 0.8, "logit_bias": BIAS, "logprobs": 2},
             {}]):  # top_k = 1
         feats[i].update(extra)
-    # Without the features the walk cannot sample: logit_bias and min_p through the tree walk.
+    # Without the features the walk cannot sample: logit_bias, min_p and penalties through the
+    # tree walk (tree_penalties.py), greedy and seeded.
     biased = [dict(p) for p in mixed]
     for i, extra in enumerate([
             {"logit_bias": BIAS},
             {"logit_bias": BIAS, "logprobs": 2},
             {"temperature": 0.8, "min_p": 1.0, "seed": 2},
-            {"temperature": 1.2, "min_p": 1.0, "top_k": 5, "seed": 3, "logit_bias": {60: 1.0}}]):
+            {"temperature": 1.2, "min_p": 1.0, "top_k": 5, "seed": 3, "logit_bias": {60: 1.0}},
+            {"repetition_penalty": 1.3},
+            {"presence_penalty": 2.0, "frequency_penalty": 1.5},
+            {"repetition_penalty": 0.8, "logit_bias": BIAS, "logprobs": 2}]):
         biased[i].update(extra)
+    biased[SAMPLED].update(frequency_penalty=1.0)  # seeded: its text, as without speculation
     # Logprobs of chosen token ids through the walk, also where top-k logprobs are asked beside
     # them (vLLM's Sampler then gives the ids). vLLM gives the whole batch the ids' format, padded to the longest list, while one request asks: a
     # request's entries then depend on which others share its step, which speculation
     # changes; here nobody else asks for logprobs, and both lists have one length.
     ids = [dict(p) for p in mixed]
-    ids[0].update(logprob_token_ids=[5, 6, 7])
+    # With a bias and a penalty: the ids' logprobs are the raw logits' (vLLM's default), not
+    # the processed rows the walk samples from.
+    ids[0].update(logprob_token_ids=[5, 6, 7], logit_bias=BIAS, repetition_penalty=1.3)
     ids[1].update(logprobs=3, logprob_token_ids=[5, 6, 7])  # vLLM: logprobs = the ids' count
-    # Beside a penalty, which leaves the batch to vLLM's rejection sampler, which drops them:
-    # nobody drafts while the penalty's request runs (8 tokens), and drafting resumes after it
-    # ("ids_penalty_first": its request there from the start). In "ids_penalty" it joins after
-    # a step, when the others draft: the step it joins rejects their drafts unjudged and
+    # Beside bad words, which leave the batch to vLLM's rejection sampler, which drops them:
+    # nobody drafts while the bad words' request runs (8 tokens), and drafting resumes after it
+    # ("ids_bad_words_first": its request there from the start). In "ids_bad_words" it joins
+    # after a step, when the others draft: the step it joins rejects their drafts unjudged and
     # samples its roots plainly (tree_verify.root_sample), or the ids requests (64 tokens, to
     # outlive the join) would lose logprobs.
-    ids_penalty = [dict(p) for p in ids]
-    ids_penalty[3].update(repetition_penalty=1.3, max_tokens=8)
+    ids_bad_words = [dict(p) for p in ids]
+    ids_bad_words[3].update(bad_words=[tok.decode([t]) for t in probe[2 + 2][1:4]],  # as in "features"
+                            max_tokens=8)
     for i in (0, 1):
-        ids_penalty[i]["max_tokens"] = 64
+        ids_bad_words[i]["max_tokens"] = 64
     # Logprobs of the whole vocabulary (-1): vLLM's input batch asks for the vocabulary's size,
     # through the walk ("mixed", "bias") and vLLM's rejection sampler ("features": bad words).
     for batch in (mixed, feats, biased):
@@ -146,13 +154,13 @@ def feature_batches(prompts, probe, tok, eos) -> dict:
     # Eight (K = 2's run backs off above eight), at low temperatures: the tiny target's
     # distributions are flat, and its drafts would hardly ever be accepted at 0.7.
     seeded = [{"temperature": 0.3, "seed": 100 + i, "max_tokens": 32} for i in range(8)]
-    for i, extra in enumerate([{"top_k": 8}, {"top_p": 0.9}, {"min_p": 0.05}, {"temperature": 0.6},
-                               {"logit_bias": BIAS, "top_k": 20}, {"logprobs": 2}, {"temperature": 0.2},
-                               {"seed": None}]):
+    for i, extra in enumerate([{"top_k": 8}, {"top_p": 0.9, "frequency_penalty": 0.5}, {"min_p": 0.05},
+                               {"temperature": 0.6}, {"logit_bias": BIAS, "top_k": 20}, {"logprobs": 2},
+                               {"temperature": 0.2, "repetition_penalty": 1.2}, {"seed": None}]):
         seeded[i].update(extra)
     return {"mixed": (ps, mixed), "features": (ps, feats), "bias": (ps, biased), "ids": (ps, ids),
             "seeded": (ps[:8], seeded),
-            "ids_penalty_first": (ps, ids_penalty), "ids_penalty": (ps, ids_penalty, 3, 1, (0, 1))}
+            "ids_bad_words_first": (ps, ids_bad_words), "ids_bad_words": (ps, ids_bad_words, 3, 1, (0, 1))}
 
 
 BIAS = {40: 3.0, 148: 2.0, 211: -100.0}  # tokens of the tiny vocabulary (384)
@@ -256,7 +264,7 @@ def runs(scenario, tiny_models, pool_file):
     eight = ([scenario["prompts"][5]] * 8, {"temperature": 0.0, "max_tokens": 48})
     extra = (("one", one), ("eight", eight), ("mixed", scenario["mixed"]),
              ("features", scenario["features"]), ("bias", scenario["bias"]), ("ids", scenario["ids"]),
-             ("ids_penalty_first", scenario["ids_penalty_first"]), ("ids_penalty", scenario["ids_penalty"]),
+             ("ids_bad_words_first", scenario["ids_bad_words_first"]), ("ids_bad_words", scenario["ids_bad_words"]),
              ("seeded", scenario["seeded"]))
     base, _ = run_engine(scenario["target"], scenario["prompts"], scenario["params"], None, extra)
     # Pinned (not auto): these tests count phrase-drafting forwards and need every step drafted.
@@ -278,8 +286,8 @@ def tree_run(request, scenario, tiny_models):
             "max_speculative_batch": 8 if request.param == 2 else 64}
     ours, snaps = run_engine(scenario["target"], scenario["prompts"], scenario["params"], spec,
                              (("features", scenario["features"]), ("bias", scenario["bias"]),
-                              ("ids", scenario["ids"]), ("ids_penalty_first", scenario["ids_penalty_first"]),
-                              ("ids_penalty", scenario["ids_penalty"]), ("seeded", scenario["seeded"])))
+                              ("ids", scenario["ids"]), ("ids_bad_words_first", scenario["ids_bad_words_first"]),
+                              ("ids_bad_words", scenario["ids_bad_words"]), ("seeded", scenario["seeded"])))
     return request.param, ours, snaps
 
 
@@ -336,12 +344,12 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     base, ours, _ = runs
     K, tree, snaps = tree_run
     params = {name: scenario[name][1] for name in ("mixed", "features", "bias")}
-    # Penalties, bad words, structured output...: chains while such a request is in the batch
-    # (counted, logged once per reason); none in the main batch.
+    # Bad words, structured output...: chains while such a request is in the batch (counted,
+    # logged once per reason); none in the main batch.
     assert snaps["main"]["chain_fallback_steps"] == 0, snaps["main"]["chain_fallback_steps"]
     assert snaps["features"]["chain_fallback_steps"] > 0, snaps["features"]
-    # logit_bias and min_p go through the tree walk (no chain step in that batch), and both
-    # batches drafted (the snapshots' counters run on from batch to batch).
+    # logit_bias, min_p and penalties go through the tree walk (no chain step in that batch),
+    # and both batches drafted (the snapshots' counters run on from batch to batch).
     assert snaps["bias"]["chain_fallback_steps"] == snaps["features"]["chain_fallback_steps"], snaps["bias"]
     for run in (runs[2], snaps):
         for before, batch in (("main", "features"), ("features", "bias")):
@@ -365,17 +373,19 @@ def test_greedy_requests_beside_a_sampled_one_identical(runs, tree_run, scenario
     biased = base["bias"]
     assert biased[0]["tokens"] != plain[0]["tokens"] and biased[1]["tokens"] != plain[1]["tokens"]
     assert biased[2]["tokens"] == plain[2]["tokens"]  # min_p = 1 at T = 0.8: the greedy tokens
+    # Penalties bite through the walk: the strong one changes its prompt's greedy output.
+    assert biased[5]["tokens"] != plain[5]["tokens"], "presence and frequency penalties changed nothing"
 
 
 def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, scenario):
     """logprob_token_ids: vLLM's rejection sampler ignored them (the requests' logprobs went
     missing) and, beside `logprobs`, killed the engine. Through the walk (K = 1 chains, K = 2
-    and 3 trees), and beside a penalty (the drafts rejected, the roots sampled by vLLM's plain
+    and 3 trees), and beside bad words (the drafts rejected, the roots sampled by vLLM's plain
     sampler): every greedy request's tokens and logprobs, one entry per token, as without
     speculation."""
     base, ours, _ = runs
     K, tree, snaps = tree_run
-    for name in ("ids", "ids_penalty_first", "ids_penalty"):
+    for name in ("ids", "ids_bad_words_first", "ids_bad_words"):
         params = scenario[name][1]
         for label, got in ((f"{name}, K=1", ours), (f"{name}, K={K}", tree)):
             assert_greedy_requests_identical(base[name], got[name], params, label)
@@ -385,9 +395,9 @@ def test_logprobs_of_chosen_token_ids_as_without_speculation(runs, tree_run, sce
     # The walk verified the ids batch: drafts were accepted there, and nobody paused.
     assert snaps["ids"]["accepted_tokens"] > snaps["bias"]["accepted_tokens"], K
     assert snaps["ids"]["sampling_pause_steps"] == 0, K
-    # Beside the penalty there from the start: nobody drafted while it ran, and drafting
+    # Beside the bad words there from the start: nobody drafted while they ran, and drafting
     # resumed after it (the snapshots' counters run on from batch to batch).
-    ids, first, late = snaps["ids"], snaps["ids_penalty_first"], snaps["ids_penalty"]
+    ids, first, late = snaps["ids"], snaps["ids_bad_words_first"], snaps["ids_bad_words"]
     assert first["sampling_pause_steps"] > 0, K
     assert first["accepted_tokens"] > ids["accepted_tokens"], K
     assert late["sampling_pause_steps"] > first["sampling_pause_steps"], K
@@ -407,10 +417,10 @@ def test_seeded_requests_identical_to_no_speculation(runs, tree_run, scenario):
     texts = {tuple(o["tokens"][0]) for o in base["seeded"]}
     assert len(texts) == len(params), "requests repeat each other's text"
     for k, run in ((1, snaps), (K, tree_snaps)):
-        accepted = run["seeded"]["accepted_tokens"] - run["ids_penalty"]["accepted_tokens"]
+        accepted = run["seeded"]["accepted_tokens"] - run["ids_bad_words"]["accepted_tokens"]
         print(f"seeded batch, K = {k}: {accepted} drafted tokens accepted")
         assert accepted >= 10, (k, accepted)
-        assert run["seeded"]["chain_fallback_steps"] == run["ids_penalty"]["chain_fallback_steps"], K
+        assert run["seeded"]["chain_fallback_steps"] == run["ids_bad_words"]["chain_fallback_steps"], K
 
 
 def test_greedy_identical_to_no_speculation(runs, scenario):

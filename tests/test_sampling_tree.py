@@ -17,7 +17,7 @@ one-token minimum draft it is ~240 times per 1200 requests, and the test asks fo
 The chain path (K = 1, through the same walk) is tested the same way with the adaptive draft
 length (SpecDec++) on: drafts of varying length must not bias the samples. So is vLLM's own
 rejection sampler, which verifies the chain (draft + best suffix) in steps whose batch has a
-sampling feature the walk does not apply (a repetition penalty here, in both runs compared).
+sampling feature the walk does not apply (min_tokens here, in both runs compared).
 """
 
 from __future__ import annotations
@@ -152,18 +152,19 @@ def test_chain_sampling_with_adaptive_length_matches_the_target(samples, chain_a
     assert min(p) > ALPHA, p
 
 
-# A penalty the walk does not apply (patches/tree_verify.unsupported_sampling): every step of
-# such a batch goes to vLLM's rejection sampler, on the chain view of the tree. Barely above 1,
-# so that the tokens still repeat enough for drafts to be accepted.
-PENALTY = {"repetition_penalty": 1.01}
+# A feature the walk does not apply (patches/tree_verify.unsupported_sampling): every step of
+# such a batch goes to vLLM's rejection sampler, on the chain view of the tree. min_tokens over
+# the whole output keeps one stop token out of every position, in both runs compared; the
+# others' tokens repeat as before, so drafts are accepted.
+FEATURE = {"min_tokens": POSITIONS, "stop_token_ids": [3]}
 
 
 def test_vllms_rejection_sampler_on_our_chains_matches_the_target(tiny_models):
     """Steps with a sampling feature the walk does not apply send the draft and its best suffix
     as a chain to vLLM's rejection sampler (counted in chain_fallback_steps): its samples must
-    be the target's too, against no speculation with the same penalty."""
-    base, _ = sample(tiny_models["target"], None, (T,), **PENALTY)
-    ours, snap = sample(tiny_models["target"], tree_spec(tiny_models["target"]), (T,), **PENALTY)
+    be the target's too, against no speculation with the same feature."""
+    base, _ = sample(tiny_models["target"], None, (T,), **FEATURE)
+    ours, snap = sample(tiny_models["target"], tree_spec(tiny_models["target"]), (T,), **FEATURE)
     print({k: snap[k] for k in ("chain_fallback_steps", "accepted_tokens", "drafted_tokens", "suffix_accepted")})
     assert snap["chain_fallback_steps"] > 0 and snap["tree_suffix_accepted"] == 0, snap
     assert snap["accepted_tokens"] >= 1000, snap

@@ -174,9 +174,11 @@ def test_batches_vllms_rejection_sampler_gets_wrong_are_named():
 
     ids = batch(logprob_token_ids={0: [5, 6]})
     assert unsupported_sampling(ids) is None and rejection_sampler_fails(ids) == "logprobs of chosen token ids"
-    both = batch(logprob_token_ids={0: [5, 6]}, no_penalties=False)
-    assert unsupported_sampling(both) == "penalties" and rejection_sampler_fails(both)
+    both = batch(logprob_token_ids={0: [5, 6]}, bad_words_token_ids={1: [[7]]})
+    assert unsupported_sampling(both) == "bad_words" and rejection_sampler_fails(both)
     whole = batch(max_num_logprobs=-1)
     assert unsupported_sampling(whole) == rejection_sampler_fails(whole) == "logprobs of the whole vocabulary"
-    top = batch(max_num_logprobs=3, no_penalties=False)
-    assert unsupported_sampling(top) == "penalties" and rejection_sampler_fails(top) is None
+    top = batch(max_num_logprobs=3, bad_words_token_ids={1: [[7]]})
+    assert unsupported_sampling(top) == "bad_words" and rejection_sampler_fails(top) is None
+    # Penalties go through the walk (tree_penalties.py), chosen token ids beside them too.
+    assert unsupported_sampling(batch(logprob_token_ids={0: [5, 6]}, no_penalties=False)) is None

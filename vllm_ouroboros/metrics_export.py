@@ -49,7 +49,7 @@ COUNTERS = {
     "unreadable_prompt_steps": "Request-steps without a draft from the draft model: the prompt came as embeddings "
                                "it cannot read; the pool may have drafted instead",
     "sampling_pause_steps": "Request-steps without any draft: a request in the batch sampled with settings "
-                            "no verifier of drafts applies exactly (e.g. logprob_token_ids beside a penalty); "
+                            "no verifier of drafts applies exactly (e.g. logprob_token_ids beside bad words); "
                             "drafting resumes when it leaves",
     "scheduler_cut_steps": "Request-steps whose draft vLLM's scheduler cut short (max_num_batched_tokens taken)",
     "target_forwards": "Target verification steps that carried an ouroboros draft, per request",

@@ -14,7 +14,7 @@ was drafted, and any other request beside it (up to float rounding between the t
 as for greedy requests). Lossless as the rejection walk is: each emitted token is the target's
 sample after the accepted path, and a child is accepted with its token's probability, the
 chance the rejection walk gives a one-hot draft (accept.py). Only for the walk's steps: a step
-verified by vLLM's rejection sampler (penalties, bad words, ... beside it) draws as that sampler
+verified by vLLM's rejection sampler (bad words, min_tokens, ... beside it) draws as that sampler
 does, and the request's later tokens no longer follow the plain sampler's.
 
 What a draw is (one `randint` on vLLM's CPU sampler, one exponential row of the vocabulary's

@@ -12,7 +12,7 @@ token's logits by these temperatures, greedy requests' included (their temperatu
 1). So a single sampled request in a speculative batch changed every greedy request's tokens and
 drew the sampled ones from a wrong distribution, for vLLM's own methods (draft_model, ngram) as
 for ours wherever vLLM's sampler verifies: our walk verifies every step whose sampling features it
-honours, and hands the rest (penalties, bad words, allowed tokens, ...: tree_verify's
+honours, and hands the rest (bad words, allowed tokens, min_tokens, ...: tree_verify's
 `unsupported_sampling`) to vLLM's sampler (tests/test_e2e_tiny.py, "features").
 
 `apply()` probes the function once on CPU tensors and, only where the result is wrong, replaces

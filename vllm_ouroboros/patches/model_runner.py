@@ -229,6 +229,11 @@ def apply() -> None:
     from vllm.v1.sample.ops import topk_topp_sampler
 
     require(topk_topp_sampler, "apply_top_k_top_p")
+    from vllm.model_executor.layers import utils as layer_utils
+
+    require(layer_utils, "apply_penalties")  # tree_penalties.py: every tree row, as vLLM's Sampler
+    require_params(layer_utils.apply_penalties, "logits", "prompt_tokens_tensor", "output_tokens_tensor",
+                   "presence_penalties", "frequency_penalties", "repetition_penalties")
     patch_method(GPUModelRunner, "_update_states", _update_states)
     patch_method(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_method(GPUModelRunner, "_sample", _sample)

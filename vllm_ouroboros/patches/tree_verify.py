@@ -6,11 +6,12 @@ Per step, for the ouroboros proposer:
                 (tree_attention.py) and build the TokenTree for the acceptance walk.
   sample()      instead of vLLM's rejection sampler: the tree walk (verify.py; chains too), then the
                 KV of an accepted suffix k >= 1 is moved behind the draft (kv_relocate.py). Where the walk
-                cannot honour the batch's sampling features (penalties, bad words, min_tokens,
-                allowed tokens, custom logits processors), the tree is read as the chain draft +
+                cannot honour the batch's sampling features (bad words, min_tokens, allowed
+                tokens, custom logits processors), the tree is read as the chain draft +
                 suffix 0 by vLLM's own rejection sampler: still one forward, still lossless, and
                 the other suffixes still feed the pool. logit_bias and min_p go to every verified
-                row, on either path (bias_min_p.py). Where that sampler would get the batch
+                row, on either path (bias_min_p.py); penalties to every row in the walk
+                (tree_penalties.py), by vLLM's sampler on its path. Where that sampler would get the batch
                 wrong too (logprobs of chosen token ids beside such a feature: it drops them,
                 and beside `logprobs` failed), the step such a request joins rejects its drafts
                 unjudged and samples the roots as without speculation (root_sample), and the
@@ -28,7 +29,7 @@ import torch
 
 from vllm_ouroboros import LOGGER_NAME
 from vllm_ouroboros.host_copy import to_device, to_host
-from vllm_ouroboros.patches import bias_min_p, tree_attention
+from vllm_ouroboros.patches import bias_min_p, tree_attention, tree_penalties
 from vllm_ouroboros.patches._util import require
 from vllm_ouroboros.step_plan import ragged_arange
 from vllm_ouroboros.target_step import StepOutcome, TargetStep, plan_target_step
@@ -177,8 +178,6 @@ def unsupported_sampling(sm, logprobs_mode: str = "raw_logprobs") -> str | None:
         return WHOLE_VOCABULARY_LOGPROBS
     if sm.max_num_logprobs is not None and logprobs_mode not in ("raw_logprobs", "raw_logits"):
         return f"logprobs_mode {logprobs_mode}"
-    if not sm.no_penalties:
-        return "penalties"
     if sm.bad_words_token_ids:
         return "bad_words"
     if sm.allowed_token_ids_mask is not None:
@@ -252,10 +251,17 @@ def sample(runner, original_sample, logits, spec_meta, step: TargetStep):
     # patches/cpu_sampler.py mends for the steps handed to it below; tests/test_sampling_tree.py
     # compares both paths against no speculation.)
     if reason is None:
-        if bias is not None:  # float32, as vLLM's Sampler adds it, in place as it does: a
-            # copy of the step's [rows, vocab] only where the raw rows must give logprobs
-            logits = logits.to(torch.float32, copy=sm.max_num_logprobs is not None)
+        penalized = () if sm.no_penalties else tree_penalties.penalized_requests(runner.input_batch,
+                                                                                 step.tree.B)
+        if bias is not None or len(penalized):  # float32, as vLLM's Sampler processes them, in
+            # place as it does: a copy of the step's [rows, vocab] only where the raw rows must
+            # give logprobs
+            logits = logits.to(torch.float32, copy=sm.max_num_logprobs is not None or bool(sm.logprob_token_ids))
+        if bias is not None:
             bias_min_p.add_bias(logits, bias, step.row_start, step.plan.num_drafts + 1)
+        if len(penalized):  # after the bias, before the argmax and temperature, as vLLM's Sampler
+            tree_penalties.penalize_tree_rows(logits, sm, penalized, step.tree.tokens, step.tree.layout,
+                                              step.row_start, runner.max_num_reqs)
         greedy = process = seeded = None
         if not sm.all_greedy:
             greedy = sm.temperature[:step.tree.B] < bias_min_p.SAMPLING_EPS
@@ -309,7 +315,7 @@ def emitted_choices(target_next: np.ndarray, sampled: np.ndarray, greedy: np.nda
     argmax after the root and after each node (target_next [B, N + 1]), but for greedy rows
     (greedy [B] bool) the tokens the sampler emitted where it emitted one (sampled [B, C], -1
     past them; C <= N + 1, column c after the root (c = 0) or after chain node c - 1). Such a
-    step is the fallback's for penalties, bad words, allowed ids, ...: the raw argmax is not
+    step is the fallback's for bad words, allowed ids, min_tokens, ...: the raw argmax is not
     what the output holds there, and a phrase at odds with accepted text would be inserted (and
     the phrase the output confirms refined away). Sampled rows keep the argmax, as the walk's
     steps give it. Returns a new [B, N + 1] array."""

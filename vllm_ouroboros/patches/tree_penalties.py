@@ -82,15 +82,26 @@ def penalize_tree_rows(logits: torch.Tensor, sm, requests: np.ndarray, tree_toke
     for k, o in enumerate(outputs):  # the requests' own lists, as vLLM's sampler reads them
         done[k, :len(o)] = o
     which = np.repeat(np.arange(len(reqs)), count)
-    rows_t, req_t, path_t, which_t, done_t = to_device(logits.device, rows, req, path, which, done)
+    req_t, path_t, which_t, done_t = to_device(logits.device, req, path, which, done)
     path_tok = (torch.where(path_t >= 0, tree_tokens[req_t[:, None], path_t.clamp(min=0)], V)
                 if path.shape[1] else path_t)
-    step = max(1, max_rows)
-    for lo in range(0, len(rows), step):
-        sl = slice(lo, lo + step)
+    for lo, hi in _chunks(rows, max(1, max_rows)):
+        sl = slice(lo, hi)
         r = req_t[sl]
         out = torch.cat([done_t[which_t[sl]], path_tok[sl]], dim=1)
-        logits[rows_t[sl]] = apply_penalties(  # by name: model_runner.apply checks the names
-            logits=logits[rows_t[sl]], prompt_tokens_tensor=sm.prompt_token_ids[r], output_tokens_tensor=out,
-            presence_penalties=sm.presence_penalties[r], frequency_penalties=sm.frequency_penalties[r],
-            repetition_penalties=sm.repetition_penalties[r])
+        # A chunk's rows are consecutive (_chunks): penalized in place, on a slice (apply_penalties
+        # writes its argument); a gather and scatter of [rows, vocab] cost as much again on a CPU.
+        apply_penalties(  # by name: model_runner.apply checks the names
+            logits=logits[int(rows[lo]):int(rows[lo]) + hi - lo], prompt_tokens_tensor=sm.prompt_token_ids[r],
+            output_tokens_tensor=out, presence_penalties=sm.presence_penalties[r],
+            frequency_penalties=sm.frequency_penalties[r], repetition_penalties=sm.repetition_penalties[r])
+
+
+def _chunks(rows: np.ndarray, max_rows: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of `rows` (ascending logit rows) of at most max_rows entries each, cut
+    where the rows stop being consecutive: each is one slice of the logits."""
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    out = []
+    for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])):
+        out.extend((a, min(a + max_rows, int(hi))) for a in range(int(lo), int(hi), max_rows))
+    return out

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 
-from vllm_ouroboros.patches import tree_verify
 from vllm_ouroboros.patches._util import patch_method, require, require_params
 
 
@@ -84,6 +83,8 @@ def _prepare_inputs(original):
         out = original(self, scheduler_output, num_scheduled_tokens)
         drafter = _drafter(self)
         if drafter is not None:
+            from vllm_ouroboros.patches import tree_verify
+
             self._ouroboros_step = tree_verify.begin_step(self, drafter, scheduler_output, out[1])
         return out
 
@@ -104,8 +105,12 @@ def _sample(original):
         step, self._ouroboros_step = getattr(self, "_ouroboros_step", None), None
         if step is None or spec_decode_metadata is None or logits is None:
             if drafter.drafting_paused and logits is not None:
+                from vllm_ouroboros.patches import tree_verify
+
                 tree_verify.review_drafting_pause(self)
             return original(self, logits, spec_decode_metadata)
+        from vllm_ouroboros.patches import tree_verify
+
         out, outcome = tree_verify.sample(self, original, logits, spec_decode_metadata, step)
         drafter.on_verified(self.input_batch.req_ids, outcome)
         return out
@@ -163,6 +168,8 @@ def _initialize_kv_cache(original):
         result = original(self, kv_cache_config, is_profiling, **kwargs)
         drafter = _drafter(self)
         if drafter is not None and not is_profiling:
+            from vllm_ouroboros.patches import tree_verify
+
             tree_verify.prepare(self, drafter)
         return result
 

@@ -34,6 +34,11 @@ import functools
 
 from vllm_ouroboros.patches._util import patch_method, require, require_params
 
+# tree_verify is imported where it is used, not here: it imports the Triton kernels, whose
+# @triton.jit reads TRITON_INTERPRET at import, and modules that import this one at a test's
+# collection (tests/test_device_clock.py) came before the kernel tests turn the interpreter on
+# (tests/conftest.py set_triton_interpret): 135 kernel tests failed with it imported here.
+
 
 def _drafter(runner):
     d = getattr(runner, "drafter", None)

@@ -410,25 +410,30 @@ def test_idle_saves_write_once_an_interval_and_defer_the_later(tmp_path, monkeyp
         p._saver.join(10)
         return written
 
+    def idle_within_the_interval():  # whatever the machine's load: an idle save was just begun
+        p._saver._last_idle_save = time.monotonic()
+        p.on_idle()
+
     change(p, 3)
     p.on_idle()
     assert settled(1) == [3]
     change(p, 2)
-    p.on_idle()  # within the interval: deferred
+    idle_within_the_interval()  # deferred
     p._saver.join(10)
     assert written == [3] and p._saver._idle_timer is not None
     assert settled(2) == [3, 5] and p._saver._holds_current()
 
     change(p, 1)
-    p.on_idle()  # deferred again
+    idle_within_the_interval()  # deferred again
     change(p, 1)  # the engine serves before it is due
     time.sleep(0.8)
     assert settled(3, timeout=0) == [3, 5], "a pool the engine went on changing was written as idle"
-    p.on_idle()  # the interval is over: at once
+    p._saver._last_idle_save -= 1.0  # the interval is over: at once
+    p.on_idle()
     assert settled(3) == [3, 5, 7]
 
     change(p, 1)
-    p.on_idle()
+    idle_within_the_interval()
     held = threading.Event()
 
     def hold_the_pool():  # a save on request, say, when the idle save is due
@@ -443,7 +448,7 @@ def test_idle_saves_write_once_an_interval_and_defer_the_later(tmp_path, monkeyp
     holder.join(10)
 
     change(p, 1)
-    p.on_idle()
+    idle_within_the_interval()
     p._saver.close()  # a second load_model replaced it: its file is the new saver's
     time.sleep(0.8)
     assert settled(5, timeout=0) == [3, 5, 7, 8], "a replaced saver's deferred save wrote its old pool"
@@ -464,7 +469,8 @@ def test_a_deferred_idle_save_copies_on_the_pools_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append((threading.current_thread().name, d)))
     monkeypatch.setattr(saver.pool, "device", torch.device("cuda", 1))
     version[0] += 1
-    saver.save_when_idle()  # within the interval: deferred
+    saver._last_idle_save = time.monotonic()  # within the interval: deferred
+    saver.save_when_idle()
     timer = saver._idle_timer
     timer.join(10)
     saver.join(10)

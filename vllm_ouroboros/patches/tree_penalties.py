@@ -39,16 +39,16 @@ def penalized_requests(input_batch, B: int) -> np.ndarray:
 
 
 def path_nodes(lay: TreeLayout) -> np.ndarray:
-    """The nodes on each node's path from the root, in order: [B, N, max depth] int64, node i's
-    first depth[i] entries (its ancestors, then i), -1 after them and for padding nodes. A
-    path is draft nodes 0..n-1, then its suffix's nodes from the suffix's start."""
+    """The nodes on each node's path from the root, in order: [B, N, D + L] int64, node i's
+    first depth[i] entries (its ancestors, then i), -1 after them and for padding nodes: the
+    start of its suffix's path (TreeLayout.paths; a draft node's, any path's: all begin with
+    the draft)."""
     B, N = lay.valid.shape
+    W = lay.D + lay.L
+    paths = lay.paths if lay.K else np.broadcast_to(np.arange(W, dtype=np.int64), (B, 1, W))  # draft only
     depth = np.where(lay.valid, lay.depth, 0)
-    M = max(int(depth.max(initial=0)), 1)
-    t = np.arange(M, dtype=np.int64)[None, None, :]
-    n = lay.n[:, None, None]
-    start = lay.sstart[np.arange(B)[:, None], lay.k][:, :, None]  # [B, N, 1]: node i's suffix's
-    return np.where(t < depth[:, :, None], np.where(t < n, t, start + t - n), -1)
+    mine = paths[np.arange(B)[:, None], lay.k]  # [B, N, W]
+    return np.where(np.arange(W)[None, None, :] < depth[:, :, None], mine, -1)
 
 
 def penalize_tree_rows(logits: torch.Tensor, sm, requests: np.ndarray, tree_tokens: torch.Tensor,
